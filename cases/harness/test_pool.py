@@ -1,0 +1,101 @@
+"""The launcher's promises: reuse, isolation after failure, no hangs, no orphans.
+
+Each failure test would catch a specific launcher bug: a pool reused after a crash (the next case
+would see a half-dead process group), a parent that waits on a blocked peer forever, a kill that
+misses grandchildren, a traceback that loses the rank number.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness.pool import CaseTimeout, RankDied, RankFailed, marked_processes
+from harness.scenarios import pipeline_case
+
+pytestmark = pytest.mark.pipeline
+
+
+def _wait_gone(pids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if p in set(marked_processes())]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+def _pool_pids(manager, ws):
+    pool = manager.pools.get((ws, False))
+    return pool.pids() if pool else []
+
+
+def test_pool_is_reused_across_cases(pool_manager):
+    a = pool_manager.run(pipeline_case(1, world_size=2, steps=1))
+    pids = _pool_pids(pool_manager, 2)
+    b = pool_manager.run(pipeline_case(2, world_size=2, steps=1, seed=1))
+    assert _pool_pids(pool_manager, 2) == pids, "a healthy pool must be reused, not restarted"
+    assert a.result is not None and b.result is not None
+    assert len(a.result.steps) == 1 and len(b.result.steps) == 1
+
+
+def test_raising_rank_names_itself_and_pool_recovers(pool_manager):
+    pool_manager.run(pipeline_case(1, world_size=2, steps=1))  # make sure a pool is up
+    old = _pool_pids(pool_manager, 2)
+    before = set(marked_processes())
+    with pytest.raises(RankFailed) as err:
+        pool_manager.run(pipeline_case(1, world_size=2, steps=1).replace(fault="raise:1"))
+    assert err.value.rank == 1
+    assert "injected fault on rank 1" in str(err.value)
+    assert "Traceback" in str(err.value)
+    # The peer (rank 0) was inside deepspeed.initialize's collectives; it must be gone too.
+    assert _wait_gone(old) == []
+    assert set(marked_processes()) <= before - set(old)
+    after = pool_manager.run(pipeline_case(1, world_size=2, steps=1))
+    assert after.result is not None and len(after.result.steps) == 1
+    assert set(_pool_pids(pool_manager, 2)).isdisjoint(old), "the broken pool must have been replaced"
+
+
+def test_dying_rank_is_reported_with_exit_code(pool_manager):
+    with pytest.raises(RankDied) as err:
+        pool_manager.run(pipeline_case(1, world_size=2, steps=1).replace(fault="exit:0"))
+    assert err.value.rank == 0 and err.value.exitcode == 17
+    assert pool_manager.run(pipeline_case(1, world_size=2, steps=1)).result is not None
+
+
+def test_hung_rank_times_out_with_stacks_and_leaves_nothing(pool_manager):
+    before = set(marked_processes())
+    case = pipeline_case(1, world_size=2, steps=1).replace(fault="spawn-child:0", timeout_s=8.0)
+    t0 = time.monotonic()
+    with pytest.raises(CaseTimeout) as err:
+        pool_manager.run(case)
+    assert time.monotonic() - t0 < 8.0 + 30.0, "the timeout must bound the case"
+    stacks = err.value.stacks
+    assert set(stacks) == {0, 1}
+    assert "_apply_fault" in stacks[0], stacks[0]
+    # Rank 1 is blocked in DeepSpeed's start-up collectives waiting for rank 0: its stack shows it.
+    assert "Thread" in stacks[1] or "File" in stacks[1]
+    # The grandchild rank 0 started carries the pool marker; a session kill must reap it too.
+    leftover = set(_wait_gone(set(marked_processes()) - before))
+    assert not leftover, f"processes left behind: {leftover}"
+    assert pool_manager.run(pipeline_case(1, world_size=2, steps=1)).result is not None
+
+
+def test_world_sizes_one_to_four(pool_manager):
+    for ws in (1, 3, 4):
+        out = pool_manager.run(pipeline_case(2, world_size=ws, steps=1))
+        assert len(out.result.steps) == 1
+        assert len(out.rank_seconds) == ws
+
+
+def test_no_orphans_after_close(tmp_path):
+    from harness.pool import PoolManager
+
+    manager = PoolManager(root=tmp_path)
+    manager.run(pipeline_case(1, world_size=2, steps=1))
+    pids = _pool_pids(manager, 2)
+    assert pids and all(p in set(marked_processes()) for p in pids)
+    manager.close()
+    assert _wait_gone(pids) == []
+    assert not list(tmp_path.iterdir()), "pool folders must be removed"

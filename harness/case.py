@@ -1,0 +1,189 @@
+"""A case is plain, frozen, picklable data so that Hypothesis can draw it in the parent process and
+the pool can ship it to ranks; nothing in it refers to a live object.
+
+The DeepSpeed config travels as canonical JSON text (a frozen dataclass cannot hold a dict), which is
+also exactly what a user hands to ``python -m harness check``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+DTYPES = ("fp32", "fp16", "bf16")
+OFFLOADS = ("none", "cpu", "nvme")
+SWAPPERS = ("partitioned", "pipelined")
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One trainable tensor of the synthetic model.
+
+    ``shape`` with two or more dims is tagged Muon by DeepSpeed (unless the name holds "embed" or
+    "lm_head"); a 1-D shape goes to the auxiliary Adam.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    num_heads: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """Poison one rank's gradient with ``value`` at (optimizer step, micro-step) to force a skip."""
+
+    step: int
+    rank: int = 0
+    micro: int = 0
+    value: float = float("inf")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    params: tuple[ParamShape, ...]
+    ds_config: str  # canonical JSON text of the DeepSpeed config, as DeepSpeed would receive it
+    world_size: int = 1
+    steps: int = 3
+    seed: int = 0
+    batch: int = 8  # rows of synthetic data per rank and micro-batch
+    # Harness-side switches; none of them changes DeepSpeed's config.
+    ns_dtype: str | None = None  # "float64": force Newton-Schulz compute dtype (high-precision-NS mode)
+    compiled: bool = False  # run muon_update under torch.compile, as users do
+    overflows: tuple[Overflow, ...] = ()
+    checkpoint_at: int | None = None  # save after this step, reload into a fresh engine, continue
+    patched: bool = False  # run with harness.patched_runtime applied
+    mutant: str | None = None  # name of a known-bug mutant to install (harness.known_bugs)
+    timeout_s: float = 300.0
+    fault: str | None = None  # test-only: "raise:R", "exit:R", "hang:R", "spawn-child:R" (harness.pool)
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.ds_config)
+
+    @property
+    def stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def dtype(self) -> str:
+        cfg = self.config
+        if cfg.get("fp16", {}).get("enabled"):
+            return "fp16"
+        if cfg.get("bf16", {}).get("enabled"):
+            return "bf16"
+        return "fp32"
+
+    @property
+    def offload(self) -> str:
+        dev = self.config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        return dev or "none"
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.config.get("gradient_accumulation_steps", 1))
+
+    def replace(self, **changes) -> "Case":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["ds_config"] = json.loads(self.ds_config)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        d = json.loads(text)
+        d["params"] = tuple(ParamShape(p["name"], tuple(p["shape"]), p.get("num_heads")) for p in d["params"])
+        d["overflows"] = tuple(Overflow(**o) for o in d.get("overflows", ()))
+        d["ds_config"] = canonical_json(d["ds_config"])
+        return cls(**d)
+
+
+def canonical_json(cfg: dict | str) -> str:
+    if isinstance(cfg, str):
+        cfg = json.loads(cfg)
+    return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+
+
+NVME_PATH_PLACEHOLDER = "@NVME@"  # replaced on the rank by the case's private swap folder
+
+
+def ds_config(
+    *,
+    stage: int,
+    dtype: str = "fp32",
+    offload: str = "none",
+    swapper: str = "partitioned",
+    grad_accum: int = 1,
+    micro_batch: int = 1,
+    world_size: int = 1,
+    clip: float = 0.0,
+    lr: float = 0.02,
+    adam_lr: float = 1e-3,
+    momentum: float = 0.95,
+    weight_decay: float = 0.0,
+    ns_method: str = "gram",
+    initial_scale_power: int = 8,
+    loss_scale_window: int = 1000,
+    hysteresis: int = 2,
+    save_muon_momentum_buffer_in_memory: bool = False,
+    sub_group_size: int | None = None,
+    extra_zero: dict | None = None,
+) -> str:
+    """Build the DeepSpeed JSON for one pipeline; keeps the matrix of cases readable."""
+    if dtype not in DTYPES or offload not in OFFLOADS or swapper not in SWAPPERS:
+        raise ValueError(f"bad pipeline: dtype={dtype} offload={offload} swapper={swapper}")
+    zero: dict = {"stage": stage}
+    if stage == 3:
+        zero["reduce_scatter"] = False  # ZeRO-3 + Muon refuses reduce_scatter (stage3.py:360)
+        if save_muon_momentum_buffer_in_memory:
+            zero["save_muon_momentum_buffer_in_memory"] = True
+        if sub_group_size is not None:
+            zero["sub_group_size"] = sub_group_size
+    if offload != "none":
+        off: dict = {"device": offload}
+        if offload == "nvme":
+            off["nvme_path"] = NVME_PATH_PLACEHOLDER
+            if swapper == "pipelined":
+                off["pipeline_read"] = True
+                off["pipeline_write"] = True
+        zero["offload_optimizer"] = off
+    if extra_zero:
+        zero.update(extra_zero)
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "optimizer": {
+            "type": "Muon",
+            "params": {
+                "lr": lr,
+                "muon_lr": lr,
+                "adam_lr": adam_lr,
+                "momentum": momentum,
+                "weight_decay": weight_decay,
+                "ns_method": ns_method,
+            },
+        },
+        "zero_optimization": zero,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if offload == "nvme":
+        cfg["aio"] = {"block_size": 131072, "queue_depth": 8, "intra_op_parallelism": 1,
+                      "single_submit": False, "overlap_events": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": initial_scale_power,
+                       "loss_scale_window": loss_scale_window, "hysteresis": hysteresis, "min_loss_scale": 1}
+    elif dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return canonical_json(cfg)

@@ -1,0 +1,113 @@
+"""Element-wise comparison of a captured quantity against the oracle, in the spirit of
+``torch.testing.assert_close``: the message says which tensor, which step, which element, in
+which rank's partition and which region (interior, partition boundary, padded tail), how far off it
+was, what was allowed, and how to rerun exactly this case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+# (param name, flat index within the param) -> (rank, region)
+Locator = Callable[[str, int], tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class Allowed:
+    atol: float
+    rtol: float
+    why: str = ""
+
+    def bound(self, expected: np.ndarray) -> np.ndarray:
+        return self.atol + self.rtol * np.abs(expected)
+
+
+@dataclass
+class Check:
+    """One quantity of one parameter at one step, compared."""
+
+    case: str
+    param: str
+    quantity: str
+    step: int
+    worst_ratio: float  # max over elements of |actual - expected| / allowance; <= 1 passes
+    worst_index: int  # flat index of that element
+    worst_error: float
+    worst_allowance: float
+    actual: float
+    expected: float
+    n_bad: int
+    numel: int
+    rank: int | None = None
+    region: str | None = None
+    region_counts: dict[str, int] = field(default_factory=dict)  # bad elements per region
+    error_map: np.ndarray | None = None  # |err|/allowance per element (kept for the report)
+
+    @property
+    def passed(self) -> bool:
+        return self.n_bad == 0
+
+
+def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expected, allowed: Allowed,
+                   locate: Locator | None = None, keep_map: bool = True) -> Check:
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    if a.shape != e.shape:
+        raise ValueError(f"{case}: {param}.{quantity} step {step}: shape {a.shape} vs oracle {e.shape}")
+    bound = allowed.bound(e)
+    err = np.abs(a - e)
+    # A non-finite value where the oracle is finite (or vice versa) is infinitely wrong.
+    both_nonfinite_equal = ~np.isfinite(a) & ~np.isfinite(e) & (np.isnan(a) == np.isnan(e)) & (
+        np.nan_to_num(a) == np.nan_to_num(e))
+    err = np.where(both_nonfinite_equal, 0.0, err)
+    err = np.where(np.isnan(err), np.inf, err)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(bound > 0, err / bound, np.where(err > 0, np.inf, 0.0))
+    bad = ratio > 1.0
+    worst = int(np.argmax(ratio)) if ratio.size else 0
+    rank = region = None
+    counts: dict[str, int] = {}
+    if locate is not None and ratio.size:
+        rank, region = locate(param, worst)
+        for idx in np.flatnonzero(bad)[:100000]:
+            _, reg = locate(param, int(idx))
+            counts[reg] = counts.get(reg, 0) + 1
+    return Check(case=case, param=param, quantity=quantity, step=step,
+                 worst_ratio=float(ratio[worst]) if ratio.size else 0.0, worst_index=worst,
+                 worst_error=float(err[worst]) if ratio.size else 0.0,
+                 worst_allowance=float(bound[worst]) if ratio.size else 0.0,
+                 actual=float(a[worst]) if ratio.size else 0.0, expected=float(e[worst]) if ratio.size else 0.0,
+                 n_bad=int(bad.sum()), numel=int(a.size), rank=rank, region=region, region_counts=counts,
+                 error_map=ratio.astype(np.float32) if keep_map else None)
+
+
+def compare_scalar(case: str, name: str, step: int, actual: float, expected: float, allowed: Allowed) -> Check:
+    return compare_arrays(case, "<step>", name, step, [actual], [expected], allowed, keep_map=False)
+
+
+def first_divergence(checks: list[Check]) -> Check | None:
+    """The earliest failing check: later ones are usually consequences of it."""
+    failing = [c for c in checks if not c.passed]
+    if not failing:
+        return None
+    return min(failing, key=lambda c: (c.step, -c.worst_ratio))
+
+
+def describe(check: Check, reproduce: str, first: Check | None = None) -> str:
+    where = ""
+    if check.rank is not None:
+        where = f", rank {check.rank} partition, {check.region}"
+    lines = [
+        f"{check.case}: {check.param} {check.quantity} diverged at step {check.step} "
+        f"(element {check.worst_index}{where})",
+        f"  actual {check.actual:.9g}, oracle {check.expected:.9g}: error {check.worst_error:.3g} "
+        f"> allowed {check.worst_allowance:.3g} ({check.worst_ratio:.3g}x)",
+        f"  {check.n_bad} of {check.numel} elements out of tolerance"
+        + (f"; by region: {check.region_counts}" if check.region_counts else ""),
+    ]
+    if first is not None and (first.step, first.param, first.quantity) != (check.step, check.param, check.quantity):
+        lines.append(f"  first divergence: {first.param} {first.quantity} at step {first.step}")
+    lines.append(f"  reproduce: {reproduce}")
+    return "\n".join(lines)

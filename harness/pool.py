@@ -1,0 +1,407 @@
+"""A pool of CPU ranks kept alive across cases, so a case costs a DeepSpeed engine rather than a
+process start, an import of torch and DeepSpeed, and a process-group rendezvous.
+
+Why it looks the way it does:
+* ``file://`` rendezvous in a private folder: no ports, so pools in different pytest-xdist workers
+  never collide. MASTER_PORT is still set (DeepSpeed's shm comm op names its shared memory after
+  it) to a value unique to the pool; nothing listens on it.
+* Every rank is the leader of its own session, started with a parent-death signal, and marked with
+  ``MUON_HARNESS_POOL`` in its environment: killing the session takes its children (JIT builds,
+  helpers) with it, a dying parent takes the ranks with it, and a test can prove from /proc that
+  nothing is left behind.
+* The parent, not the ranks, decides the outcome of a case. A rank that raises reports its
+  traceback and the parent tears the whole pool down, because its peers may be blocked in a
+  collective that will never complete. A case that outlives its timeout gets every rank's Python
+  stack dumped through faulthandler (SIGUSR1) before the ranks are killed.
+* After any failure the pool is discarded; the next case gets a fresh one.
+"""
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from harness import buildenv
+from harness.case import Case
+
+POOL_MARKER = "MUON_HARNESS_POOL"
+STARTUP_TIMEOUT_S = float(os.environ.get("MUON_HARNESS_STARTUP_TIMEOUT", "600"))
+STACK_DUMP_GRACE_S = 3.0
+DEFAULT_ENTRY = "harness.ds_run:run_case_on_rank"
+
+
+class CaseFailure(Exception):
+    """A case did not produce a result; carries what a user needs to see why."""
+
+    def __init__(self, case_name: str, message: str, details: str = ""):
+        self.case_name = case_name
+        self.details = details
+        super().__init__(f"case {case_name!r}: {message}" + (f"\n{details}" if details else ""))
+
+
+class RankFailed(CaseFailure):
+    def __init__(self, case_name: str, rank: int, tb: str):
+        self.rank = rank
+        super().__init__(case_name, f"rank {rank} raised", tb)
+
+
+class RankDied(CaseFailure):
+    def __init__(self, case_name: str, rank: int, exitcode, log_tail: str):
+        self.rank = rank
+        self.exitcode = exitcode
+        super().__init__(case_name, f"rank {rank} died with exit code {exitcode}", log_tail)
+
+
+class CaseTimeout(CaseFailure):
+    def __init__(self, case_name: str, timeout_s: float, stacks: dict[int, str]):
+        self.stacks = stacks
+        body = "\n".join(f"--- rank {r} stack ---\n{s or '(no stack dumped)'}" for r, s in sorted(stacks.items()))
+        super().__init__(case_name, f"timed out after {timeout_s:.0f}s; ranks killed", body)
+
+
+@dataclass
+class CaseOutcome:
+    result: object  # rank 0's return value (a Trajectory for real cases)
+    seconds: float  # wall time seen by the parent, shipping included
+    rank_seconds: list[float]  # time inside the case function, per rank
+
+
+# --------------------------------------------------------------------------------------------------
+# rank side
+
+
+def _set_parent_death_signal() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _redirect_output(log_path: Path) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _apply_fault(case: Case, rank: int) -> None:
+    """Test-only fault injection (``Case.fault``): lets the suite prove crash and hang handling."""
+    if not case.fault:
+        return
+    kind, _, which = case.fault.partition(":")
+    if which and int(which) != rank:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank}")
+    if kind == "exit":
+        os._exit(17)
+    if kind == "hang":
+        while True:
+            time.sleep(1)
+    if kind == "spawn-child":
+        # A grandchild that would outlive a careless kill; the session kill must take it.
+        import subprocess
+
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        while True:
+            time.sleep(1)
+    raise ValueError(f"unknown fault {case.fault!r}")
+
+
+def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env: dict) -> None:
+    os.setsid()
+    _set_parent_death_signal()
+    os.environ.update(env)
+    pool = Path(pool_dir)
+    _redirect_output(pool / f"rank{rank}.log")
+    stack_file = open(pool / f"rank{rank}.stack", "w")
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        from harness import runtime_state
+
+        runtime_state.install_process_caches()
+        dist.init_process_group("gloo", init_method=f"file://{pool / 'rendezvous'}", rank=rank,
+                                world_size=world_size)
+        import importlib
+
+        importlib.import_module("harness.ds_run")  # imports deepspeed once per rank
+
+        conn.send(("ready", os.getpid()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg[0] == "stop":
+            return
+        _, case, workdir, entry = msg
+        t0 = time.perf_counter()
+        try:
+            _apply_fault(case, rank)
+            module_name, _, func_name = entry.partition(":")
+            func = getattr(importlib.import_module(module_name), func_name)
+            result = func(case, rank, world_size, Path(workdir))
+            conn.send(("done", result if rank == 0 else None, time.perf_counter() - t0))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            return  # a failed rank never runs another case: its process state is suspect
+
+
+# --------------------------------------------------------------------------------------------------
+# parent side
+
+
+class RankPool:
+    def __init__(self, world_size: int, *, compiled: bool = False, root: Path | None = None):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.compiled = compiled
+        self.uid = uuid.uuid4().hex[:12]
+        base = root or Path(tempfile.gettempdir())
+        base.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"muon-pool-ws{world_size}-", dir=base))
+        self.cases_run = 0
+        self.broken = False
+        env = buildenv.base_env()
+        env.update({
+            POOL_MARKER: self.uid,
+            "MASTER_ADDR": "127.0.0.1",
+            # Never listened on (the rendezvous is file://); unique so shm names never collide.
+            "MASTER_PORT": str(20000 + int(self.uid[:6], 16) % 40000),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        })
+        if compiled:
+            env["TORCHDYNAMO_DISABLE"] = "0"
+        self.env = env
+        ctx = mp.get_context("spawn")
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        try:
+            for r in range(world_size):
+                parent_end, child_end = ctx.Pipe()
+                env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+                p = ctx.Process(target=_rank_main, args=(r, world_size, str(self.dir), child_end, env_r),
+                                name=f"muon-rank{r}", daemon=True)
+                p.start()
+                child_end.close()
+                self.procs.append(p)
+                self.conns.append(parent_end)
+            self._await_ready()
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def _await_ready(self) -> None:
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while pending:
+            msgs = self._collect(pending, deadline, case_name="<pool start-up>")
+            for r, msg in msgs.items():
+                if msg[0] == "error":
+                    raise RankFailed("<pool start-up>", r, msg[1])
+                pending.discard(r)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for c in self.conns:
+                try:
+                    c.send(("stop",))
+                except (OSError, BrokenPipeError):
+                    kill = True
+            for p in self.procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    kill = True
+        if kill:
+            for p in self.procs:
+                if p.pid is None:
+                    continue
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the rank is its session's leader
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for p in self.procs:
+                p.join(timeout=10)
+        for c in self.conns:
+            c.close()
+        self.broken = True
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- running a case ----------------------------------------------------------------------------
+    def _collect(self, pending: set[int], deadline: float, case_name: str) -> dict[int, tuple]:
+        """Wait for the next message(s) from ``pending`` ranks; raise on death or timeout."""
+        conn_rank = {self.conns[r]: r for r in pending}
+        sentinel_rank = {self.procs[r].sentinel: r for r in pending}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        ready = wait(list(conn_rank) + list(sentinel_rank), timeout=remaining)
+        if not ready:
+            raise TimeoutError
+        msgs = {}
+        for obj in ready:
+            if obj in conn_rank:
+                r = conn_rank[obj]
+                try:
+                    msgs[r] = obj.recv()
+                except EOFError:
+                    pass
+        for obj in ready:
+            if obj in sentinel_rank and sentinel_rank[obj] not in msgs:
+                r = sentinel_rank[obj]
+                self.procs[r].join(timeout=1)
+                raise RankDied(case_name, r, self.procs[r].exitcode, self.log_tail(r))
+        return msgs
+
+    def log_tail(self, rank: int, chars: int = 4000) -> str:
+        try:
+            text = (self.dir / f"rank{rank}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return text[-chars:]
+
+    def _dump_stacks(self) -> dict[int, str]:
+        for p in self.procs:
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(STACK_DUMP_GRACE_S)
+        stacks = {}
+        for r in range(self.world_size):
+            try:
+                stacks[r] = (self.dir / f"rank{r}.stack").read_text(errors="replace")
+            except FileNotFoundError:
+                stacks[r] = ""
+        return stacks
+
+    def run(self, case: Case, entry: str = DEFAULT_ENTRY) -> CaseOutcome:
+        """Run ``entry(case, rank, world_size, workdir)`` on every rank; rank 0's value is the result."""
+        if self.broken:
+            raise RuntimeError("this pool was discarded after a failure; get a fresh one")
+        if case.world_size != self.world_size:
+            raise ValueError(f"case {case.name!r} needs {case.world_size} ranks, pool has {self.world_size}")
+        workdir = Path(tempfile.mkdtemp(prefix="case-", dir=self.dir))
+        t0 = time.perf_counter()
+        try:
+            for c in self.conns:
+                c.send(("run", case, str(workdir), entry))
+            pending = set(range(self.world_size))
+            results: dict[int, tuple] = {}
+            deadline = time.monotonic() + case.timeout_s
+            while pending:
+                try:
+                    msgs = self._collect(pending, deadline, case.name)
+                except TimeoutError:
+                    stacks = self._dump_stacks()
+                    self.close(kill=True)
+                    raise CaseTimeout(case.name, case.timeout_s, stacks) from None
+                for r, msg in msgs.items():
+                    if msg[0] == "error":
+                        self.close(kill=True)
+                        raise RankFailed(case.name, r, msg[1])
+                    results[r] = msg
+                    pending.discard(r)
+            self.cases_run += 1
+            return CaseOutcome(result=results[0][1], seconds=time.perf_counter() - t0,
+                               rank_seconds=[results[r][2] for r in range(self.world_size)])
+        except CaseFailure:
+            self.close(kill=True)
+            raise
+        except BaseException:
+            self.close(kill=True)
+            raise
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# the per-process registry the pytest fixture and the CLI use
+
+
+class PoolManager:
+    """Keeps one live pool per (world size, compiled) in this process; replaces broken ones.
+
+    Compiled pools are never reused: dynamo's recompile limit in a long-lived process silently
+    changes the code path after a few configs, so a compiled case always gets fresh ranks.
+    """
+
+    def __init__(self, root: Path | None = None):
+        self.root = root
+        self.pools: dict[tuple[int, bool], RankPool] = {}
+
+    def run(self, case: Case, entry: str = DEFAULT_ENTRY) -> CaseOutcome:
+        key = (case.world_size, case.compiled)
+        pool = self.pools.get(key)
+        if pool is None or pool.broken:
+            pool = self.pools[key] = RankPool(case.world_size, compiled=case.compiled, root=self.root)
+        try:
+            return pool.run(case, entry)
+        finally:
+            if pool.broken or case.compiled:
+                if not pool.broken:
+                    pool.close()
+                self.pools.pop(key, None)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            if not pool.broken:
+                pool.close()
+        self.pools.clear()
+
+
+def marked_processes(marker: str | None = None) -> list[int]:
+    """PIDs whose environment carries the pool marker (any pool, or one pool's uid)."""
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+        for kv in env:
+            if kv.startswith(POOL_MARKER.encode() + b"="):
+                if marker is None or kv.split(b"=", 1)[1].decode() == marker:
+                    # Zombies keep their environ readable only until reaped; skip them.
+                    try:
+                        with open(f"/proc/{entry}/stat") as f:
+                            state = f.read().rsplit(")", 1)[1].split()[0]
+                    except (FileNotFoundError, ProcessLookupError):
+                        break
+                    if state != "Z":
+                        found.append(int(entry))
+                break
+    return found

@@ -1,0 +1,45 @@
+"""Named, reusable case builders shared by the tests, the benchmark and the CLI.
+
+The default model is deliberately awkward for ZeRO: a Muon matrix whose element count is odd (so a
+world size of 2 pads the final partition), one with a prime count that straddles a partition
+boundary, and Adam-side vectors next to them.
+"""
+from __future__ import annotations
+
+from harness.case import Case, ParamShape, ds_config
+
+TINY_PARAMS = (
+    ParamShape("layer0.weight", (6, 5)),  # 30 elements
+    ParamShape("layer0.bias", (6,)),
+    ParamShape("layer1.weight", (7, 3)),  # 21: odd, so ZeRO pads it at W=2 and W=4
+    ParamShape("layer1.bias", (7,)),
+)
+
+# A Muon matrix of exactly 1 MiB in fp32: DeepSpeed only swaps a sub-group of >= MIN_AIO_BYTES
+# (1 MiB) to NVMe, so anything smaller silently stays in memory.
+NVME_PARAMS = TINY_PARAMS + (ParamShape("big.weight", (512, 512)),)
+
+
+def pipeline_name(stage: int, offload: str, dtype: str, world_size: int, swapper: str = "partitioned", **extra) -> str:
+    parts = [f"z{stage}", offload if offload != "nvme" else f"nvme-{swapper}", dtype, f"ws{world_size}"]
+    parts += [f"{k}{v}" for k, v in sorted(extra.items())]
+    return "-".join(parts)
+
+
+def pipeline_case(stage: int, offload: str = "none", dtype: str = "fp32", world_size: int = 1, *,
+                  steps: int = 2, seed: int = 0, swapper: str = "partitioned", params=None, **cfg) -> Case:
+    if params is None:
+        params = NVME_PARAMS if offload == "nvme" else TINY_PARAMS
+    name = pipeline_name(stage, offload, dtype, world_size, swapper if offload == "nvme" else "partitioned",
+                         **{k: v for k, v in cfg.items() if k in ("grad_accum", "clip", "ns_method")})
+    if stage == 3 and offload == "nvme":
+        # One sub-group per big tensor is enough to cross MIN_AIO_BYTES; keep the rest small.
+        cfg.setdefault("sub_group_size", 300_000)
+    return Case(
+        name=name,
+        params=tuple(params),
+        ds_config=ds_config(stage=stage, dtype=dtype, offload=offload, swapper=swapper, world_size=world_size, **cfg),
+        world_size=world_size,
+        steps=steps,
+        seed=seed,
+    )

@@ -1,0 +1,73 @@
+"""The result of a case: per optimizer step, the full (unpartitioned) values gathered out of
+DeepSpeed's partitioned state, as plain numpy data so it pickles across ranks and saves to .npz.
+
+Raw values are kept in the units DeepSpeed stores them in; ``grad_scale``/``momentum_scale`` say
+which loss scale they carry, so that the comparison (not the capture) decides what a unit bug is.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ParamStep:
+    master: np.ndarray  # fp32 master weights after the step, full shape
+    model: np.ndarray  # low-precision model weights after the step (as float64 of their values)
+    grad: np.ndarray | None  # what entered the optimizer: Muon's input (averaged, accumulated) or Adam's grad
+    grad_scale: float = 1.0  # loss scale that ``grad`` still carries
+    momentum: np.ndarray | None = None  # Muon momentum after the step (None for Adam params)
+    momentum_scale: float = 1.0
+    momentum_dtype: str | None = None
+    update: np.ndarray | None = None  # Muon's orthogonalized update as muon_update returned it
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss_scale: float  # scale used in this step's backward
+    loss_scale_after: float
+    skipped: bool
+    global_norm: float | None  # engine.get_global_grad_norm() as DeepSpeed reports it
+    muon_calls: int  # muon_update applications in this optimizer step, all ranks summed
+    params: dict[str, ParamStep] = field(default_factory=dict)
+    swap_bytes_written: int = 0
+    swap_bytes_read: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:
+    case_name: str
+    initial: dict[str, np.ndarray]  # master weights before step 1
+    steps: list[StepRecord] = field(default_factory=list)
+    muon_params: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(s.swap_bytes_written + s.swap_bytes_read for s in self.steps)
+
+    def array_items(self):
+        """(key, array) for every array in the trajectory: the .npz layout."""
+        for name, arr in self.initial.items():
+            yield f"initial/{name}", arr
+        for s in self.steps:
+            for pname, ps in s.params.items():
+                for q in ("master", "model", "grad", "momentum", "update"):
+                    a = getattr(ps, q)
+                    if a is not None:
+                        yield f"step{s.step}/{pname}/{q}", a
+
+    def fingerprint(self) -> bytes:
+        """Bit-exact digest input: determinism tests compare these."""
+        buf = io.BytesIO()
+        for key, arr in self.array_items():
+            buf.write(key.encode())
+            buf.write(np.ascontiguousarray(arr).tobytes())
+        for s in self.steps:
+            buf.write(json.dumps([s.loss_scale, s.loss_scale_after, s.skipped, s.global_norm, s.muon_calls]).encode())
+        return buf.getvalue()

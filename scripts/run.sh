@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The project's only entry point for set-up. Idempotent: every step checks before it works.
+#   bash scripts/run.sh main   install everything, then run the full gate and write reports/gate.html
+#   bash scripts/run.sh test   install everything, then run the test suite (what .ci/run does)
+# Extra arguments after the subcommand go to the harness CLI (main) or to pytest (test).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-}"; shift || true
+
+need_apt=()
+dpkg -s libaio-dev >/dev/null 2>&1 || need_apt+=(libaio-dev)      # DeepSpeed's async_io op (NVMe offload)
+command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)        # the report's browser test
+if ((${#need_apt[@]})); then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  # torch==2.13.0 resolves to the CPU wheel on this machine's disk; a range would pull a CUDA build.
+  .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+  .venv/bin/pip install -q --disable-pip-version-check -e .
+  touch "$stamp"
+fi
+
+# Op builds and the torch.compile cache, once, outside any test timeout.
+.venv/bin/python -m harness.warmup
+
+case "$what" in
+  main) exec .venv/bin/python -m harness gate --report reports/gate.html "$@" ;;
+  test) exec .venv/bin/python -m pytest -n 2 "$@" ;;
+  *) echo "usage: bash scripts/run.sh main|test [args]" >&2; exit 2 ;;
+esac
