@@ -17,6 +17,7 @@ Why it looks the way it does:
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -24,6 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -156,7 +158,10 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
         except EOFError:
             return
         if msg[0] == "stop":
-            return
+            # Skip interpreter teardown: gloo and DeepSpeed destructors can take seconds or block.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         _, case, workdir, entry = msg
         t0 = time.perf_counter()
         try:
@@ -172,6 +177,23 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
 
 # --------------------------------------------------------------------------------------------------
 # parent side
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environ(extra: dict):
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class RankPool:
@@ -199,6 +221,11 @@ class RankPool:
             env["TORCHDYNAMO_DISABLE"] = "0"
         self.env = env
         ctx = mp.get_context("spawn")
+        # spawn starts a resource tracker with the first process; start it now, before the pool's
+        # marker is in the environment, so it is not mistaken for a leftover rank.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
         self.procs: list = []
         self.conns: list[Connection] = []
         try:
@@ -207,7 +234,10 @@ class RankPool:
                 env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
                 p = ctx.Process(target=_rank_main, args=(r, world_size, str(self.dir), child_end, env_r),
                                 name=f"muon-rank{r}", daemon=True)
-                p.start()
+                # The environment must be in place at exec time: /proc/PID/environ (which the orphan
+                # check reads) shows only what the process was started with.
+                with _environ(env_r):
+                    p.start()
                 child_end.close()
                 self.procs.append(p)
                 self.conns.append(parent_end)

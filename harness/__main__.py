@@ -1,0 +1,61 @@
+"""``python -m harness``: the command line.
+
+  gate    run the pipeline matrix against the oracle and write the HTML report (the main job)
+  run     rerun exactly one case (the reproducer every divergence message prints)
+  bench   pool vs spawn-per-case vs bare DeepSpeed timings, measured in one run
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("gate", help="check every pipeline against the oracle; write the HTML report")
+    g.add_argument("--report", default="reports/gate.html")
+    g.add_argument("--full", action="store_true", help="the whole product instead of the CI covering subset")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--only", default=None, help="substring filter on case names")
+    g.add_argument("-q", "--quiet", action="store_true")
+
+    r = sub.add_parser("run", help="rerun one case given as JSON (what divergence messages print)")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--case", help="the case as JSON text")
+    src.add_argument("--case-file", help="a file holding the case as JSON")
+    r.add_argument("--report", default=None)
+
+    b = sub.add_parser("bench", help="pool vs spawn-per-case vs bare DeepSpeed, measured in one run")
+    b.add_argument("--cases", type=int, default=6)
+    b.add_argument("--world-size", type=int, default=2)
+
+    args = ap.parse_args(argv)
+    from harness import buildenv
+
+    buildenv.apply_base_env()
+    if args.cmd == "gate":
+        from harness.gate import run_gate
+
+        return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet)
+    if args.cmd == "run":
+        from harness.case import Case
+        from harness.gate import run_single
+
+        text = args.case if args.case is not None else open(args.case_file).read()
+        try:
+            case = Case.from_json(text)
+        except (ValueError, TypeError, KeyError) as exc:
+            print(f"error: not a valid case: {exc}", file=sys.stderr)
+            return 2
+        return run_single(case, report=args.report)
+    if args.cmd == "bench":
+        from harness.bench import main as bench_main
+
+        return bench_main(cases=args.cases, world_size=args.world_size)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
