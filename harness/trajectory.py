@@ -23,6 +23,7 @@ class ParamStep:
     momentum_scale: float = 1.0
     momentum_dtype: str | None = None
     update: np.ndarray | None = None  # Muon's orthogonalized update as muon_update returned it
+    grad_dtype: str | None = None  # dtype ``grad`` had when captured (Muon: muon_update's input dtype)
 
 
 @dataclass
@@ -36,7 +37,9 @@ class StepRecord:
     params: dict[str, ParamStep] = field(default_factory=dict)
     swap_bytes_written: int = 0
     swap_bytes_read: int = 0
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # unscaled micro-batch losses, rank-major
+    muon_calls_per_rank: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # capture-side observations (rank disagreement, ...)
 
 
 @dataclass

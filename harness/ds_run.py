@@ -1,0 +1,371 @@
+"""Run one case on one rank of an already initialised process group and capture its trajectory.
+
+``run_case_on_rank`` is what the pool calls on every rank after ``torch.distributed`` is up (gloo,
+``file://`` rendezvous). DeepSpeed reuses that group: ``deepspeed.initialize`` ->
+``comm.init_distributed`` finds ``cdb is None and torch.distributed.is_initialized()`` and wraps the
+existing default group in a ``TorchBackend`` without calling ``init_process_group`` again
+(``comm/comm.py:878-881``); later cases find ``cdb`` already set. The engine needs ``LOCAL_RANK``
+in the environment (``engine.py:1966``); the pool sets it, and this module sets it if missing.
+
+A process runs many cases, so everything process-wide that DeepSpeed changes is snapshotted before
+and restored after each case (``ProcessState``: ZeRO-3's replaced ``F.linear``, its module stack and
+lru cache that otherwise keep every ZeRO-3 engine alive, ...); the torch RNG is reseeded from
+``case.seed``, and ZeRO-3's global parameter-id counter is reset so ``ds_id`` (and with it NVMe swap
+file names, which an NVMe checkpoint resume depends on) is the same as in a fresh process. Each case
+starts with ``gc.freeze()`` and ends with ``gc.collect()`` once nothing of it is referenced: the
+collect then costs milliseconds instead of ~0.5 s, and nothing of a case outlives it.
+
+Timing (this 2-core machine, warm rank, 4-tensor model, 2 steps, fp32): 20-45 ms per case at W=1,
+40-170 ms at W=2 (ZeRO-3 the slower end); the first case in a process costs ~3-4 s (DeepSpeed
+import and op loads).
+
+Step numbering: optimizer steps count from 1 (``StepRecord.step``, ``Overflow.step``,
+``checkpoint_at``); micro-batches from 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harness import capture, model as model_mod
+from harness.case import NVME_PATH_PLACEHOLDER, Case
+from harness.trajectory import Trajectory
+
+NS_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+             "bfloat16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------------
+# process-wide state
+
+
+class ProcessState:
+    """Globals DeepSpeed is known (or likely) to change, restored after every case.
+
+    * ``torch.nn.functional.linear``: ZeRO-3 installs ``zero3_linear_wrap``
+      (``partition_parameters.py:_enable_mem_efficient_linear``, "This will persist unless manually
+      reset") and nothing puts it back; a later ZeRO-1/2 case then runs a different linear kernel
+      (observed: 1 ULP differences).
+    * the tensor constructors and ``Module.__init_subclass__`` that ``zero.Init`` patches.
+    * torch's global module hooks (ZeRO-3 registers a global forward-pre hook; ``destroy`` removes
+      it, but not if the case died half way).
+    * default dtype, grad mode, thread count.
+    * ``deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK``: every ZeRO-3 engine pushes its
+      top module onto this module-level list (``setup_zero_stage3_hooks``) and ``destroy`` never pops
+      it, so each ZeRO-3 case would keep its whole engine alive for the life of the process and
+      leave a stale module at the bottom of the stack that external-parameter registration scans.
+    * ``DeepSpeedZeRoOffload._register_deepspeed_module``'s mutable default ``count=[0]``, which
+      numbers modules (``module.ds_id``) across engines.
+    * ``PartitionedParameterCoordinator.__params_to_release`` is a method under
+      ``functools.lru_cache(maxsize=None)``: the class-level cache keys on (coordinator, module,
+      step) and so also pins every ZeRO-3 engine and model forever. Cleared after every case.
+    """
+
+    TORCH_FUNCS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
+
+    def __init__(self):
+        import torch.nn.modules.module as mm
+
+        self.mm = mm
+        self.linear = torch.nn.functional.linear
+        self.funcs = {n: getattr(torch, n) for n in self.TORCH_FUNCS}
+        self.init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+        self.hook_dicts = {n: dict(getattr(mm, n)) for n in dir(mm)
+                           if n.startswith("_global_") and isinstance(getattr(mm, n), dict)}
+        self.default_dtype = torch.get_default_dtype()
+        self.grad_enabled = torch.is_grad_enabled()
+        self.threads = torch.get_num_threads()
+        from deepspeed.runtime.zero import parameter_offload as po
+
+        self.po = po
+        self.fwd_stack = list(po.FWD_MODULE_STACK)
+        self.module_counter = po.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
+        self.module_count = list(self.module_counter)
+
+    def restore(self) -> list[str]:
+        """Put everything back; return what had been changed."""
+        changed = []
+        if torch.nn.functional.linear is not self.linear:
+            changed.append("torch.nn.functional.linear")
+            torch.nn.functional.linear = self.linear
+        for n, f in self.funcs.items():
+            if getattr(torch, n) is not f:
+                changed.append(f"torch.{n}")
+                setattr(torch, n, f)
+        if torch.nn.Module.__dict__.get("__init_subclass__") is not self.init_subclass:
+            changed.append("torch.nn.Module.__init_subclass__")
+            if self.init_subclass is None:
+                with contextlib.suppress(AttributeError):
+                    delattr(torch.nn.Module, "__init_subclass__")
+            else:
+                torch.nn.Module.__init_subclass__ = self.init_subclass
+        for n, saved in self.hook_dicts.items():
+            cur = getattr(self.mm, n)
+            if dict(cur) != saved:
+                changed.append(f"torch.nn.modules.module.{n}")
+                cur.clear()
+                cur.update(saved)
+        if torch.get_default_dtype() != self.default_dtype:
+            changed.append("default dtype")
+            torch.set_default_dtype(self.default_dtype)
+        if torch.is_grad_enabled() != self.grad_enabled:
+            changed.append("grad mode")
+            torch.set_grad_enabled(self.grad_enabled)
+        if list(self.po.FWD_MODULE_STACK) != self.fwd_stack:
+            changed.append("parameter_offload.FWD_MODULE_STACK")
+            self.po.FWD_MODULE_STACK[:] = self.fwd_stack
+        if list(self.module_counter) != self.module_count:
+            changed.append("ZeRO-3 module ds_id counter")
+            self.module_counter[:] = self.module_count
+        if _clear_zero3_lru_caches():
+            changed.append("PartitionedParameterCoordinator lru_cache")
+        if torch.get_num_threads() != self.threads:
+            changed.append("num_threads")
+            torch.set_num_threads(self.threads)
+        return changed
+
+
+def _clear_zero3_lru_caches() -> int:
+    """Empty the lru caches hidden under ``instrument_w_nvtx`` on the ZeRO-3 parameter coordinator;
+    returns how many entries were dropped."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    dropped = 0
+    for fn in vars(PartitionedParameterCoordinator).values():
+        candidates = [fn] + [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
+                             if c.cell_contents is not None]
+        for c in candidates:
+            if hasattr(c, "cache_clear") and hasattr(c, "cache_info"):
+                dropped += c.cache_info().currsize
+                c.cache_clear()
+    return dropped
+
+
+def _reset_zero3_param_ids() -> None:
+    # INTERNAL: class-level counter that numbers ZeRO-3 params (``ds_id``), partition_parameters.py:952,1320.
+    # It only grows within a process; NVMe swap files are named after it.
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+# ------------------------------------------------------------------------------------------------
+# case-scoped patches
+
+
+@contextlib.contextmanager
+def force_ns_dtype(name: str | None):
+    """High-precision-NS mode: make every Newton-Schulz iteration run in ``name`` (semantics doc 2.3, 9).
+
+    ``zeropower_via_*`` look ``ns_compute_dtype`` up in ``original_muon``'s globals at call time.
+    (The gram variant still normalises in the input dtype before the cast, ``original_muon.py:108-116``.)
+    """
+    if name is None:
+        yield
+        return
+    from deepspeed.runtime.zero.muon import original_muon
+
+    dt = NS_DTYPES[name]
+    orig = original_muon.ns_compute_dtype
+    original_muon.ns_compute_dtype = lambda ns_method="gram": dt
+    try:
+        yield
+    finally:
+        original_muon.ns_compute_dtype = orig
+
+
+@contextlib.contextmanager
+def case_patches(case: Case):
+    """THE single place where ``case.patched`` / ``case.mutant`` take effect (hook for later work).
+
+    ``harness.patches`` (not written yet) is expected to offer ``enter(case)`` / ``exit(case)``.
+    A case that asks for either and finds no such module fails rather than silently running
+    unpatched DeepSpeed.
+    """
+    if not (case.patched or case.mutant):
+        yield
+        return
+    try:
+        from harness import patches
+    except ImportError as e:
+        raise RuntimeError(f"case {case.name!r} asks for patched={case.patched} mutant={case.mutant!r} "
+                           "but harness.patches does not exist") from e
+    patches.enter(case)
+    try:
+        yield
+    finally:
+        patches.exit(case)
+
+
+# ------------------------------------------------------------------------------------------------
+# engine
+
+
+def _substitute(obj, old: str, new: str):
+    if isinstance(obj, dict):
+        return {k: _substitute(v, old, new) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_substitute(v, old, new) for v in obj]
+    if isinstance(obj, str):
+        return obj.replace(old, new)
+    return obj
+
+
+def rank_config(case: Case, nvme_dir: Path) -> dict:
+    cfg = json.loads(case.ds_config)
+    if NVME_PATH_PLACEHOLDER in case.ds_config:
+        nvme_dir.mkdir(parents=True, exist_ok=True)
+        cfg = _substitute(cfg, NVME_PATH_PLACEHOLDER, str(nvme_dir))
+    return cfg
+
+
+def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
+    import deepspeed
+
+    _reset_zero3_param_ids()
+    model = model_mod.build_model(case, variant=variant)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=rank_config(case, nvme_dir))
+    named = dict(engine.module.named_parameters())
+    for ps in case.params:
+        if ps.num_heads:
+            # Per-head Muon: DeepSpeed's own route (optimizer param "per_head_muon" + an HF-style
+            # model.config) cannot describe a synthetic model, so the attribute its call sites read
+            # (getattr(param, "muon_num_heads")) is set directly after initialize.
+            p = named[ps.name]
+            p.muon_num_heads = ps.num_heads
+            p.muon_head_dim = ps.shape[0] // ps.num_heads
+    return engine, named
+
+
+def destroy_engine(engine) -> None:
+    if engine is None:
+        return
+    engine.destroy()
+
+
+# ------------------------------------------------------------------------------------------------
+# the case
+
+
+def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> Trajectory | None:
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        raise RuntimeError("run_case_on_rank needs an initialised torch.distributed process group")
+    if tdist.get_world_size() != world_size or tdist.get_rank() != rank:
+        raise RuntimeError(f"process group is rank {tdist.get_rank()}/{tdist.get_world_size()}, "
+                           f"case wants {rank}/{world_size}")
+    if case.world_size != world_size:
+        raise ValueError(f"case {case.name!r} is for world size {case.world_size}, not {world_size}")
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    # Everything alive now (torch, DeepSpeed, the previous case's survivors) is long-lived: move it
+    # out of the collector's sight so the end-of-case gc.collect() scans only this case's objects
+    # (0.5 s -> a few ms per case on this machine). Frozen objects are still freed by refcount.
+    gc.freeze()
+    state = ProcessState()
+    _seed_everything(case.seed)
+    engine = None
+    traj = None
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(case_patches(case))  # patched runtime / mutants: applied here only
+            recorder = stack.enter_context(capture.MuonCallRecorder())
+            swap = stack.enter_context(capture.SwapCounter())
+            stack.enter_context(force_ns_dtype(case.ns_dtype))
+
+            engine, named = build_engine(case, workdir / "nvme", variant=0)
+            t_built = time.perf_counter()
+            recorder.set_params(named.items())
+            info = capture.path_info(engine)
+            init_w, init_r = swap.reset()
+            if init_w or init_r:
+                notes.append(f"swap bytes during initialize: written {init_w}, read {init_r}")
+            notes.append(f"path {info.kind}")
+            initial = capture.capture_masters(engine, case, named, swap)
+            swap.reset()
+            if rank == 0:
+                traj = Trajectory(case_name=case.name, initial=initial,
+                                  muon_params=tuple(ps.name for ps in case.params
+                                                    if getattr(named[ps.name], "use_muon", False)))
+            gas = engine.gradient_accumulation_steps()
+            step = 1
+            while step <= case.steps:
+                recorder.reset()
+                swap.reset()
+                S = capture.loss_scale_of(engine)
+                losses = []
+                adam = {}
+                for micro in range(gas):
+                    batch = model_mod.batch_data(case, rank, step, micro)
+                    loss = engine(batch)
+                    losses.append(float(loss.detach().float()))
+                    engine.backward(loss)
+                    loss = None  # its grad_fn graph reaches the parameters, and through them the engine
+                    if micro == gas - 1:
+                        adam = capture.capture_adam_grads(engine, case, named, swap)
+                    engine.step()
+                pre = capture.PreStep(loss_scale=S, adam_grads=adam)
+                rec = capture.capture_step(engine, case, step, rank, world_size, named=named,
+                                           id_to_name=recorder.id_to_name, info=info, pre=pre,
+                                           recorder=recorder, swap=swap, losses=losses)
+                if rank == 0:
+                    traj.steps.append(rec)
+                if case.checkpoint_at is not None and step == case.checkpoint_at and step < case.steps:
+                    ckpt = workdir / "ckpt"
+                    tag = f"step{step}"
+                    engine.save_checkpoint(str(ckpt), tag=tag)
+                    destroy_engine(engine)
+                    engine = None
+                    # A fresh engine on a model with a *different* init, and (for NVMe) a fresh swap
+                    # folder, so a load that restores nothing shows up in the next step.
+                    engine, named = build_engine(case, workdir / "nvme-resumed", variant=1)
+                    recorder.set_params(named.items())
+                    info = capture.path_info(engine)
+                    engine.load_checkpoint(str(ckpt), tag=tag)
+                    w, r = swap.reset()
+                    if rank == 0:
+                        traj.notes.append(f"checkpoint saved after step {step} and loaded into a fresh engine"
+                                          f" (swap bytes during rebuild+load: written {w}, read {r})")
+                step += 1
+            t_steps = time.perf_counter()
+            destroy_engine(engine)
+            engine = named = info = None
+            notes.append(f"seconds: build {t_built - t0:.3f}, steps+capture {t_steps - t_built:.3f}")
+    finally:
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                destroy_engine(engine)
+        engine = named = None
+        changed = state.restore()
+        # The engine is a web of reference cycles (hooks, optimizer <-> params); collect it now, with
+        # nothing of this case left referencing it, so the next case's gc.freeze() cannot pin it.
+        # Cheap because only this case's objects are unfrozen.
+        gc.collect()
+    if rank == 0:
+        traj.notes.extend(notes)
+        if changed:
+            traj.notes.append("process state restored after the case: " + ", ".join(changed))
+        traj.notes.append(f"seconds: total {time.perf_counter() - t0:.3f} (rank 0)")
+    return traj

@@ -1,0 +1,236 @@
+"""The synthetic model: exactly the parameters a case declares, each with its own loss term.
+
+Every parameter is independent of every other one, so any shape works (1xN, Nx1, primes, 3-D) and
+the exact float64 gradient of a micro-batch is a closed form (``local_gradients``) that the oracle
+side can evaluate without DeepSpeed.
+
+Loss of one (rank, step, micro) batch, summed over the parameters (unscaled, not divided by GAS):
+
+* matrix ``W`` (any ``ndim >= 2``; viewed as ``r x c`` with ``r = shape[0]``, ``c = prod(shape[1:])``)::
+
+      mean_{B x r}((X W^T - T)^2)  +  mean_{r x c}(D * (W - C)^2)
+
+  with ``X: B x c``, ``T: B x r``, ``D, C: r x c`` and ``D`` in [0.5, 1.5). The first term is the
+  usual linear-layer data term (it goes through ``torch.nn.functional.linear``, which ZeRO-3 swaps
+  for its own implementation); its gradient has rank <= B. The second, elementwise term makes the
+  gradient full rank whatever ``B`` is, because Newton-Schulz in 16 bit is badly conditioned on
+  rank-deficient input (semantics doc, section 8).
+
+* vector ``v`` (1-D)::
+
+      mean_{B x n}((v * Z - T)^2)          Z, T: B x n
+
+``B = case.batch``. All data is drawn in float32 from a ``torch.Generator`` seeded from
+``(case.seed, rank, step, micro, crc32(name))`` and then rounded to the model dtype: the model sees
+that rounded data, and ``local_gradients`` differentiates the loss of the same rounded data exactly.
+
+Conventions (shared with ``harness.ds_run`` and the oracles):
+* ``step`` counts optimizer steps from 1; ``micro`` counts micro-batches within a step from 0.
+* An ``Overflow(step, rank, micro, value)`` of the case sets ``T[0, 0] = value`` in *every*
+  parameter's batch of that (rank, step, micro): the loss and every gradient of that rank become
+  non-finite there (rows of ``W`` touching ``T[0,0]``; the vector entry 0), all other ranks are clean.
+  ``local_gradients`` sees the same poisoned data.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import torch
+
+FORBIDDEN_NAME_PARTS = ("embed", "lm_head")  # DeepSpeed would silently route these to Adam
+
+MODEL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------------
+# deterministic data
+
+
+def _seed(*parts: int) -> int:
+    state = np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31 | int(state[1])) & ((1 << 63) - 1)
+
+
+def _name_key(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _generator(*parts: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(_seed(*parts))
+    return g
+
+
+def matrix_view(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) the loss sees a >= 2-D parameter as."""
+    return shape[0], math.prod(shape[1:])
+
+
+def check_params(params) -> None:
+    seen = set()
+    for p in params:
+        low = p.name.lower()
+        if any(k in low for k in FORBIDDEN_NAME_PARTS):
+            raise ValueError(f"parameter name {p.name!r} contains one of {FORBIDDEN_NAME_PARTS}: "
+                             "DeepSpeed would not route it the way its shape says")
+        if p.name in seen:
+            raise ValueError(f"duplicate parameter name {p.name!r}")
+        seen.add(p.name)
+        if any(not part or not part.isidentifier() and not part.isdigit() for part in p.name.split(".")):
+            raise ValueError(f"parameter name {p.name!r} is not a dotted module path")
+        if len(p.shape) == 0 or any(d < 1 for d in p.shape):
+            raise ValueError(f"parameter {p.name!r} has an empty shape {p.shape}")
+    # A name may not be both a parameter and a module prefix of another one.
+    names = {p.name for p in params}
+    for n in names:
+        parts = n.split(".")
+        for i in range(1, len(parts)):
+            if ".".join(parts[:i]) in names:
+                raise ValueError(f"{'.'.join(parts[:i])!r} is both a parameter and a module")
+
+
+def initial_weights(case, variant: int = 0) -> dict[str, torch.Tensor]:
+    """float32 initial values, full shape. ``variant`` != 0 gives a different, equally valid init
+    (the checkpoint test loads into a model built with variant 1, so a load that silently did
+    nothing shows)."""
+    out = {}
+    for p in case.params:
+        g = _generator(case.seed, 0x1A17, variant, _name_key(p.name))
+        if len(p.shape) >= 2:
+            _, cols = matrix_view(p.shape)
+            w = torch.randn(p.shape, generator=g, dtype=torch.float32) / math.sqrt(cols)
+        else:
+            w = 1.0 + 0.5 * torch.randn(p.shape, generator=g, dtype=torch.float32)
+        out[p.name] = w
+    return out
+
+
+def batch_data(case, rank: int, step: int, micro: int, dtype: torch.dtype | None = None) -> dict[str, dict]:
+    """Per parameter name, the data of one micro-batch as float32 tensors rounded to ``dtype``
+    (the case's model dtype by default) and stored in that dtype."""
+    if dtype is None:
+        dtype = MODEL_DTYPES[case.dtype]
+    poison = [o.value for o in case.overflows if o.step == step and o.rank == rank and o.micro == micro]
+    B = case.batch
+    out = {}
+    for p in case.params:
+        g = _generator(case.seed, 0xDA7A, rank, step, micro, _name_key(p.name))
+        if len(p.shape) >= 2:
+            r, c = matrix_view(p.shape)
+            d = {
+                "X": torch.randn(B, c, generator=g, dtype=torch.float32),
+                "T": torch.randn(B, r, generator=g, dtype=torch.float32),
+                "D": 0.5 + torch.rand(r, c, generator=g, dtype=torch.float32),
+                "C": torch.randn(r, c, generator=g, dtype=torch.float32) / math.sqrt(c),
+            }
+        else:
+            n = p.shape[0]
+            d = {
+                "Z": torch.randn(B, n, generator=g, dtype=torch.float32),
+                "T": torch.randn(B, n, generator=g, dtype=torch.float32),
+            }
+        for v in poison:
+            d["T"][0, 0] = v
+        out[p.name] = {k: t.to(dtype) for k, t in d.items()}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the module
+
+
+def term_loss(w: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One parameter's loss term, in the dtype of ``w`` (autograd-friendly; also used in float64)."""
+    if "X" in d:
+        w2 = w.reshape(w.shape[0], -1)
+        pred = torch.nn.functional.linear(d["X"], w2)
+        return ((pred - d["T"]) ** 2).mean() + (d["D"] * (w2 - d["C"]) ** 2).mean()
+    return ((w * d["Z"] - d["T"]) ** 2).mean()
+
+
+class Node(torch.nn.Module):
+    """One module of the dotted-name tree. Its forward adds the loss terms of the parameters it
+    owns directly (so ZeRO-3's per-module gather hooks see every parameter used in its own
+    module's forward) and then those of its children."""
+
+    def __init__(self):
+        super().__init__()
+        self._own: list[str] = []  # local parameter name -> full name order
+        self._full: dict[str, str] = {}
+
+    def forward(self, batch: dict):
+        total = None
+        for local in self._own:
+            t = term_loss(getattr(self, local), batch[self._full[local]])
+            total = t if total is None else total + t
+        for child in self.children():
+            t = child(batch)
+            if t is not None:
+                total = t if total is None else total + t
+        return total
+
+
+class SyntheticModel(Node):
+    """Root of the tree; ``forward(batch)`` returns the scalar micro-batch loss."""
+
+
+def build_model(case, variant: int = 0, dtype: torch.dtype = torch.float32) -> SyntheticModel:
+    check_params(case.params)
+    init = initial_weights(case, variant)
+    root = SyntheticModel()
+    for p in case.params:
+        parts = p.name.split(".")
+        node: Node = root
+        for part in parts[:-1]:
+            child = node._modules.get(part)
+            if child is None:
+                child = Node()
+                node.add_module(part, child)
+            node = child
+        node.register_parameter(parts[-1], torch.nn.Parameter(init[p.name].to(dtype).clone()))
+        node._own.append(parts[-1])
+        node._full[parts[-1]] = p.name
+    names = [n for n, _ in root.named_parameters()]
+    if sorted(names) != sorted(p.name for p in case.params):
+        raise AssertionError(f"model names {names} differ from the case's {[p.name for p in case.params]}")
+    return root
+
+
+# ------------------------------------------------------------------------------------------------
+# exact gradients
+
+
+def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
+    """Exact float64 gradient of one rank's UNSCALED micro-batch loss (no 1/GAS, no 1/W, no loss
+    scale) at the weights ``params_f64`` (name -> tensor of the declared shape; values are used as
+    given, so pass the low-precision model weights as float64 to mirror a half-precision forward).
+    The data is the model-dtype-rounded data DeepSpeed sees, promoted exactly to float64."""
+    data = batch_data(case, rank, step, micro)
+    B = case.batch
+    out = {}
+    for p in case.params:
+        w = params_f64[p.name].to(torch.float64)
+        d = {k: v.to(torch.float64) for k, v in data[p.name].items()}
+        if len(p.shape) >= 2:
+            r, c = matrix_view(p.shape)
+            w2 = w.reshape(r, c)
+            R = d["X"] @ w2.T - d["T"]  # B x r
+            g = (2.0 / (B * r)) * (R.T @ d["X"]) + (2.0 / (r * c)) * d["D"] * (w2 - d["C"])
+            out[p.name] = g.reshape(p.shape)
+        else:
+            n = p.shape[0]
+            R = w * d["Z"] - d["T"]
+            out[p.name] = (2.0 / (B * n)) * (R * d["Z"]).sum(dim=0)
+    return out
+
+
+def local_loss(params_f64: dict[str, torch.Tensor], case, rank: int, step: int, micro: int) -> float:
+    """float64 value of the same loss (for cross-checks)."""
+    data = batch_data(case, rank, step, micro)
+    total = 0.0
+    for p in case.params:
+        d = {k: v.to(torch.float64) for k, v in data[p.name].items()}
+        total += float(term_loss(params_f64[p.name].to(torch.float64), d))
+    return total

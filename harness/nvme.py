@@ -1,0 +1,109 @@
+"""When does an ``offload_optimizer.device = "nvme"`` case really touch the swap folder?
+
+Facts (DeepSpeed 0.19.8):
+
+* ZeRO-1/2 never swap: ``stage_1_and_2.py:219-224`` treats any optimizer offload device as CPU
+  (``cpu_offload = True``), so an nvme case there is a cpu case and writes nothing to nvme_path.
+* ZeRO-3 swaps a *sub-group* (not a parameter) whose per-rank partition holds at least
+  ``OptimizerSwapper.min_aio_bytes = max(MIN_AIO_BYTES (1 MiB), aio.block_size)`` bytes counted at
+  4 bytes/element (the fp32 master dtype), ``stage3.py:_swappable_optimizer_subgroup``,
+  ``swap_tensor/optimizer_utils.py:is_swappable_tensor``. Anything smaller silently stays in memory
+  and behaves exactly like ``device: "cpu"``.
+* Sub-groups: one list per optimizer param group -- the Muon group first (its params sorted by
+  ``p.size()`` descending, ``original_muon.py:380``), then the Adam group in model order -- cut
+  greedily once the running sum of per-rank partition numels reaches ``sub_group_size``
+  (default 1e9), ``stage3.py:_create_fp16_sub_groups``. A parameter's per-rank partition is
+  ``ceil(numel / W)`` elements.
+
+So at world size W a single Muon matrix needs ``numel >= W * 262144`` (1 MiB per rank) to be
+swapped: 512x512 fp32 is enough at W=1 but not at W=2 (its partition is 512 KiB). There is no
+supported knob to lower the threshold (the config's ``aio.block_size`` can only raise it), so the
+harness sizes the matrix instead: ``nvme_matrix(world_size)``.
+
+The bytes that really moved are measured by ``harness.capture.SwapCounter`` and land in
+``StepRecord.swap_bytes_written/read``; ``predict_swapped_subgroups`` says in advance whether a
+case should see any.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from harness.case import Case, ParamShape
+
+MIN_AIO_BYTES = 1024**2  # deepspeed.runtime.swap_tensor.utils.MIN_AIO_BYTES (checked in the tests)
+FP32_BYTES = 4
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+DEFAULT_AIO_BLOCK_SIZE = 1048576  # swap_tensor/constants.py AIO_BLOCK_SIZE_DEFAULT
+
+
+def _is_muon(p: ParamShape) -> bool:
+    return len(p.shape) >= 2 and not any(k in p.name.lower() for k in ("embed", "lm_head"))
+
+
+def min_swap_bytes(case: Case) -> int:
+    block = int(case.config.get("aio", {}).get("block_size", DEFAULT_AIO_BLOCK_SIZE))
+    return max(MIN_AIO_BYTES, block)
+
+
+def nvme_matrix(world_size: int, name: str = "big.weight", cols: int = 512,
+                min_bytes: int = MIN_AIO_BYTES) -> ParamShape:
+    """The smallest ``rows x cols`` fp32 Muon matrix whose ZeRO-3 partition reaches ``min_bytes`` on
+    every rank of ``world_size`` (alone in its sub-group)."""
+    per_rank = math.ceil(min_bytes / FP32_BYTES)
+    rows = math.ceil(per_rank * world_size / cols)
+    return ParamShape(name, (rows, cols))
+
+
+def predict_swapped_subgroups(case: Case, model_order: list[str] | None = None) -> list[dict]:
+    """ZeRO-3 sub-groups of ``case`` with their per-rank partition bytes and whether DeepSpeed will
+    swap them. Empty for stages 1/2 or without nvme optimizer offload.
+
+    ``model_order`` is the order of ``model.named_parameters()`` (Adam group order); defaults to
+    the declaration order (``harness.model`` registers root-level parameters first).
+    """
+    if case.stage != 3 or case.offload != "nvme":
+        return []
+    cfg = case.config
+    sub_group_size = int(cfg.get("zero_optimization", {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+    W = case.world_size
+    threshold = min_swap_bytes(case)
+    by_name = {p.name: p for p in case.params}
+    order = model_order or _model_order(case)
+    muon = sorted((by_name[n] for n in order if _is_muon(by_name[n])), key=lambda p: tuple(p.shape), reverse=True)
+    adam = [by_name[n] for n in order if not _is_muon(by_name[n])]
+    out = []
+    for label, group in (("muon", muon), ("adam", adam)):
+        if not group:
+            continue
+        total = sum(math.ceil(p.numel / W) for p in group)
+        if sub_group_size >= total:
+            subs = [group]
+        else:
+            subs, cur, run = [], [], 0
+            for p in group:
+                cur.append(p)
+                run += math.ceil(p.numel / W)
+                if run >= sub_group_size or p is group[-1]:
+                    subs.append(cur)
+                    cur, run = [], 0
+        for sub in subs:
+            nbytes = FP32_BYTES * sum(math.ceil(p.numel / W) for p in sub)
+            out.append({"group": label, "params": [p.name for p in sub], "partition_bytes": nbytes,
+                        "swapped": nbytes >= threshold})
+    return out
+
+
+def _model_order(case: Case) -> list[str]:
+    """Order of ``harness.model.build_model(case).named_parameters()`` without building it."""
+    from harness.model import build_model
+
+    return [n for n, _ in build_model(case).named_parameters()]
+
+
+def expects_swap(case: Case) -> bool:
+    return any(s["swapped"] for s in predict_swapped_subgroups(case))
+
+
+def describe(case: Case) -> str:
+    return json.dumps(predict_swapped_subgroups(case), indent=1)
