@@ -1,0 +1,483 @@
+"""One optimizer step of Muon-with-auxiliary-Adam under data parallelism, as it SHOULD be computed.
+
+What is specified
+-----------------
+The step that DeepSpeed 0.19.8 implements across ``runtime/engine.py`` (``backward``, ``step``),
+``runtime/zero/stage_1_and_2.py`` (``independent_gradient_partition_epilogue`` ->
+``get_flat_partition`` -> ``muon_update``; ``step``; ``scaled_global_norm``;
+``unscale_and_clip_grads``; ``_apply_muon_updates_cpu_offload``), ``runtime/zero/stage3.py``
+(``_apply_muon_to_accumulated_grads``, ``step``, ``unscale_and_clip_grads``),
+``runtime/zero/muon/muon_optimizer.py`` (``MuonWithAuxAdam.step``: ``theta <- theta(1-lr wd) - lr *
+update``) and ``runtime/fp16/loss_scaler.py``, reduced to its intended mathematics:
+
+1. ``G_p = (1 / (W * GAS)) * sum_ranks sum_micro g[r][mu][p]`` -- the data-parallel average of the
+   accumulated gradient of the *unscaled* loss (true units; DeepSpeed's ``/GAS``, ``*S`` and ``/W``
+   cancel except for rounding).
+2. Skip test: any non-finite ``G`` (and, for fp16 models, a loss-scaled gradient beyond fp16's range)
+   skips the step: only the loss scaler moves (``update_scale(overflow=True)``); weights, Muon
+   momentum and Adam ``m, v, t`` are unchanged.
+3. Muon parameters: ``M' = beta M + (1-beta) G``, ``U = (1-beta) G + beta M'`` (Nesterov, always on),
+   ``O = NS5(U) * sqrt(max(1, rows/cols))`` (per-head / batched / conv rules in
+   :func:`oracles.newton_schulz.muon_direction`).
+4. Global norm ``N = sqrt(sum_muon ||O_p||^2 + sum_adam ||G_p||^2)`` -- DeepSpeed deliberately clips on
+   the Muon *update* (``Conventions.clip_norm_source``); ``k = max(1, (N + 1e-6)/c)`` if ``c > 0``.
+5. Loss scaler ``update_scale(overflow=False)``.
+6. Muon: ``theta <- theta (1 - lr_mu wd) - lr_mu O / k``. Adam on ``G / k`` (``oracles.adam``), with its
+   step count ``t`` advanced only on applied steps.
+7. Masters are fp32 storage: rounded to fp32 after the update (``Conventions.round_master_to_fp32``);
+   the model weights are the masters rounded to the model dtype.
+
+Inputs
+------
+``grads[rank][micro][name]``: for every data-parallel rank ``0..W-1`` and micro-batch ``0..GAS-1``, the
+gradient of that rank's *unscaled* per-micro-batch loss ``l_{r,mu}`` with respect to the parameter,
+as a float64 tensor of the parameter's shape -- i.e. BEFORE DeepSpeed divides the loss by ``GAS`` and
+multiplies it by the loss scale, and before any averaging. The oracle applies ``1/GAS`` and ``1/W``
+itself. (If you captured DeepSpeed's gradient of ``S * l / GAS``, multiply by ``GAS / S`` first.)
+A non-finite entry marks an overflowed backward.
+
+Teacher forcing: :class:`OracleState` is plain data; build it from DeepSpeed's previous fp32 masters,
+Muon momentum (convert to the units and dtype ``Conventions`` describes), Adam ``m, v, t`` and scaler
+state to check a single step in isolation.
+
+Switches
+--------
+Every deliberate DeepSpeed convention, and every known DeepSpeed accident, is a named field of
+:class:`Conventions`; the defaults are the intended mathematics. :func:`deepspeed_conventions` returns
+the combination a given DeepSpeed path actually implements, so that a divergence can be attributed to
+a named switch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from . import emulate
+from .adam import adam_step
+from .clipping import clip_coefficient, global_norm
+from .loss_scaler import LossScalerConfig, LossScalerState, initial_state as scaler_initial_state, update_scale
+from .momentum import muon_momentum, round_to
+from .newton_schulz import NS_STEPS, muon_direction
+
+MODEL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_WORK_DTYPES = {"float64": torch.float64, "fp32": torch.float32}
+# fp16 rounds a finite value to inf from 65520 (= max 65504 + half an ulp of 32) upwards.
+FP16_OVERFLOW = 65520.0
+NS_MODES = ("exact", "emulated")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A trainable parameter: ``use_muon`` selects Muon (True) or the auxiliary Adam (False);
+    ``num_heads`` requests per-head Muon for a ``[H*hd, in]`` attention projection."""
+    name: str
+    shape: tuple[int, ...]
+    use_muon: bool
+    num_heads: Optional[int] = None
+
+    @staticmethod
+    def deepspeed_tagged(name: str, shape: Sequence[int], num_heads: Optional[int] = None) -> "ParamSpec":
+        """DeepSpeed's automatic tag (``deepspeed/__init__.py`` ``set_optimizer_flags``): Muon iff the
+        parameter has >= 2 dims and its name contains neither "embed" nor "lm_head"."""
+        low = name.lower()
+        use = len(shape) >= 2 and "embed" not in low and "lm_head" not in low
+        return ParamSpec(name, tuple(shape), use, num_heads if use else None)
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Hyper-parameters and topology of the step (DeepSpeed defaults where it has them)."""
+    params: tuple[ParamSpec, ...]
+    muon_lr: float = 0.02
+    adam_lr: float = 3e-4
+    momentum: float = 0.95
+    weight_decay: float = 0.0          # shared by both halves, as in DeepSpeed (no muon_wd / adam_wd)
+    adam_weight_decay: Optional[float] = None  # per-group override; None = weight_decay
+    ns_method: str = "gram"
+    ns_steps: int = NS_STEPS
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-10
+    adam_w_mode: bool = True
+    gradient_clipping: float = 0.0
+    gradient_accumulation_steps: int = 1
+    world_size: int = 1
+    model_dtype: str = "fp32"          # "fp32" | "fp16" | "bf16"
+    loss_scaler: Optional[LossScalerConfig] = None  # None: DeepSpeed's default for model_dtype
+
+    def __post_init__(self):
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ValueError(f"model_dtype must be one of {tuple(MODEL_DTYPES)}")
+        if self.ns_method not in ("gram", "standard"):
+            raise ValueError("ns_method must be 'gram' or 'standard'")
+        object.__setattr__(self, "params", tuple(self.params))
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            raise ValueError("parameter names must be unique")
+        if self.loss_scaler is None:
+            object.__setattr__(self, "loss_scaler", LossScalerConfig.for_model_dtype(self.model_dtype))
+
+    def spec(self, name: str) -> ParamSpec:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """Named choices. Defaults = the intended mathematics. Each field names the DeepSpeed code it models.
+
+    clip_norm_source: ``"muon_update"`` (default; DeepSpeed's deliberate choice,
+        ``stage_1_and_2.py`` ``scaled_global_norm`` / ``stage3.py`` ``_get_norm_groups``: the norm is over
+        each Muon parameter's update ``O`` and each Adam parameter's gradient, and ``1/k`` scales both
+        the Muon step and Adam's gradient) or ``"gradient"`` (the textbook rule, and what
+        ``runtime/bf16_optimizer.py`` ``BF16_Optimizer.step`` does: the norm of all raw gradients, the
+        gradients are divided by ``k`` *before* Muon's momentum, and ``O`` itself is not rescaled).
+        That Adam is clipped by the combined norm follows from the source.
+    scale_update_before_unscale: accident (``stage_1_and_2.py`` ``step``: ``_update_scale`` runs before
+        ``unscale_and_clip_grads``; ``stage3.py`` ``step``: ``_loss_scale_update_and_overflow_cleanup``
+        first). On a growth step ``S' = 2S`` the Adam gradient and the clip norm are divided by
+        ``S'`` instead of ``S`` (halved). Default False.
+    muon_update_in_old_scale: accident of the cpu/nvme offload paths
+        (``stage_1_and_2.py`` ``_apply_muon_updates_cpu_offload``, ``stage3.py`` same name): ``S*O`` is
+        formed with the old scale and divided by the new one, so the Muon step is multiplied by
+        ``S/S'``. Only acts together with ``scale_update_before_unscale``. Default False.
+    momentum_units: ``"true"`` (default) or ``"scaled"`` -- accident of the non-offload paths
+        (``stage_1_and_2.py`` ``get_flat_partition`` -> ``muon_update`` on the loss-scaled gradient;
+        ``stage3.py`` ``_muon_update_sub_group``): the momentum accumulates ``S * G``, so a change of
+        ``S`` re-weights history against the new gradient. The state's momentum is then in scaled
+        units too.
+    momentum_dtype: where the Muon momentum, and the gradient and ``U`` fed to it, are stored:
+        ``"float64"`` (default, the oracle), ``"fp32"`` (ZeRO-1/2 offload), ``"model"`` (accident of
+        ZeRO-1/2 non-offload and ZeRO-3, ``stage_1_and_2.py`` docstring near ``_muon_momentum_buffer``,
+        ``stage3.py`` ``_create_momentum_buffer``: fp16/bf16 momentum for half models).
+    grad_dtype: the dtype the averaged accumulated gradient is stored in (in DeepSpeed's units, i.e.
+        multiplied by ``S``) before the optimizer reads it: ``"float64"`` (default), ``"fp32"``, or
+        ``"model"`` (DeepSpeed's default ``communication_data_type`` / ``gradient_accumulation_dtype``,
+        ``engine.py``, both the model dtype). One rounding models the storage; the rounding of the
+        reduction's partial sums is left to the tolerance model.
+    round_master_to_fp32: the masters are fp32 storage (all ZeRO paths), so the oracle rounds them to
+        fp32 after each update. Default True; False keeps float64 masters (pure mathematics).
+    skip_on_nonfinite: ``"always"`` (default: a non-finite averaged gradient never reaches the weights;
+        ZeRO-1/2 behaviour for every dtype via ``has_overflow`` / the invalid-norm test) or
+        ``"fp16_only"`` (``stage3.py`` ``_overflow_check_and_loss_scale_update`` checks the raw gradients
+        only for fp16 models). With ``"fp16_only"`` the non-finite gradient reaches Muon and the norm, and
+        the step is skipped by the second (invalid-norm) test instead, as in ZeRO-3: only
+        ``StepRecord.skip_reason`` differs ("nonfinite_norm").
+    detect_fp16_overflow: for fp16 models, also treat ``|S * g / GAS|`` of any per-micro-batch gradient,
+        or of the running accumulated sum, reaching fp16's overflow threshold as an overflow -- what
+        DeepSpeed's fp16 backward/accumulation turns into inf. Default True (it is a necessary, not a
+        sufficient, condition: activations can overflow too, which the caller marks with inf).
+    honor_num_heads: per-head Muon requested by ``ParamSpec.num_heads`` is applied (default). False models
+        the paths that silently drop it (``stage_1_and_2.py`` ``get_flat_partition`` with
+        ``parameter_alignment``; ``muon_optimizer.py`` without ZeRO; ``bf16_optimizer.py``).
+    conv_aspect: 4-D kernels: ``"reshaped"`` (default, the aspect scale of the orthogonalised
+        ``(out, in*kh*kw)`` matrix) or ``"last_two_dims"`` (Keller's inherited ``s(kh, kw)``).
+    """
+    clip_norm_source: str = "muon_update"
+    scale_update_before_unscale: bool = False
+    muon_update_in_old_scale: bool = False
+    momentum_units: str = "true"
+    momentum_dtype: str = "float64"
+    grad_dtype: str = "float64"
+    round_master_to_fp32: bool = True
+    skip_on_nonfinite: str = "always"
+    detect_fp16_overflow: bool = True
+    honor_num_heads: bool = True
+    conv_aspect: str = "reshaped"
+
+    def __post_init__(self):
+        checks = {"clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
+                  "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
+                  "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
+        for name, allowed in checks.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Conventions.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+
+def deepspeed_conventions(stage: int, offload: bool, model_dtype: str, *,
+                          parameter_alignment: bool = False) -> Conventions:
+    """The conventions DeepSpeed 0.19.8 actually implements on a path (semantics doc sections 4, 10).
+
+    Not modelled: ZeRO-3 offload's fp16 ``g/S`` underflow and ``S*O`` overflow (doc 10.3), ZeRO-3's
+    momentum commit on an invalid-norm skip (doc 10.4), the BF16_Optimizer path (bf16 +
+    ``grad_accum_dtype=fp32`` + ZeRO-1; use ``clip_norm_source="gradient"``).
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError("stage must be 1, 2 or 3")
+    zero12 = stage in (1, 2)
+    return Conventions(
+        clip_norm_source="muon_update",
+        scale_update_before_unscale=True,
+        muon_update_in_old_scale=offload,
+        momentum_units="true" if offload else "scaled",
+        momentum_dtype="fp32" if (offload and zero12) else "model",
+        # the averaged gradient passes through communication_data_type, which defaults to the model
+        # dtype on every path (engine.py); offload only gathers it into fp32 afterwards
+        grad_dtype="model",
+        round_master_to_fp32=True,
+        skip_on_nonfinite="always" if zero12 else "fp16_only",
+        detect_fp16_overflow=True,
+        honor_num_heads=not (zero12 and parameter_alignment and not offload),
+        conv_aspect="last_two_dims",
+    )
+
+
+@dataclass(frozen=True)
+class OracleState:
+    """Everything a step reads and writes. Tensors are float64 (holding fp32 values when rounded).
+
+    ``momentum`` is in the units/dtype of ``Conventions.momentum_units``/``momentum_dtype``. The
+    mappings are never mutated by :func:`step`; it returns a new state.
+    """
+    master: Mapping[str, torch.Tensor]
+    momentum: Mapping[str, torch.Tensor]   # Muon params only
+    adam_m: Mapping[str, torch.Tensor]     # Adam params only
+    adam_v: Mapping[str, torch.Tensor]
+    adam_step: int
+    scaler: LossScalerState
+    step_count: int = 0     # optimizer steps taken, skipped ones included (DeepSpeed global_steps)
+    skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    name: str
+    use_muon: bool
+    grad: torch.Tensor                    # averaged accumulated gradient, true units, float64
+    momentum: Optional[torch.Tensor]      # Muon momentum after the step (state units); None for Adam
+    direction: Optional[torch.Tensor]     # Muon O (NS * aspect), or Adam m_hat/(sqrt(v_hat)+eps); None if skipped
+    update: torch.Tensor                  # change applied to the master, before its fp32 rounding
+    master: torch.Tensor                  # master after the step
+    model: torch.Tensor                   # model-dtype weights after the step (as float64)
+    adam_m: Optional[torch.Tensor] = None
+    adam_v: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    skipped: bool
+    skip_reason: Optional[str]            # "nonfinite_grad" | "fp16_overflow" | "nonfinite_norm" | None
+    loss_scale_used: float                # S of this step's backward
+    loss_scale_after: float               # S after update_scale
+    global_norm: Optional[float]          # true units, of the vectors clip_norm_source names
+    clip_norm: Optional[float]            # the value that entered k (differs only on growth steps when
+                                          # scale_update_before_unscale)
+    clip_coef: float                      # k >= 1; 1 when clipping is off or the step was skipped
+    params: Mapping[str, ParamRecord] = field(default_factory=dict)
+
+
+def _model_torch_dtype(cfg: StepConfig) -> torch.dtype:
+    return MODEL_DTYPES[cfg.model_dtype]
+
+
+def _resolve_dtype(choice: str, cfg: StepConfig) -> torch.dtype:
+    return _model_torch_dtype(cfg) if choice == "model" else _WORK_DTYPES[choice]
+
+
+def round_master(t: torch.Tensor, conv: Conventions) -> torch.Tensor:
+    return round_to(t, torch.float32) if conv.round_master_to_fp32 else t.to(torch.float64)
+
+
+def initial_state(cfg: StepConfig, weights: Mapping[str, torch.Tensor],
+                  conv: Conventions = Conventions()) -> OracleState:
+    """State before the first step. For fp16/bf16 models the fp32 masters start as the *rounded*
+    initial weights (DeepSpeed converts the module to half before copying the masters: doc 4.5)."""
+    lp = _model_torch_dtype(cfg)
+    master, mom, am, av = {}, {}, {}, {}
+    for spec in cfg.params:
+        w = weights[spec.name].to(torch.float64)
+        if tuple(w.shape) != tuple(spec.shape):
+            raise ValueError(f"{spec.name}: weight shape {tuple(w.shape)} != spec {spec.shape}")
+        master[spec.name] = round_master(round_to(w, lp), conv)
+        zeros = torch.zeros(spec.shape, dtype=torch.float64)
+        if spec.use_muon:
+            mom[spec.name] = zeros
+        else:
+            am[spec.name] = zeros
+            av[spec.name] = zeros.clone()
+    return OracleState(master, mom, am, av, 0, scaler_initial_state(cfg.loss_scaler))
+
+
+def accumulate(grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig) -> dict[str, torch.Tensor]:
+    """``G_p = sum_r sum_mu g[r][mu][p] / (W * GAS)`` in float64 (one division at the end)."""
+    W, GAS = cfg.world_size, cfg.gradient_accumulation_steps
+    if len(grads) != W:
+        raise ValueError(f"expected gradients for {W} ranks, got {len(grads)}")
+    out = {}
+    for spec in cfg.params:
+        total = torch.zeros(spec.shape, dtype=torch.float64)
+        for r in range(W):
+            if len(grads[r]) != GAS:
+                raise ValueError(f"rank {r}: expected {GAS} micro-batches, got {len(grads[r])}")
+            for mu in range(GAS):
+                g = grads[r][mu][spec.name]
+                if tuple(g.shape) != tuple(spec.shape):
+                    raise ValueError(f"{spec.name}: gradient shape {tuple(g.shape)} != {spec.shape}")
+                total = total + g.to(torch.float64)
+        out[spec.name] = total / (W * GAS)
+    return out
+
+
+def fp16_overflow(grads, cfg: StepConfig, scale: float) -> bool:
+    """Does any loss-scaled per-micro gradient ``S g / GAS``, or the running accumulated average, reach
+    fp16's overflow threshold? Models the pre-divided reduction (``reduce_scatter``: each rank's term
+    is divided by ``W`` before summing); with post-division (``gradient_reduction_w_predivide``) the
+    undivided rank sum can overflow earlier -- pass that as an inf in ``grads`` if it matters."""
+    W, GAS = cfg.world_size, cfg.gradient_accumulation_steps
+    for spec in cfg.params:
+        running = torch.zeros(spec.shape, dtype=torch.float64)
+        for mu in range(GAS):
+            step_avg = torch.zeros(spec.shape, dtype=torch.float64)
+            for r in range(W):
+                term = grads[r][mu][spec.name].to(torch.float64) * (scale / GAS)
+                if bool((term.abs() >= FP16_OVERFLOW).any()):
+                    return True
+                step_avg = step_avg + term / W
+            running = running + step_avg
+            if bool((running.abs() >= FP16_OVERFLOW).any()):
+                return True
+    return False
+
+
+def _skip(state: OracleState, cfg: StepConfig, conv: Conventions, G: Mapping[str, torch.Tensor],
+          reason: str) -> tuple[OracleState, StepRecord]:
+    scaler = update_scale(state.scaler, True, cfg.loss_scaler)
+    lp = _model_torch_dtype(cfg)
+    recs = {}
+    for spec in cfg.params:
+        n = spec.name
+        recs[n] = ParamRecord(n, spec.use_muon, G[n], state.momentum.get(n), None,
+                              torch.zeros(spec.shape, dtype=torch.float64), state.master[n],
+                              round_to(state.master[n], lp), state.adam_m.get(n), state.adam_v.get(n))
+    new = replace(state, scaler=scaler, step_count=state.step_count + 1, skipped_steps=state.skipped_steps + 1)
+    return new, StepRecord(True, reason, state.scaler.scale, scaler.scale, None, None, 1.0, recs)
+
+
+def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig,
+         conv: Conventions = Conventions(), ns_mode: str = "exact") -> tuple[OracleState, StepRecord]:
+    """One optimizer step. ``ns_mode``: ``"exact"`` (float64 Newton-Schulz) or ``"emulated"``
+    (:mod:`oracles.emulate`: DeepSpeed's 16-bit iteration with its rounding points; when
+    ``momentum_dtype`` is a storage dtype the momentum lerps are then also evaluated as DeepSpeed
+    does, with ``torch.lerp`` in that dtype). Raises :class:`oracles.loss_scaler.LossScaleAtMinimum`
+    where DeepSpeed would."""
+    if ns_mode not in NS_MODES:
+        raise ValueError(f"ns_mode must be one of {NS_MODES}")
+    S = float(state.scaler.scale)
+    lp = _model_torch_dtype(cfg)
+    G = accumulate(grads, cfg)
+
+    # -- 1. skip test on the raw gradients ------------------------------------------------------
+    nonfinite = any(not bool(torch.isfinite(g).all()) for g in G.values())
+    if nonfinite and (conv.skip_on_nonfinite == "always" or cfg.model_dtype == "fp16"):
+        return _skip(state, cfg, conv, G, "nonfinite_grad")
+    if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, S):
+        return _skip(state, cfg, conv, G, "fp16_overflow")
+
+    # -- 2. the gradient the optimizer reads (storage rounding in DeepSpeed's x S units) -----------
+    gdt = _resolve_dtype(conv.grad_dtype, cfg)
+    Gs = {n: (round_to(g * S, gdt) / S if gdt != torch.float64 else g) for n, g in G.items()}
+
+    muon_specs = [p for p in cfg.params if p.use_muon]
+    adam_specs = [p for p in cfg.params if not p.use_muon]
+    c = cfg.gradient_clipping
+
+    # -- 3. textbook clipping happens before Muon (clip_norm_source="gradient") -------------------
+    pre_k = 1.0
+    norm = None
+    if conv.clip_norm_source == "gradient":
+        norm = global_norm(Gs.values())
+        # the growth-step accident divides by S' where S was meant
+        grow = _scale_ratio(state, cfg, conv)
+        pre_k = clip_coefficient(norm * grow, c)
+
+    # -- 4. Muon momentum and direction ------------------------------------------------------------
+    mdt = _resolve_dtype(conv.momentum_dtype, cfg)
+    units = S if conv.momentum_units == "scaled" else 1.0
+    new_mom, directions = {}, {}
+    for spec in muon_specs:
+        n = spec.name
+        g = Gs[n] / pre_k * units
+        heads = spec.num_heads if conv.honor_num_heads else None
+        if ns_mode == "emulated" and mdt != torch.float64:
+            m_new, U, _ = emulate.emulated_momentum(state.momentum[n].to(mdt), g.to(mdt), cfg.momentum)
+        elif mdt == torch.float64:
+            m_new, U = muon_momentum(state.momentum[n].to(torch.float64), g, cfg.momentum)
+        else:
+            # storage rounding: the gradient is held in mdt, each of the two blends is rounded once
+            g = round_to(g, mdt)
+            m_new = round_to(cfg.momentum * state.momentum[n].to(torch.float64) + (1.0 - cfg.momentum) * g, mdt)
+            U = round_to((1.0 - cfg.momentum) * g + cfg.momentum * m_new, mdt)
+        if ns_mode == "emulated":
+            O = emulate.emulated_direction(U.to(mdt), cfg.ns_method, heads, out_dtype=mdt,
+                                           conv_aspect=conv.conv_aspect, steps=cfg.ns_steps)
+        else:
+            O = muon_direction(U.to(torch.float64), cfg.ns_method, heads, steps=cfg.ns_steps,
+                               conv_aspect=conv.conv_aspect)
+        new_mom[n] = m_new.to(torch.float64)
+        directions[n] = O.to(torch.float64)
+
+    # -- 5. norm, second skip test, scaler ---------------------------------------------------------
+    if conv.clip_norm_source == "muon_update":
+        norm = global_norm([directions[p.name] for p in muon_specs] + [Gs[p.name] for p in adam_specs])
+    if not math.isfinite(norm):
+        return _skip(state, cfg, conv, G, "nonfinite_norm")
+    scaler = update_scale(state.scaler, False, cfg.loss_scaler)
+    ratio = S / scaler.scale if conv.scale_update_before_unscale else 1.0
+    clip_norm = norm * ratio
+    if conv.clip_norm_source == "muon_update":
+        k = clip_coefficient(clip_norm, c)
+        muon_div, adam_div = k, k
+    else:
+        k = pre_k
+        muon_div, adam_div = 1.0, k
+
+    # -- 6. apply ----------------------------------------------------------------------------------
+    master, momentum = dict(state.master), dict(state.momentum)
+    adam_m, adam_v = dict(state.adam_m), dict(state.adam_v)
+    t = state.adam_step + 1
+    recs = {}
+    muon_factor = ratio if conv.muon_update_in_old_scale else 1.0
+    for spec in muon_specs:
+        n = spec.name
+        theta = state.master[n].to(torch.float64)
+        lr, wd = cfg.muon_lr, cfg.weight_decay
+        theta_new = theta * (1.0 - lr * wd) - lr * (directions[n] * (muon_factor / muon_div))
+        master[n] = round_master(theta_new, conv)
+        momentum[n] = new_mom[n]
+        recs[n] = ParamRecord(n, True, G[n], new_mom[n], directions[n], theta_new - theta, master[n],
+                              round_to(master[n], lp))
+    wd_adam = cfg.weight_decay if cfg.adam_weight_decay is None else cfg.adam_weight_decay
+    for spec in adam_specs:
+        n = spec.name
+        theta = state.master[n].to(torch.float64)
+        g = Gs[n] * (ratio / adam_div)
+        res = adam_step(theta, g, state.adam_m[n], state.adam_v[n], t, lr=cfg.adam_lr, betas=cfg.betas,
+                        eps=cfg.eps, weight_decay=wd_adam, adam_w_mode=cfg.adam_w_mode)
+        master[n] = round_master(res.theta, conv)
+        adam_m[n], adam_v[n] = res.m, res.v
+        recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],
+                              round_to(master[n], lp), res.m, res.v)
+    new_state = OracleState(master, momentum, adam_m, adam_v, t, scaler, state.step_count + 1, state.skipped_steps)
+    return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs)
+
+
+def _scale_ratio(state: OracleState, cfg: StepConfig, conv: Conventions) -> float:
+    """``S / S'`` for a clean step if the scale update precedes unscaling, else 1."""
+    if not conv.scale_update_before_unscale:
+        return 1.0
+    after = update_scale(state.scaler, False, cfg.loss_scaler)
+    return state.scaler.scale / after.scale
+
+
+def run(state: OracleState, grad_steps: Sequence, cfg: StepConfig, conv: Conventions = Conventions(),
+        ns_mode: str = "exact") -> tuple[OracleState, list[StepRecord]]:
+    """Free-running: apply :func:`step` to each entry of ``grad_steps`` in turn."""
+    records = []
+    for grads in grad_steps:
+        state, rec = step(state, grads, cfg, conv, ns_mode)
+        records.append(rec)
+    return state, records

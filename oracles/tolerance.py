@@ -1,0 +1,360 @@
+"""How far an implementation may legitimately be from the oracle, per compared quantity.
+
+Metric
+------
+Every allowance is *normwise in the max-norm*: a tensor ``actual`` matches ``expected`` when
+
+    max|actual - expected|  <=  min(atol + rtol * max|expected|, cap)
+
+Normwise (not elementwise) because the errors below are bounds on whole-tensor perturbations
+(rounding noise is spread over all entries; an entry that is small through cancellation carries an
+absolute, not a relative, error). ``cap`` is an absolute ceiling used where the quantity is bounded
+whatever the rounding does (the Newton-Schulz output).
+
+Comparison modes (what the implementation under test computes)
+----------------------------------------------------------------
+* ``"exact"``: DeepSpeed as shipped -- Newton-Schulz in 16 bit (gram: fp16, standard: bf16;
+  ``original_muon.py`` ``ns_compute_dtype``) -- against the float64 oracle.
+* ``"hpns"``: DeepSpeed with its Newton-Schulz forced to float64 (``ns_compute_dtype`` patched), so the
+  rest of the step is checked at fp32 round-off.
+* ``"emulated"``: DeepSpeed as shipped against the oracle's ``ns_mode="emulated"`` (``oracles.emulate``).
+
+Derivation
+----------
+Unit round-offs ``u``: fp64 2^-53, fp32 2^-24, fp16 2^-11, bf16 2^-8. ``W`` ranks, ``GAS`` micro-batches,
+``n = W*GAS``. ``T`` = steps since the states were last synchronised (1 under teacher forcing).
+
+* grad (averaged accumulated gradient): a sum of ``n`` terms and one scaling, each rounded in the
+  storage dtype: ``rtol = (n + 1) u_g`` (+ ``backward_rel_err`` if the oracle's per-micro gradients are
+  not DeepSpeed's own). A sum with cancellation has an absolute error relative to its terms: pass
+  ``grad_term_scale`` (max |per-micro gradient|) to add ``atol = (n + 1) u_g * grad_term_scale``.
+* momentum: each step adds ``(1-beta)`` times the gradient error and two lerp roundings ``2 u_m``;
+  older errors decay by ``beta``: ``rtol = ((1-beta) rtol_g rho + 2 u_m) (1-beta^T)/(1-beta)`` where
+  ``rho = max|G| / max|M|`` (default ``1/(1-beta)``, the first-step worst case).
+* Newton-Schulz. The iteration maps each normalised singular value ``s`` to ``phi_5(s)`` with the
+  singular vectors fixed. A perturbation ``E`` of ``X`` is amplified, to first order, by at most
+  ``max(|phi'(s)|, phi(s)/s)`` over the singular values involved (divided differences of ``phi`` and
+  ``phi(s)/s`` for the mixed and null directions), which tends to ``a^5 ~ 485`` at ``s -> 0``: a
+  rank-deficient (or very ill-conditioned) update amplifies rounding noise by ~485. Rounding noise
+  injected before iteration ``k`` is amplified by the *remaining* ``5-k`` iterations at the singular
+  values it meets there: ``Ghat_k = max over s in [sigma_lo, 1] of the gain of phi_{5-k} at phi_k(s)``
+  (:func:`ns_gains`, computed from the polynomial; ``sigma_lo`` = smallest normalised singular value,
+  0 when rank-deficient). With ``C_IN`` roundings of the input, ``C_ITER`` per iteration, matmul
+  accumulation over the long dimension ``m`` at ``u_acc`` (fp32 for 16-bit compute, as CPU and tensor
+  cores accumulate), and ``KAPPA`` converting a Frobenius-relative error into the max-norm metric::
+
+      rtol_NS = KAPPA * [ (C_IN u_c + delta_in) Ghat_0 + C_ITER (u_c + m u_acc) sum_{k>=1} Ghat_k ]
+
+  ``C_IN = 1`` (the cast of the normalised input), ``C_ITER = 2`` (the output rounding of ``a X + B X``
+  plus the rounding of ``a X``, which enters unamplified by ``B``), ``KAPPA = 2`` (max-abs-relative /
+  Frobenius-relative error, measured <= 1.6 on the families below). Checked
+  (``cases/oracles/test_oracle_tolerance.py``) against the measured 16-bit-vs-float64 error on
+  full-rank, rank-1/4/16, cond 10..1e6, square, tall, wide, 1xN and Nx1 matrices: measured/allowed
+  between 0.006 (random square 64x64: one isolated tiny singular value, the worst-case gain is met
+  by one direction only) and 0.67 (a bf16 1x50 row), never above 1; median ~0.09. The bound is a
+  worst case over the spectrum: for a DeepSpeed fp32 path with float64 NS ("hpns") it is ~100x the
+  measured error (1e-7 measured vs ~1e-5 allowed), which still resolves any error at 16-bit level.
+  The output is bounded whatever happens (every singular value of either result is at most the band
+  top ``H ~ 1.2`` times the aspect scale ``s``), so ``cap = 2 H s`` (with 5% margin).
+* update direction ``O``: exact mode: ``rtol_NS`` with ``u_c`` the 16-bit unit, ``delta_in`` the
+  momentum/``U`` error, plus one output rounding to the gradient dtype. hpns: ``u_c = u_fp64``; the
+  input carries the fp32 storage error and the gram variant's fp32 normalisation. emulated with
+  bit-identical inputs: bit-equality is expected (measured: 0 on CPU eager), the allowance is one
+  ulp of the output dtype at the largest entry (``2 u_out``). emulated with inputs that differ even in
+  the last fp32 bit: measured that one flipped 16-bit rounding cascades into a difference as large as
+  a fresh 16-bit evaluation, so the allowance is twice the exact-mode one.
+* norm ``N`` and clip coefficient ``k``: a root-sum-square's relative error is at most the largest
+  relative (Frobenius) error of its parts: ``max(rtol_NS/KAPPA, rtol_g)`` plus float64 summation.
+* Adam direction ``m_hat/(sqrt(v_hat)+eps)``: ``2 (rtol_g + rtol_k)`` from the moments plus about
+  ten fp32 roundings (two lerps each, sqrt, divisions, bias corrections) and ``2 u_w min(T, 1/(1-beta2))``
+  of state rounding carried over steps.
+* applied update ``Delta theta`` (Muon ``-lr wd theta - lr O/k``, Adam likewise): ``rtol_O + rtol_k +
+  2 u_w``; ``atol = 2 u_w * weight_scale`` when the update is read back as a difference of fp32 masters.
+* master weights (fp32): per step two roundings (DeepSpeed's ``mul_`` and ``add_``) ``2 u_w`` of the
+  weight, plus the update error times the step size: ``rtol = T (2 u_w + rtol_update * step_to_weight)``
+  with ``step_to_weight = max|Delta theta| / max|theta|`` (default 1: conservative; pass the real ratio).
+* model weights: the master allowance plus one rounding to the model dtype that a master difference
+  may flip: ``+ 2 u_lp`` (nothing for an fp32 model, whose weights are the masters).
+* loss scale: a deterministic power of two: exact (``atol = rtol = 0``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+
+from .newton_schulz import NS_A, NS_STEPS, aspect_scale, quintic_band
+
+UNIT_ROUNDOFF = {"fp64": 2.0 ** -53, "fp32": 2.0 ** -24, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+_ALIASES = {"float64": "fp64", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16",
+            torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+MODES = ("exact", "hpns", "emulated")
+NS_DTYPE = {"gram": "fp16", "standard": "bf16"}
+
+C_IN = 1.0
+C_ITER = 2.0
+KAPPA = 2.0
+
+
+def unit_roundoff(dtype) -> float:
+    key = _ALIASES.get(dtype, dtype)
+    try:
+        return UNIT_ROUNDOFF[key]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool
+    error: float     # max |actual - expected|
+    bound: float     # the allowed error for this reference
+    ratio: float     # error / bound (inf when bound is 0 and error is not)
+
+
+@dataclass(frozen=True)
+class Allowance:
+    atol: float
+    rtol: float
+    derivation: str
+    cap: float = math.inf
+
+    def bound(self, expected) -> float:
+        scale = float(torch.as_tensor(expected, dtype=torch.float64).abs().max()) if _numel(expected) else 0.0
+        return min(self.atol + self.rtol * scale, self.cap)
+
+    def check(self, actual, expected) -> Check:
+        """Compare; identical non-finite entries (same inf, or NaN vs NaN) match, any other
+        non-finite mismatch is an infinite error."""
+        a = torch.as_tensor(actual, dtype=torch.float64)
+        e = torch.as_tensor(expected, dtype=torch.float64)
+        if a.shape != e.shape:
+            raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(e.shape)}")
+        finite = torch.isfinite(a) & torch.isfinite(e)
+        same_nonfinite = (a == e) | (torch.isnan(a) & torch.isnan(e))
+        if bool((~finite & ~same_nonfinite).any()):
+            err = math.inf
+        else:
+            err = float((a - e)[finite].abs().max()) if bool(finite.any()) else 0.0
+        b = self.bound(e[finite])
+        ratio = err / b if b > 0 else (0.0 if err == 0 else math.inf)
+        return Check(err <= b, err, b, ratio)
+
+    def scaled(self, factor: float) -> "Allowance":
+        return Allowance(self.atol * factor, self.rtol * factor, self.derivation + f" (x{factor:g})",
+                         self.cap * factor if math.isfinite(self.cap) else self.cap)
+
+
+def _numel(x) -> int:
+    return torch.as_tensor(x).numel()
+
+
+@dataclass(frozen=True)
+class Allowances:
+    grad: Allowance
+    momentum: Allowance
+    direction: Allowance        # Muon O
+    adam_direction: Allowance   # m_hat / (sqrt(v_hat) + eps)
+    update: Allowance           # applied change of a Muon master
+    adam_update: Allowance      # applied change of an Adam master
+    master: Allowance
+    model: Allowance
+    loss_scale: Allowance
+    norm: Allowance
+    clip_coef: Allowance
+
+    def items(self):
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Newton-Schulz gain, from the polynomial
+# --------------------------------------------------------------------------------------------------
+
+def _grid(sigma_lo: float) -> torch.Tensor:
+    lo = max(sigma_lo, 1e-12)
+    g = torch.cat([torch.logspace(math.log10(lo), 0.0, 2000, dtype=torch.float64),
+                   torch.linspace(lo, 1.0, 2000, dtype=torch.float64)])
+    return torch.unique(g)
+
+
+def _p(s):
+    from .newton_schulz import NS_B, NS_C
+    s2 = s * s
+    return s * (NS_A + s2 * (NS_B + NS_C * s2))
+
+
+def _dp(s):
+    from .newton_schulz import NS_B, NS_C
+    s2 = s * s
+    return NS_A + s2 * (3.0 * NS_B + 5.0 * NS_C * s2)
+
+
+@functools.lru_cache(maxsize=4096)
+def ns_gains(sigma_lo: float, steps: int = NS_STEPS) -> tuple[float, ...]:
+    """``(Ghat_0, ..., Ghat_steps)``: worst first-order amplification of noise injected before
+    iteration ``k``, over normalised singular values in ``[sigma_lo, 1]`` (see module docstring).
+    ``Ghat_steps = 1``; ``sigma_lo = 0`` gives ``a^(steps-k)`` (plus band effects)."""
+    if not 0.0 <= sigma_lo <= 1.0:
+        raise ValueError("sigma_lo is a normalised singular value in [0, 1]")
+    s0 = _grid(sigma_lo)
+    traj = [s0]
+    for _ in range(steps):
+        traj.append(_p(traj[-1]))
+    out = []
+    for k in range(steps + 1):
+        s = traj[k]
+        d = torch.ones_like(s)
+        t = s.clone()
+        for _ in range(steps - k):
+            d = d * _dp(t)
+            t = _p(t)
+        g = max(float(d.abs().max()), float((t / s).max()))
+        if sigma_lo == 0.0:
+            g = max(g, NS_A ** (steps - k))
+        out.append(g)
+    return tuple(out)
+
+
+def ns_output_bound(steps: int = NS_STEPS) -> float:
+    """Largest singular value either evaluation can produce, per unit aspect scale (band top, with a
+    small margin for rounding)."""
+    return quintic_band()[1] * 1.05
+
+
+def ns_relative_error(u_compute: float, sigma_lo: float, *, long_dim: int, u_accumulate: Optional[float] = None,
+                      input_rel_err: float = 0.0, steps: int = NS_STEPS) -> float:
+    """``rtol_NS`` of the module docstring (max-norm relative error of the NS output)."""
+    gains = ns_gains(sigma_lo, steps)
+    u_acc = u_compute if u_accumulate is None else u_accumulate
+    per_iter = u_compute + long_dim * u_acc
+    return KAPPA * ((C_IN * u_compute + input_rel_err) * gains[0] + C_ITER * per_iter * sum(gains[1:]))
+
+
+def normalised_sigma_lo(U: torch.Tensor, rank_tol: float = 1e-10) -> float:
+    """``sigma_min(U)/(||U||_F)`` over the min(rows, cols) singular values; 0 if numerically
+    rank-deficient. Batched (3-D) input: the minimum over the batch."""
+    X = U.to(torch.float64)
+    if X.ndim == 2:
+        X = X.unsqueeze(0)
+    X = X.reshape(-1, X.size(-2), X.size(-1))
+    lo = 1.0
+    for M in X:
+        nrm = float(torch.linalg.vector_norm(M))
+        if nrm == 0.0:
+            return 0.0
+        sv = torch.linalg.svdvals(M / nrm)
+        s = float(sv[-1])
+        lo = min(lo, 0.0 if s < rank_tol * float(sv[0]) else s)
+    return lo
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (64, 64), steps: int = 1,
+               ns_method: str = "gram", world_size: int = 1, gas: int = 1, beta: float = 0.95,
+               sigma_lo: float = 0.0, grad_dtype: Optional[str] = None, momentum_dtype: Optional[str] = None,
+               num_heads: Optional[int] = None, ns_inputs_identical: bool = True,
+               adam_betas: tuple[float, float] = (0.9, 0.95), grad_term_scale: Optional[float] = None,
+               grad_to_momentum: Optional[float] = None, weight_scale: float = 0.0,
+               step_to_weight: float = 1.0, backward_rel_err: float = 0.0,
+               clipping_active: bool = True) -> Allowances:
+    """The allowance per quantity for one Muon parameter of ``shape`` (see the module docstring).
+
+    ``grad_dtype``/``momentum_dtype`` default to the model dtype (DeepSpeed's non-offload storage);
+    pass ``"fp32"`` for the offload paths. ``sigma_lo``: :func:`normalised_sigma_lo` of the NS input
+    (0 = rank-deficient, the worst case).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    if steps < 1:
+        raise ValueError("steps >= 1")
+    u_g = unit_roundoff(grad_dtype or model_dtype)
+    u_m = unit_roundoff(momentum_dtype or grad_dtype or model_dtype)
+    u_w = UNIT_ROUNDOFF["fp32"]
+    u_lp = unit_roundoff(model_dtype)
+    u64 = UNIT_ROUNDOFF["fp64"]
+    n = world_size * gas
+    T = steps
+
+    # -- grad
+    rtol_g = (n + 1) * u_g + backward_rel_err
+    atol_g = (n + 1) * u_g * grad_term_scale if grad_term_scale else 0.0
+    grad = Allowance(atol_g, rtol_g, f"(W*GAS+1) u_g = ({n}+1)*{u_g:.3g}"
+                     + (f" + backward {backward_rel_err:.3g}" if backward_rel_err else ""))
+
+    # -- momentum
+    rho = (1.0 / (1.0 - beta)) if grad_to_momentum is None else grad_to_momentum
+    decay = (1.0 - beta ** T) / (1.0 - beta)
+    rtol_m = ((1.0 - beta) * rtol_g * rho + 2.0 * u_m) * decay
+    momentum = Allowance(0.0, rtol_m, f"((1-b) rtol_g rho + 2u_m) (1-b^T)/(1-b), rho={rho:.3g}, T={T}")
+
+    # -- Newton-Schulz direction
+    delta_u = rtol_m + 2.0 * u_m  # U = lerp(g, M', beta), one more rounding
+    rows, cols = int(shape[-2]) if len(shape) >= 2 else 1, int(shape[-1])
+    if len(shape) == 4:
+        rows, cols = int(shape[0]), int(math.prod(shape[1:]))
+    if num_heads:
+        rows = rows // num_heads
+    s = aspect_scale(rows, cols)
+    long_dim = max(rows, cols)
+    cap = 2.0 * ns_output_bound() * s
+    u_c = unit_roundoff(NS_DTYPE[ns_method])
+    exact_ns = ns_relative_error(u_c, sigma_lo, long_dim=long_dim, u_accumulate=UNIT_ROUNDOFF["fp32"],
+                                 input_rel_err=delta_u)
+    if mode == "exact":
+        rtol_o = exact_ns + u_g
+        how = (f"KAPPA[(C_IN u_c + dU) G0 + C_ITER (u_c + m u_acc) sum G], u_c={u_c:.3g}, "
+               f"sigma_lo={sigma_lo:.3g}, m={long_dim}; + u_out")
+        direction = Allowance(0.0, rtol_o, how, cap)
+    elif mode == "hpns":
+        norm_in = 2.0 * u_g if ns_method == "gram" else 0.0
+        rtol_o = ns_relative_error(u64, sigma_lo, long_dim=long_dim, input_rel_err=delta_u + norm_in) + u_g
+        direction = Allowance(0.0, rtol_o, f"float64 NS on fp32-stored input: KAPPA (dU + norm) G0 + ..., "
+                                           f"sigma_lo={sigma_lo:.3g}", cap)
+    else:
+        if ns_inputs_identical:
+            rtol_o = 2.0 * u_g
+            direction = Allowance(0.0, rtol_o, "bit-faithful emulation: one ulp of the output dtype")
+        else:
+            rtol_o = 2.0 * exact_ns + u_g
+            direction = Allowance(0.0, rtol_o, "emulated with differing inputs: 2x exact-mode NS bound "
+                                               "(a flipped 16-bit rounding cascades)", cap)
+
+    # -- norm and clip coefficient
+    if mode == "emulated" and ns_inputs_identical:
+        ns_fro = 2.0 * u_g
+    else:
+        ns_fro = direction.rtol / KAPPA
+    rtol_n = max(ns_fro, rtol_g) + 4.0 * u64 + u_w
+    norm = Allowance(0.0, rtol_n, "max(part Frobenius errors) + float64 sum")
+    rtol_k = rtol_n if clipping_active else 0.0
+    clip_coef = Allowance(0.0, rtol_k, "k = (N + 1e-6)/c inherits the norm's relative error"
+                          if clipping_active else "no clipping: k = 1 exactly")
+
+    # -- Adam
+    b2 = adam_betas[1]
+    rtol_ad = 2.0 * (rtol_g + rtol_k) + 10.0 * u_w + 2.0 * u_w * min(T, 1.0 / (1.0 - b2))
+    adam_direction = Allowance(0.0, rtol_ad, "2(rtol_g + rtol_k) + 10 u_w + 2 u_w min(T, 1/(1-b2))")
+
+    # -- applied updates
+    atol_u = 2.0 * u_w * weight_scale
+    update = Allowance(atol_u, direction.rtol + rtol_k + 2.0 * u_w, "rtol_O + rtol_k + 2 u_w",
+                       (cap + 2.0 * u_w * weight_scale) if math.isfinite(direction.cap) else math.inf)
+    adam_update = Allowance(atol_u, rtol_ad + 2.0 * u_w, "rtol_adam + 2 u_w")
+
+    # -- weights
+    worst_update = max(update.rtol, adam_update.rtol)
+    rtol_w = T * (2.0 * u_w + worst_update * step_to_weight)
+    master = Allowance(0.0, rtol_w, f"T (2 u_w + rtol_update * step_to_weight), T={T}, "
+                                    f"step_to_weight={step_to_weight:.3g}")
+    extra = 0.0 if model_dtype == "fp32" else 2.0 * u_lp
+    model = Allowance(0.0, rtol_w + extra, "master + one model-dtype rounding flip (2 u_lp)")
+    loss_scale = Allowance(0.0, 0.0, "deterministic power of two: exact")
+    return Allowances(grad, momentum, direction, adam_direction, update, adam_update, master, model,
+                      loss_scale, norm, clip_coef)
