@@ -15,9 +15,14 @@ TINY_PARAMS = (
     ParamShape("layer1.bias", (7,)),
 )
 
-# A Muon matrix of exactly 1 MiB in fp32: DeepSpeed only swaps a sub-group of >= MIN_AIO_BYTES
-# (1 MiB) to NVMe, so anything smaller silently stays in memory.
-NVME_PARAMS = TINY_PARAMS + (ParamShape("big.weight", (512, 512)),)
+
+
+def nvme_params(world_size: int) -> tuple[ParamShape, ...]:
+    """DeepSpeed only swaps a sub-group whose per-rank partition is >= MIN_AIO_BYTES (1 MiB); anything
+    smaller silently stays in memory, so the NVMe cases carry one matrix big enough per rank."""
+    from harness.nvme import nvme_matrix
+
+    return TINY_PARAMS + (nvme_matrix(world_size),)
 
 
 def pipeline_name(stage: int, offload: str, dtype: str, world_size: int, swapper: str = "partitioned", **extra) -> str:
@@ -29,12 +34,9 @@ def pipeline_name(stage: int, offload: str, dtype: str, world_size: int, swapper
 def pipeline_case(stage: int, offload: str = "none", dtype: str = "fp32", world_size: int = 1, *,
                   steps: int = 2, seed: int = 0, swapper: str = "partitioned", params=None, **cfg) -> Case:
     if params is None:
-        params = NVME_PARAMS if offload == "nvme" else TINY_PARAMS
+        params = nvme_params(world_size) if offload == "nvme" else TINY_PARAMS
     name = pipeline_name(stage, offload, dtype, world_size, swapper if offload == "nvme" else "partitioned",
                          **{k: v for k, v in cfg.items() if k in ("grad_accum", "clip", "ns_method")})
-    if stage == 3 and offload == "nvme":
-        # One sub-group per big tensor is enough to cross MIN_AIO_BYTES; keep the rest small.
-        cfg.setdefault("sub_group_size", 300_000)
     return Case(
         name=name,
         params=tuple(params),
