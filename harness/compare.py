@@ -6,12 +6,18 @@ was, what was allowed, and how to rerun exactly this case.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 
-# (param name, flat index within the param) -> (rank, region)
-Locator = Callable[[str, int], tuple[int, str]]
+class LayoutView:
+    """What the comparison needs to know about ZeRO's flat layout: who owns an element, and the
+    element ranges of each region of a parameter (so bad elements are counted per region in one
+    vectorised pass, whatever the parameter's size)."""
+
+    def locate(self, name: str, index: int) -> tuple[int, str]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def ranges(self, name: str) -> dict[str, list[tuple[int, int]]]:  # pragma: no cover - interface
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Check:
 
 
 def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expected, allowed: Allowed,
-                   locate: Locator | None = None, keep_map: bool = True) -> Check:
+                   layout: LayoutView | None = None, keep_map: bool = True) -> Check:
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
     if a.shape != e.shape:
@@ -82,11 +88,14 @@ def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expe
     worst = int(np.argmax(ratio)) if ratio.size else 0
     rank = region = None
     counts: dict[str, int] = {}
-    if locate is not None and ratio.size:
-        rank, region = locate(param, worst)
-        for idx in np.flatnonzero(bad)[:100000]:
-            _, reg = locate(param, int(idx))
-            counts[reg] = counts.get(reg, 0) + 1
+    if layout is not None and ratio.size:
+        rank, region = layout.locate(param, worst)
+        if bad.any():
+            csum = np.concatenate([[0], np.cumsum(bad)])
+            for reg, spans in layout.ranges(param).items():
+                n = int(sum(csum[b] - csum[a] for a, b in spans))
+                if n:
+                    counts[reg] = n
     return Check(case=case, param=param, quantity=quantity, step=step,
                  worst_ratio=float(ratio[worst]) if ratio.size else 0.0, worst_index=worst,
                  worst_error=float(err[worst]) if ratio.size else 0.0,

@@ -24,7 +24,7 @@ import torch
 import oracles
 from harness import model as model_mod
 from harness.case import Case
-from harness.compare import Allowed, Check, compare_arrays, describe, first_divergence
+from harness.compare import Allowed, Check, LayoutView, compare_arrays, describe, first_divergence
 from harness.trajectory import Trajectory
 
 QUANTITIES = ("grad", "momentum", "update", "master", "model", "loss_scale", "skipped", "global_norm",
@@ -156,11 +156,19 @@ def _lp_weights(case: Case, traj: Trajectory, step: int) -> dict[str, torch.Tens
     return {n: _t(ps.model) for n, ps in traj.steps[step - 2].params.items()}
 
 
-def _locator(layout):
-    def locate(name: str, index: int) -> tuple[int, str]:
-        loc = oracles.locate(layout, name, index)
+class _OracleLayout(LayoutView):
+    def __init__(self, layout):
+        self.layout = layout
+        self._ranges: dict[str, dict] = {}
+
+    def locate(self, name: str, index: int) -> tuple[int, str]:
+        loc = oracles.locate(self.layout, name, index)
         return loc.rank, loc.region
-    return locate
+
+    def ranges(self, name: str) -> dict[str, list[tuple[int, int]]]:
+        if name not in self._ranges:
+            self._ranges[name] = oracles.region_ranges(self.layout, name)
+        return self._ranges[name]
 
 
 def _grad_term_scale(grads) -> float:
@@ -178,7 +186,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     conv = conventions or oracles.Conventions(momentum_dtype="fp32")
     sc = step_config(case)
     layout = layout_for(case, sc)
-    locate = _locator(layout)
+    view = _OracleLayout(layout)
     verdict = Verdict(case, mode)
     ns_mode = "emulated" if mode == "emulated" else "exact"
     spec = {p.name: p for p in sc.params}
@@ -191,7 +199,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
 
     def add(param, quantity, step, actual, expected, allowance):
         verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, Allowed.of(allowance),
-                                             locate if param in spec else None, keep_map=keep_maps))
+                                             view if param in spec else None, keep_map=keep_maps))
 
     for rec in traj.steps:
         s = rec.step
