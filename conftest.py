@@ -18,6 +18,8 @@ from harness import buildenv  # noqa: E402
 
 buildenv.apply_base_env()
 
+pytest_plugins = ["harness.pytest_plugin"]  # --divergence-report, result_store, report_extra
+
 
 def pytest_addoption(parser):
     group = parser.getgroup("muon-harness")
@@ -27,12 +29,23 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Without --full, the cases outside the CI covering subset are deselected (not skipped): they
+    are not part of this run at all, and the terminal summary says how many and how to run them."""
     if config.getoption("--full"):
         return
-    skip_full = pytest.mark.skip(reason="part of --full only (CI runs the covering subset)")
+    keep, full_only = [], []
     for item in items:
-        if "full" in item.keywords:
-            item.add_marker(skip_full)
+        (full_only if "full" in item.keywords else keep).append(item)
+    if full_only:
+        config.hook.pytest_deselected(items=full_only)
+        items[:] = keep
+        config._muon_full_only = len(full_only)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = getattr(config, "_muon_full_only", 0)
+    if n:
+        terminalreporter.write_line(f"muon-harness: {n} cases of the full product deselected (run with --full)")
 
 
 @pytest.fixture(scope="session")
