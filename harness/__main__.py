@@ -3,6 +3,8 @@
   gate    run the pipeline matrix against the oracle and write the HTML report (the main job)
   run     rerun exactly one case (the reproducer every divergence message prints)
   bench   pool vs spawn-per-case vs bare DeepSpeed timings, measured in one run
+  report  re-render the HTML divergence report from stored results (nothing reruns)
+  check   check your own DeepSpeed config (Muon) against the oracle on a scaled model (harness/check.py)
 """
 from __future__ import annotations
 
@@ -31,10 +33,24 @@ def main(argv=None) -> int:
     b.add_argument("--cases", type=int, default=6)
     b.add_argument("--world-size", type=int, default=2)
 
+    rp = sub.add_parser("report", help="re-render the HTML divergence report from stored results (nothing reruns)")
+    rp.add_argument("results", help="results folder (results-*.jsonl, maps/, extra-*.json)")
+    rp.add_argument("-o", "--out", default=None, help="output HTML (default: divergence.html next to the folder)")
+    rp.add_argument("--title", default=None)
+
+    from harness import check as check_cli
+
+    ck = sub.add_parser("check", help="check your DeepSpeed config against the oracle (exit 0 ok, 1 diverged, "
+                                      "2 bad input, 3 run failed)",
+                        description=check_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check_cli.add_arguments(ck)
+
     args = ap.parse_args(argv)
     from harness import buildenv
 
     buildenv.apply_base_env()
+    if args.cmd == "check":
+        return check_cli.run_check(args)
     if args.cmd == "gate":
         from harness.gate import run_gate
 
@@ -50,6 +66,18 @@ def main(argv=None) -> int:
             print(f"error: not a valid case: {exc}", file=sys.stderr)
             return 2
         return run_single(case, report=args.report)
+    if args.cmd == "report":
+        from pathlib import Path
+
+        from harness.report import render
+
+        results = Path(args.results)
+        if not results.is_dir():
+            print(f"error: no results folder at {results}", file=sys.stderr)
+            return 2
+        out = render(results, args.out or results.resolve().parent / "divergence.html", title=args.title)
+        print(out)
+        return 0
     if args.cmd == "bench":
         from harness.bench import main as bench_main
 
