@@ -1,0 +1,340 @@
+"""Rendering of the HTML divergence report from synthetic stored results (no torch, no browser).
+
+The records come from ``synth`` (shaped like ``harness.results.from_verdict``'s), so every fact
+the page must show -- names, bug ids, reproducers, where ZeRO cut each parameter -- is known here
+and checked in the output, including the heatmap geometry read back from the SVG.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import re
+import struct
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+import synth
+from harness import report
+from harness.results import load_records
+
+SVG = "{http://www.w3.org/2000/svg}"
+MB = 1024 * 1024
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def details_of(page: str, case_name: str, column: str = "stock") -> str:
+    m = re.search(r"<details class='case[^']*' id='[^']+' data-case='%s' data-column='%s'>.*?</details>"
+                  % (re.escape(html.escape(case_name)), column), page, re.S)
+    assert m, f"no details section for {case_name} ({column})"
+    return m.group(0)
+
+
+def svgs_in(fragment: str) -> list[str]:
+    return re.findall(r"<svg.*?</svg>", fragment, re.S)
+
+
+def _first_path(svg_root, id_suffix: str):
+    for el in svg_root.iter():
+        if (el.get("id") or "").endswith(id_suffix):
+            path = el if el.tag == SVG + "path" else next(el.iter(SVG + "path"))
+            return [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", path.get("d"))]
+    return None
+
+
+def heat_geometry(svg: str) -> dict:
+    """Element coordinates of what the heatmap drew, read back from the SVG: the strip axes'
+    pixel box gives the scale, each ``boundary-r<k>`` line and padding span is mapped back."""
+    root = ET.fromstring(svg)
+    box = _first_path(root, "heat-axes")
+    assert box, "heatmap axes not found"
+    xs = box[0::2]
+    x0, x1 = min(xs), max(xs)
+
+    def frac(x):
+        return (x - x0) / (x1 - x0)
+
+    out = {"boundaries": {}, "tails": [], "padding": None}
+    for el in root.iter():
+        gid = el.get("id") or ""
+        m = re.search(r"boundary-r(\d+)$", gid)
+        if m:
+            pts = _first_path(el, gid)
+            out["boundaries"][int(m.group(1))] = frac(pts[0])
+        elif re.search(r"padded-tail-\d+$", gid):
+            pts = _first_path(el, gid)
+            out["tails"].append((frac(min(pts[0::2])), frac(max(pts[0::2]))))
+        elif gid.endswith("-padding"):
+            pts = _first_path(el, gid)
+            out["padding"] = (frac(min(pts[0::2])), frac(max(pts[0::2])))
+    return out
+
+
+def assert_boundaries(geom: dict, expected: dict[int, float], xmax: float, tol: float = 0.002) -> None:
+    got = geom["boundaries"]
+    assert sorted(got) == sorted(expected), f"boundaries drawn for ranks {sorted(got)}, expected {sorted(expected)}"
+    for rank, element in expected.items():
+        assert abs(got[rank] - element / xmax) < tol, (
+            f"rank {rank} boundary drawn at element {got[rank] * xmax:.2f}, expected {element}")
+
+
+def png_size(svg: str) -> list[tuple[int, int]]:
+    out = []
+    for data in re.findall(r"data:image/png;base64,\s*([A-Za-z0-9+/=]+)", svg):
+        raw = base64.b64decode(data)
+        out.append(struct.unpack(">II", raw[16:24]))
+    return out
+
+
+# ----------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A run with every kind of outcome; returns (page, root, records by (name, column))."""
+    root = tmp_path_factory.mktemp("small") / "results"
+    items = [
+        synth.failing("-xf", stage=3, world_size=4),  # DSM-001 strict xfail, stock
+        synth.passing("-xf", stage=3, dtype="fp16", world_size=4, column="patched", ratio=0.4),
+        synth.failing("-tail", stage=1, world_size=4, dtype="bf16", status="failed", bug_ids=(), pattern="edges"),
+        synth.passing("-ok", ratio=0.123),
+        synth.error("-boom"),
+    ]
+    synth.write(root, items[:3])
+    synth.write(root, items[3:], writer="gw1")  # a second writer, as under pytest-xdist
+    out = report.render(root, root.parent / "report.html", extra={"environment": {"seed": 7, "torch": "2.13.0"}})
+    recs = {(r.case_name, r.column): r for r in load_records(root)}
+    return out.read_text(), root, recs
+
+
+# -------------------------------------------------------------------------------------- tests
+
+
+def test_verdict_counts_and_bug_ids(small):
+    page, _, _ = small
+    head = page[:page.index("id='grid'")]
+    assert "<span class='vword'>FAIL</span>" in head
+    assert "1 failed" in head and "1 error" in head
+    counts = dict((label, int(n)) for n, label in re.findall(
+        r"<span class='n'>(\d+)</span><span class='l'>([^<]+)</span>", head))
+    assert counts == {"passed": 2, "failed": 1, "strict xfail": 1, "xpassed": 0, "error": 1, "skipped": 0}
+    # strict xfail by bug id, with the registry's title
+    assert re.search(r"<span class='bug'>DSM-001</span></td><td class='num'>1</td><td>Muon momentum kept in 16 bit",
+                     head)
+
+
+def test_failing_case_details_name_bug_reproducer_config(small):
+    page, _, recs = small
+    rec = recs[("z3-none-fp16-ws4-xf", "stock")]
+    d = details_of(page, rec.case_name)
+    assert "<details class='case st-xfailed'" in d and " open" not in d.split(">")[0]  # collapsed
+    assert f"<b class='cname'>{rec.case_name}</b>" in d
+    assert "<span class='bug' title='Muon momentum kept in 16 bit'>DSM-001</span>" in d
+    assert "Muon momentum kept in 16 bit</b>:" in d  # the bug line with its symptom
+    # the exact reproducer, escaped, in a copyable block
+    cmd = re.search(r"<div class='repro'><button type='button' class='copy'>copy</button><pre class='cmd'>(.*?)</pre>",
+                    d, re.S)
+    assert cmd and html.unescape(cmd.group(1)) == rec.reproduce
+    assert rec.reproduce.startswith(".venv/bin/python -m harness run --case '")
+    # the case JSON, pretty-printed
+    cfg = html.unescape(re.search(r"<pre class='config'>(.*?)</pre>", d, re.S).group(1))
+    assert '\n  "world_size": 4' in cfg and '"stage": 3' in cfg
+    # quantities table: worst error against its allowance
+    row = re.search(r"<tr class='bad'><td>layer0.weight</td><td>momentum</td><td>1\u20133</td>"
+                    r"<td class='num ratio'>([^<]+)</td><td class='num'>([^<]+)</td><td class='num'>([^<]+)</td>", d)
+    assert row, "momentum row of layer0.weight missing"
+    worst = max((c for c in rec.checks if c.param == "layer0.weight" and c.quantity == "momentum"),
+                key=lambda c: c.worst_ratio)
+    assert float(row.group(2)) == pytest.approx(worst.error, rel=1e-5)
+    assert float(row.group(3)) == pytest.approx(worst.allowance, rel=1e-5)
+    # one error-vs-step figure with a panel per failing quantity, and heatmaps
+    svgs = svgs_in(d)
+    assert any('id="' in s and "quantity-momentum" in s and "quantity-update" in s and "quantity-master" in s
+               for s in svgs)
+    figs = re.findall(r"<figure class='heatmap' data-case='([^']+)' data-column='stock' data-param='([^']+)'", d)
+    assert figs == [(rec.case_name, "layer0.weight"), (rec.case_name, "layer1.weight")]
+
+
+def test_failed_and_error_cases_show_their_messages(small):
+    page, _, recs = small
+    tail = details_of(page, "z1-none-bf16-ws4-tail")
+    assert "<span class='bug'" not in tail.split("</summary>")[0]  # a plain failure carries no bug id
+    err = details_of(page, "z2-cpu-bf16-ws2-boom")
+    assert "RuntimeError: &lt;boom&gt; &amp; friends" in err  # escaped, not interpreted
+    assert "<figure class='heatmap'" not in err
+
+
+def test_case_by_column_grid(small):
+    page, _, recs = small
+    grid = page[page.index("id='grid'"):page.index("</table>", page.index("id='grid'"))]
+    assert "<th>stock</th><th>patched</th>" in grid
+    row = re.search(r"<tr data-case='z3-none-fp16-ws4-xf'>(.*?)</tr>", grid, re.S).group(1)
+    stock, patched = re.findall(r"<td class='cell st-(\w+)'>", row)
+    assert (stock, patched) == ("xfailed", "passed")
+    anchor = re.search(r"href='#([^']+)'", row).group(1)
+    assert f"id='{anchor}' data-case='z3-none-fp16-ws4-xf' data-column='stock'" in page
+
+
+def test_passing_cases_are_compact_rows_with_worst_ratio(small):
+    page, _, _ = small
+    passed = page[page.index("id='passed'"):]
+    rows = re.findall(r"<td class='cname'>([^<]+)</td><td>(\w+)</td><td>\w+</td><td class='num'>([^<]+)</td>", passed)
+    assert ("z1-none-fp32-ws2-ok", "stock", "0.123&times;") in rows
+    assert ("z3-none-fp16-ws4-xf", "patched", "0.4&times;") in rows
+    assert "data-case='z1-none-fp32-ws2-ok' data-column" not in page  # no details section for a pass
+
+
+def test_environment_and_seed(small):
+    page, _, _ = small
+    env = page[page.index("id='environment'"):page.index("</table>", page.index("id='environment'"))]
+    assert "<tr><th>seed</th><td>7</td></tr>" in env and "<tr><th>torch</th><td>2.13.0</td></tr>" in env
+
+
+@pytest.mark.parametrize("stage,world,param,expected,xmax,tail,padding", [
+    # ZeRO-3 slices each parameter: 30 elements over 4 ranks -> q = 8, cuts at 8/16/24, 2 padding
+    (3, 4, "layer0.weight", {1: 8, 2: 16, 3: 24}, 32, (29, 30), (30, 32)),
+    # ZeRO-1/2 slice the flat group (64 elements, 16 per rank): layer0.weight [0,30) is cut at 16
+    (1, 4, "layer0.weight", {1: 16}, 30, None, None),
+    # ... and layer1.bias, the last 7 elements of the group, sits in rank 3's partition, uncut
+    (1, 4, "layer1.bias", {}, 7, None, None),
+])
+def test_heatmap_draws_partition_boundaries_and_padding(stage, world, param, expected, xmax, tail, padding):
+    layout = synth.zero_layout(synth.TINY_PARAMS, world, stage)[param]
+    n = int(np.prod(layout["shape"]))
+    svg = report.heatmap_svg(np.linspace(0, 3, n), layout, case="c", param=param, quantity="momentum", step=1,
+                             stage=stage)
+    geom = heat_geometry(svg)
+    assert_boundaries(geom, expected, xmax)
+    if tail:
+        assert len(geom["tails"]) == 1
+        assert geom["tails"][0] == pytest.approx((tail[0] / xmax, tail[1] / xmax), abs=0.002)
+    else:
+        assert geom["tails"] == []
+    if padding:
+        assert geom["padding"] == pytest.approx((padding[0] / xmax, padding[1] / xmax), abs=0.002)
+    else:
+        assert geom["padding"] is None
+
+
+def test_boundary_check_catches_a_misplaced_line():
+    """The geometry check is not vacuous: one element off, or a missing rank, fails it."""
+    layout = synth.zero_layout(synth.TINY_PARAMS, 4, 3)["layer0.weight"]
+    geom = heat_geometry(report.heatmap_svg(np.ones(30), layout, case="c", param="p", quantity="q", step=1, stage=3))
+    with pytest.raises(AssertionError, match="rank 2 boundary"):
+        assert_boundaries(geom, {1: 8, 2: 17, 3: 24}, 32)
+    with pytest.raises(AssertionError, match="boundaries drawn for ranks"):
+        assert_boundaries(geom, {1: 8, 2: 16}, 32)
+    shifted = dict(layout, ranks=[[0, 0, 9], [1, 9, 16], [2, 16, 24], [3, 24, 30]])
+    geom2 = heat_geometry(report.heatmap_svg(np.ones(30), shifted, case="c", param="p", quantity="q", step=1, stage=3))
+    with pytest.raises(AssertionError, match="rank 1 boundary"):
+        assert_boundaries(geom2, {1: 8, 2: 16, 3: 24}, 32)
+
+
+def test_rendered_report_heatmap_matches_the_stored_layout(small):
+    page, _, recs = small
+    rec = recs[("z1-none-bf16-ws4-tail", "stock")]
+    d = details_of(page, rec.case_name)
+    fig = re.search(r"<figure class='heatmap'[^>]*data-param='layer0.weight'.*?</figure>", d, re.S).group(0)
+    assert_boundaries(heat_geometry(svgs_in(fig)[0]), {1: 16}, 30)
+    assert "padded tail" not in fig  # layer0.weight is not next to ZeRO-1's padding
+
+
+def test_big_parameter_is_max_pooled_and_small(tmp_path):
+    n = 524288
+    ratio = np.full(n, 0.01, dtype=np.float32)
+    ratio[400000] = 5e3  # one bad element must survive the downsampling
+    pooled = report.maxpool(ratio)
+    assert pooled.size == report.MAX_CELLS and pooled.max() == pytest.approx(5e3)
+    assert int(np.argmax(pooled)) == 400000 * report.MAX_CELLS // n
+    layout = synth.zero_layout((synth.BIG,), 2, 3)["big.weight"]
+    svg = report.heatmap_svg(ratio, layout, case="c", param="big.weight", quantity="momentum", step=1, stage=3)
+    assert len(svg) < 40_000, f"heatmap SVG of a 0.5 M-element parameter is {len(svg)} bytes"
+    widths = [w for w, h in png_size(svg)]
+    assert widths and max(widths) <= report.MAX_CELLS
+    assert_boundaries(heat_geometry(svg), {1: n // 2}, n)
+
+
+def test_page_is_self_contained(small):
+    page, _, _ = small
+    refs = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)["']""", page)
+    external = [r for r in refs if not (r.startswith("#") or r.startswith("data:"))]
+    assert not external, f"external references: {external[:5]}"
+    urls = set(re.findall(r"https?://[^\s\"'<>)]+", page))
+    assert urls <= {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}, urls
+    assert "<script src" not in page and "@import" not in page
+    # the element ids of the inline SVGs are unique across the page
+    ids = re.findall(r'\sid="([^"]+)"', page)
+    assert len(ids) == len(set(ids))
+
+
+def test_mutation_kill_matrix_and_surviving_mutant(tmp_path):
+    root = tmp_path / "results"
+    synth.write(root, [synth.passing("-a"), synth.passing("-b")])
+    extra = {"mutations": [
+        {"mutant": "M-pad", "description": "skip the padded tail", "killed": {"z1-none-fp32-ws2-a": True,
+                                                                              "z1-none-fp32-ws2-b": False},
+         "killed_by": ["z1-none-fp32-ws2-a"]},
+        {"mutant": "M-fp16-mom", "description": "momentum in fp16", "killed": [False, False]},
+    ], "mutation_cases": ["z1-none-fp32-ws2-a", "z1-none-fp32-ws2-b"]}
+    page = report.render(root, tmp_path / "r.html", extra=extra).read_text()
+    block = page[page.index("id='mutations'"):page.index("</section>", page.index("id='mutations'"))]
+    assert "(1/2 killed)" in block
+    killed = re.search(r"<tr class='killed'><th>M-pad</th>(.*?)</tr>", block, re.S).group(1)
+    assert killed.count("class='k yes'") == 1 and killed.count("class='k no'") == 1
+    assert re.search(r"<tr class='survived'><th>M-fp16-mom</th>.*SURVIVED", block, re.S)
+    head = page[:page.index("id='counts'")]
+    assert "FAIL" in head and "mutant(s) survived: M-fp16-mom" in head
+
+
+def test_kill_matrix_from_mutant_columns(tmp_path):
+    """Outcomes stored under a mutant's column (the case installs the mutant) feed the matrix."""
+    root = tmp_path / "results"
+    killed, _ = synth.failing("-m", status="failed", bug_ids=())
+    spared, _ = synth.passing("-m")
+    for rec in (killed, spared):
+        rec.column = "M-skip-tail"
+        rec.case_json = rec.case_json.replace('"mutant": null', '"mutant": "M-skip-tail"')
+        rec.key += "m"
+    synth.write(root, [(killed, {}), (spared, {}), synth.passing("-ok")])
+    page = report.render(root, tmp_path / "r.html").read_text()
+    block = page[page.index("id='mutations'"):page.index("</section>", page.index("id='mutations'"))]
+    assert "<tr class='killed'><th>M-skip-tail</th>" in block and "z1-none-fp16-ws2-m" in block
+    grid = page[page.index("id='grid'"):]
+    assert "M-skip-tail" not in grid.split("id='details'")[0]  # mutant outcomes stay out of the grid
+    assert "<span class='vword'>PASS</span>" in page  # a killed mutant is what the harness wants
+
+
+def test_all_passing_run_is_a_pass(tmp_path):
+    root = tmp_path / "results"
+    synth.write(root, [synth.passing("-a"), synth.failing("-x", status="xfailed")])
+    page = report.render(root, tmp_path / "r.html").read_text()
+    assert "<span class='vword'>PASS</span>" in page
+
+
+def test_rebuild_from_stored_results_with_the_cli(small, tmp_path, capsys):
+    from harness.__main__ import main
+
+    _, root, recs = small
+    out = tmp_path / "rebuilt.html"
+    assert main(["report", str(root), "-o", str(out)]) == 0
+    page = out.read_text()
+    for name, _ in recs:
+        assert name in page
+    assert "<tr><th>seed</th><td>0</td></tr>" in page  # from the stored cases' seeds
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+
+
+def test_gate_sized_report_is_under_5_mb(gate_report):
+    html_path, results, seconds = gate_report
+    page = html_path.read_text()
+    size = html_path.stat().st_size
+    n_details = len(re.findall(r"<details class='case ", page))
+    n_heat = len(re.findall(r"<figure class='heatmap'", page))
+    print(f"\ngate-sized report: {size / MB:.2f} MB, {n_details} detailed outcomes, {n_heat} heatmaps, "
+          f"rendered in {seconds:.1f} s")
+    assert n_details == 40 and n_heat >= 80
+    assert len(re.findall(r"<tr class='st-passed' data-case=", page)) == 110
+    assert size < 5 * MB
