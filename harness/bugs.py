@@ -6,9 +6,18 @@ divergence in the same case is a plain failure. A bug whose trigger selects a ca
 passes is an XPASS, which strict mode turns into a failure: the registry must stay exact.
 
 ``fix`` names the entry of ``harness.patched_runtime`` that removes the bug (None: no fix yet).
+
+Triggers are pure functions of the case. Where a bug depends on the loss-scale trajectory they
+replay DeepSpeed's dynamic loss scaler (``oracles.loss_scaler``) over the case's steps and injected
+overflows; DSM-005 (an fp16 overflow of ``S*O``) replays the float64 oracle to get ``max|O|`` per step.
+Two confirmed bugs cannot be expressed as a ``Case`` (DSM-006 needs two Muon param groups, DSM-011 is
+about files left on disk): their trigger selects no case, and ``reproducer`` names the standalone
+test that shows them.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,20 +30,193 @@ class Bug:
     title: str
     symptom: str
     trigger: Callable[[Case], bool]
-    quantities: frozenset  # quantities it may make diverge ("swap" = NVMe never touched)
+    quantities: frozenset  # quantities it may make diverge ("swap" = NVMe never touched, "crash" = the case raises)
     where: str  # the DeepSpeed 0.19.8 code responsible
     fix: str | None = None
+    reproducer: str = ""  # the case or test that shows it
+
+
+# ------------------------------------------------------------------------------------------------
+# facts about a case
 
 
 def _half(c: Case) -> bool:
     return c.dtype in ("fp16", "bf16")
 
 
-def _z3_inmem(c: Case) -> bool:
-    return bool(c.config.get("zero_optimization", {}).get("save_muon_momentum_buffer_in_memory"))
+def _dt(value, default: str) -> str:
+    if value is None:
+        return default
+    v = str(value).lower().replace("torch.", "")
+    return {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+            "bf16": "bf16", "bfloat16": "bf16"}.get(v, v)
 
+
+def _comm(c: Case) -> str:
+    """communication_data_type (engine.py: defaults to the model dtype)."""
+    return _dt(c.config.get("communication_data_type"), c.dtype)
+
+
+def _gad(c: Case) -> str:
+    """gradient_accumulation_dtype (data_types.grad_accum_dtype; defaults to the model dtype)."""
+    return _dt(c.config.get("data_types", {}).get("grad_accum_dtype"), c.dtype)
+
+
+def _zero(c: Case) -> dict:
+    return c.config.get("zero_optimization", {})
+
+
+def _z3_inmem(c: Case) -> bool:
+    return bool(_zero(c).get("save_muon_momentum_buffer_in_memory"))
+
+
+def _is_muon(p) -> bool:
+    return len(p.shape) >= 2 and not any(k in p.name.lower() for k in ("embed", "lm_head"))
+
+
+def _has_muon(c: Case) -> bool:
+    return any(_is_muon(p) for p in c.params)
+
+
+def _has_adam(c: Case) -> bool:
+    return any(not _is_muon(p) for p in c.params)
+
+
+def _bf16_optimizer(c: Case) -> bool:
+    """DeepSpeed routes bf16 + grad_accum_dtype fp32 + ZeRO-1 (no offload) to BF16_Optimizer (engine.py:2305)."""
+    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and _gad(c) == "fp32"
+
+
+def _resumes(c: Case) -> bool:
+    return c.checkpoint_at is not None and 1 <= c.checkpoint_at < c.steps
+
+
+def _fp16_dynamic(c: Case) -> bool:
+    return c.dtype == "fp16" and not c.config.get("fp16", {}).get("loss_scale", 0)
+
+
+@functools.lru_cache(maxsize=512)
+def _scale_plan_cached(case_json: str, restart_at):
+    import oracles
+    from harness.verdict import step_config
+
+    c = Case.from_json(case_json)
+    cfg = step_config(c).loss_scaler
+    poisoned = {o.step for o in c.overflows if not math.isfinite(o.value)}
+    if cfg is None:
+        return tuple((1.0, 1.0, s in poisoned) for s in range(1, c.steps + 1))
+    st = oracles.initial_scaler_state(cfg)
+    out = []
+    for s in range(1, c.steps + 1):
+        if restart_at is not None and s == restart_at + 1:
+            st = oracles.initial_scaler_state(cfg)
+        used = st.scale
+        st = oracles.update_scale(st, s in poisoned, cfg)
+        out.append((float(used), float(st.scale), s in poisoned))
+    return tuple(out)
+
+
+def scale_plan(c: Case, restart_at: int | None = None) -> tuple:
+    """Per step ``(S used, S after, skipped)`` as DeepSpeed's scaler will run it, assuming no overflow
+    other than the case's injected ones (``restart_at``: a scaler that restarts after that step)."""
+    return _scale_plan_cached(c.replace(name="plan").to_json(), restart_at)
+
+
+def _grows(c: Case) -> bool:
+    return _fp16_dynamic(c) and any(not sk and after > used for used, after, sk in scale_plan(c))
+
+
+def _momentum_sees_scale_change(c: Case) -> bool:
+    """A step whose loss scale differs from the one of the last step that committed Muon momentum."""
+    last = None
+    for used, _, sk in scale_plan(c):
+        if last is not None and used != last:
+            return True
+        if not sk:
+            last = used
+    return False
+
+
+def _padded_head_group(c: Case) -> bool:
+    """ZeRO-1/2 with parameter_alignment pads every Muon param but the group's last to 16 bytes
+    (stage_1_and_2.py:444-500); any padding sends the group down get_flat_partition's padded branch."""
+    if not _zero(c).get("parameter_alignment"):
+        return False
+    muon = sorted((p for p in c.params if _is_muon(p)), key=lambda p: tuple(p.shape), reverse=True)
+    if not any((p.num_heads or 1) > 1 for p in muon):
+        return False
+    align = 16 // math.gcd(16, 4 if c.dtype == "fp32" else 2)
+    offset = 0
+    for i, p in enumerate(muon):
+        offset += p.numel
+        if i < len(muon) - 1 and (-offset) % align:
+            return True
+    return False
+
+
+def _z3_padded_tail(c: Case) -> bool:
+    W = c.world_size
+    return W > 1 and any(_is_muon(p) and p.numel % math.ceil(p.numel / W) for p in c.params)
+
+
+@functools.lru_cache(maxsize=128)
+def _max_update_cached(case_json: str) -> tuple:
+    """Per step (S used, max|O| over Muon params, skipped) from the float64 oracle run free of DeepSpeed."""
+    import torch
+
+    import oracles
+    from harness import model as model_mod
+    from harness.verdict import step_config
+
+    c = Case.from_json(case_json)
+    sc = step_config(c)
+    conv = oracles.Conventions(momentum_dtype="fp32")
+    lp = oracles.MODEL_DTYPES[c.dtype]
+    init = {n: t.to(torch.float64) for n, t in model_mod.initial_weights(c).items()}
+    state = oracles.initial_state(sc, init, conv)
+    out = []
+    for s in range(1, c.steps + 1):
+        w = {n: m.to(lp).to(torch.float64) for n, m in state.master.items()}
+        grads = [[model_mod.local_gradients(w, c, r, s, mu) for mu in range(c.grad_accum)]
+                 for r in range(c.world_size)]
+        state, rec = oracles.oracle_step(state, grads, sc, conv, ns_mode="exact")
+        m = max((float(p.direction.abs().max()) for p in rec.params.values()
+                 if p.use_muon and p.direction is not None), default=0.0)
+        out.append((float(rec.loss_scale_used), m, bool(rec.skipped)))
+    return tuple(out)
+
+
+FP16_INF_THRESHOLD = 65520.0  # the smallest value that rounds to inf in fp16
+
+
+def _z3_offload_fp16_update_overflows(c: Case) -> bool:
+    if not (c.stage == 3 and c.offload != "none" and c.dtype == "fp16" and _gad(c) != "fp32" and _has_muon(c)):
+        return False
+    # cheap pre-filter: |O_ij| <= sigma_max(NS5 output) * aspect scale, and sigma_max < 1.5
+    bound = max(1.5 * math.sqrt(max(1.0, p.shape[0] / (p.numel / p.shape[0]))) for p in c.params if _is_muon(p))
+    if max(used for used, _, _ in scale_plan(c)) * bound < FP16_INF_THRESHOLD:
+        return False
+    return any(not sk and used * m >= FP16_INF_THRESHOLD
+               for used, m, sk in _max_update_cached(c.replace(name="plan").to_json()))
+
+
+def _nvme_resume_loses_state(c: Case) -> bool:
+    if not (c.stage == 3 and c.offload == "nvme" and _resumes(c)):
+        return False
+    from harness.nvme import predict_swapped_subgroups
+
+    if any(not s["swapped"] for s in predict_swapped_subgroups(c)):
+        return True
+    if _z3_inmem(c) and _has_muon(c):
+        return True
+    return scale_plan(c)[c.checkpoint_at:] != scale_plan(c, restart_at=c.checkpoint_at)[c.checkpoint_at:]
+
+
+# ------------------------------------------------------------------------------------------------
+# the registry
 
 WEIGHTS = frozenset({"momentum", "update", "master", "model", "global_norm"})
+SCALER = frozenset({"skipped", "loss_scale", "loss_scale_after"})
 
 BUGS: tuple[Bug, ...] = (
     Bug(
@@ -42,11 +224,23 @@ BUGS: tuple[Bug, ...] = (
         title="Muon momentum kept in 16 bit",
         symptom="For fp16/bf16 models the Muon momentum buffer, and the gradient and Nesterov blend fed to "
                 "Newton-Schulz, are stored in the model/communication dtype, so every step rounds the "
-                "momentum to fp16/bf16 (bf16 drops increments below 2^-9 relative).",
-        trigger=lambda c: _half(c) and (c.stage == 3 or c.offload == "none"),
+                "momentum to fp16/bf16 (bf16 drops increments below 2^-9 relative); ZeRO-3 without offload "
+                "also rounds the Muon update into the 16-bit gradient partition, ZeRO-3 offload forms g/S in "
+                "gradient_accumulation_dtype. Measured (z2-none-bf16-ws2, 3 steps): momentum 4.9e-5 off "
+                "(1.98e4x the fp32-storage allowance), master 2.7e-4 off (2.4e3x). Scope: ZeRO-1/2 without "
+                "offload (grad_accum_dtype / communication_data_type fp32 do not help) and ZeRO-3 with any "
+                "offload; not ZeRO-1/2 cpu/nvme offload (fp32 momentum), not BF16_Optimizer.",
+        trigger=lambda c: _half(c) and _has_muon(c) and not _bf16_optimizer(c) and (
+            (c.stage in (1, 2) and c.offload == "none")
+            or (c.stage == 3 and c.offload == "none" and not (_comm(c) == "fp32" and (c.dtype == "fp16" or _gad(c) == "fp32")))
+            or (c.stage == 3 and c.offload != "none" and not (_comm(c) == "fp32" and _gad(c) == "fp32"))),
         quantities=WEIGHTS,
         where="stage_1_and_2.py _muon_momentum_buffer (buffer follows the grad dtype); "
-              "stage3.py _create_momentum_buffer (communication_data_type)",
+              "stage3.py _create_momentum_buffer (communication_data_type), _apply_muon_to_accumulated_grads "
+              "(update copied into the gradient partition), _apply_muon_updates_cpu_offload (gather in "
+              "gradient_accumulation_dtype)",
+        fix="z12-fp32-muon-state",  # ZeRO-3 part: z3-fp32-muon-state (both are applied together)
+        reproducer="pipeline_case(2, 'none', 'bf16', 2, steps=3); pipeline_case(3, 'cpu', 'fp16', 1, steps=3)",
     ),
     Bug(
         id="DSM-002",
@@ -56,6 +250,162 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: c.offload == "nvme" and c.stage in (1, 2),
         quantities=frozenset({"swap"}),
         where="stage_1_and_2.py __init__ (cpu_offload = device in (cpu, nvme))",
+    ),
+    Bug(
+        id="DSM-003",
+        title="Loss-scale growth applied before unscaling",
+        symptom="On a step where the dynamic loss scale grows (S -> 2S), step() updates the scale before it "
+                "multiplies the Muon update by S and unscales by S: every Adam gradient is halved, the clip "
+                "norm is halved, ZeRO-3 reports half the gradient norm, and on cpu/nvme offload (S*O formed "
+                "with the old scale) the Muon step is halved. Measured (z*-fp16-ws1, window 2, growth at step "
+                "3): Adam master 9.3e-5 off (588x), offload Muon master 0.013 off (8.5e4x), ZeRO-3 norm 1.83 "
+                "vs 3.66 (511x).",
+        trigger=lambda c: _grows(c) and (_has_adam(c) or c.offload != "none" or c.stage == 3
+                                         or float(c.config.get("gradient_clipping", 0.0)) > 0),
+        quantities=frozenset({"master", "model", "global_norm", "update"}),
+        where="stage_1_and_2.py step (_update_scale at :3047 before :3121 and unscale_and_clip_grads); "
+              "stage3.py step (_loss_scale_update_and_overflow_cleanup at :2891 before :2915/:2918, "
+              "_global_grad_norm = N / new scale at :2897)",
+        fix="loss-scale-update-after-unscale",
+        reproducer="pipeline_case(st, off, 'fp16', 1, steps=5, loss_scale_window=2)",
+    ),
+    Bug(
+        id="DSM-004",
+        title="Non-offload Muon momentum accumulates loss-scaled gradients",
+        symptom="Without optimizer offload the momentum holds S*g; after the loss scale changes (growth or "
+                "backoff) old and new gradients are blended with weights skewed by S_new/S_old. Measured "
+                "(fp16 ws2, overflow at step 2, S 256 -> 128): momentum 0.0196 off at step 3 (4.9e6x); "
+                "growth 256 -> 512: 0.029 off at step 4 (3.8e6x).",
+        trigger=lambda c: _fp16_dynamic(c) and c.offload == "none" and _has_muon(c) and not _bf16_optimizer(c)
+        and _momentum_sees_scale_change(c),
+        quantities=WEIGHTS,
+        where="stage_1_and_2.py get_flat_partition -> muon_update on the scaled gradient; stage3.py "
+              "_apply_muon_to_accumulated_grads / _muon_update_sub_group (same)",
+        fix="muon-momentum-scale-units",
+        reproducer="pipeline_case(2, 'none', 'fp16', 2, steps=4, hysteresis=1).replace(overflows=(Overflow(2, 1, 0),))",
+    ),
+    Bug(
+        id="DSM-005",
+        title="ZeRO-3 offload fp16: S*O formed in fp16 overflows (spurious skip)",
+        symptom="ZeRO-3 cpu/nvme offload forms the loss-scaled Muon update S*O in gradient_accumulation_dtype; "
+                "in fp16 it is inf as soon as S*max|O| >= 65520, so the norm is invalid, the step is skipped "
+                "(with the momentum already advanced) and the scale backs off although no gradient overflowed. "
+                "The default 2^16 scale can then never grow. Measured (z3-cpu-fp16-ws1, a (4096, 1) matrix, "
+                "S=2^15, max|O|=2.39): step 3 skipped, scale 32768 instead of 65536; z3-none/z2-none with the "
+                "same inputs skip nothing.",
+        trigger=_z3_offload_fp16_update_overflows,
+        quantities=WEIGHTS | SCALER,
+        where="stage3.py _apply_muon_updates_cpu_offload (:2628-2636 gather in gradient_accumulation_dtype, "
+              ":2662 scaled_local_update = local_update * loss_scale)",
+        fix="z3-fp32-muon-state",
+        reproducer="pipeline_case(3, 'cpu', 'fp16', 1, steps=3, initial_scale_power=14, loss_scale_window=1, "
+                   "params=(ParamShape('w.weight', (4096, 1)), ParamShape('b.bias', (4,))))",
+    ),
+    Bug(
+        id="DSM-006",
+        title="ZeRO-3 applies the last Muon group's ns_method to every Muon group",
+        symptom="Without offload ZeRO-3 keeps one muon_ns_method, overwritten by every Muon param group in "
+                "turn, so all Muon sub-groups use the last group's method (momentum differing per group "
+                "raises instead). Offload and ZeRO-1/2 honour each group's value.",
+        trigger=lambda c: False,  # a Case has one Muon param group; see reproducer
+        quantities=frozenset({"update", "master", "model", "global_norm"}),
+        where="stage3.py _create_fp16_partitions_with_defragmentation (:919-933), _muon_update_sub_group (:1758)",
+        fix="z3-per-group-ns-method",
+        reproducer="cases/patched/test_plain_script.py (two Muon param groups, gram and standard)",
+    ),
+    Bug(
+        id="DSM-007",
+        title="ZeRO-3 in-memory Muon momentum not restored by load_checkpoint",
+        symptom="With save_muon_momentum_buffer_in_memory the update reads "
+                "muon_momentum_buffer_partitioned_groups_flat, while the checkpoint restores "
+                "optimizer.state[...]['momentum_buffer'] (a new tensor): the resumed run continues from zero "
+                "momentum and then overwrites the restored one. Measured (z3-none-fp32-ws2, save after step 1): "
+                "momentum 0.0196 off at step 2 (4.6e6x), update 1.07 off.",
+        trigger=lambda c: (c.stage == 3 and c.offload in ("none", "cpu") and _z3_inmem(c) and _has_muon(c)
+                           and _resumes(c) and any(not sk for _, _, sk in scale_plan(c)[:c.checkpoint_at])),
+        quantities=WEIGHTS,
+        where="stage3.py _rigid_load_state_dict (optimizer.load_state_dict replaces the state tensor; nothing "
+              "relinks muon_momentum_buffer_partitioned_groups_flat)",
+        fix="z3-inmemory-momentum-resume",
+        reproducer="pipeline_case(3, 'none', 'fp32', 2, steps=3, save_muon_momentum_buffer_in_memory=True)"
+                   ".replace(checkpoint_at=1)",
+    ),
+    Bug(
+        id="DSM-008",
+        title="ZeRO-1/2 with parameter_alignment drops per-head Muon",
+        symptom="The padded branch of get_flat_partition calls muon_update without num_heads, so a per-head "
+                "parameter is orthogonalised as one matrix. Measured (z1-none-fp32-ws2, (6,5) with 2 heads "
+                "and a (3,3) matrix): update 0.56 off (5.2e6x).",
+        trigger=lambda c: c.stage in (1, 2) and c.offload == "none" and not _bf16_optimizer(c) and _padded_head_group(c),
+        quantities=frozenset({"update", "master", "model", "global_norm"}),
+        where="stage_1_and_2.py get_flat_partition (:2756-2760; compare _get_flat_partition_unpadded :2865-2870)",
+        fix="z12-per-head-with-alignment",
+        reproducer="pipeline_case(1, 'none', 'fp32', 2, steps=2, extra_zero={'parameter_alignment': True}, "
+                   "params=(ParamShape('attn.weight', (6, 5), num_heads=2), ParamShape('proj.weight', (3, 3)), "
+                   "ParamShape('attn.bias', (6,))))",
+    ),
+    Bug(
+        id="DSM-009",
+        title="ZeRO-3 rounds the padded tail of the momentum partition to gradient_accumulation_dtype",
+        symptom="When a Muon matrix's element count does not split evenly over the ranks, the rank holding "
+                "the tail writes its momentum slice through a buffer of gradient_accumulation_dtype: with "
+                "communication_data_type fp32 and a 16-bit model that slice alone is rounded to 16 bit. "
+                "Measured (z3-none-fp16-ws2, communication_data_type fp32): layer1.weight (21 elements) "
+                "momentum 2.1e-5 off (2.7e3x), layer0.weight (30) exact.",
+        trigger=lambda c: (c.stage == 3 and c.offload == "none" and _comm(c) == "fp32" and _gad(c) in ("fp16", "bf16")
+                           and _z3_padded_tail(c)),
+        quantities=WEIGHTS,
+        where="stage3.py _muon_update_sub_group (:1805 torch.zeros(chunk_sz, dtype=gradient_accumulation_dtype))",
+        fix="z3-fp32-muon-state",
+    ),
+    Bug(
+        id="DSM-010",
+        title="ZeRO-3 NVMe resume restores only the swap files",
+        symptom="With offload_optimizer nvme, load_checkpoint skips _load_zero_checkpoint and only copies the "
+                "swap files back: sub-groups below the 1 MiB swap threshold keep the fresh engine's masters, "
+                "weights and optimizer state, in-memory Muon momentum is lost, and the fp16 loss scaler "
+                "restarts. Measured (z3-nvme-fp32-ws2, save after step 1): Adam masters 0.88 off (5.5e6x).",
+        trigger=_nvme_resume_loses_state,
+        quantities=WEIGHTS | SCALER | frozenset({"grad"}),
+        where="engine.py load_checkpoint (:4456 'not self.zero_nvme_offload_optimizer()', :4469-4482)",
+        fix="nvme-resume-unswapped-state",
+        reproducer="pipeline_case(3, 'nvme', 'fp32', 2, steps=3).replace(checkpoint_at=1); "
+                   "cases/harness/test_capture_reuse.py::test_nvme_resume_restores_in_memory_subgroups",
+    ),
+    Bug(
+        id="DSM-011",
+        title="NVMe optimizer swap files left on disk after destroy()",
+        symptom="DeepSpeedZeroOptimizer_Stage3.destroy leaves <nvme_path>/zero_stage_3/optimizer/rank<r>/"
+                "*.tensor.swp (the size of the swapped optimizer state) behind.",
+        trigger=lambda c: False,  # not a trajectory quantity; see reproducer
+        quantities=frozenset({"swap-files"}),
+        where="stage3.py destroy (:539-550) never removes optimizer_swapper.swap_folder",
+        fix="nvme-swap-cleanup",
+        reproducer="cases/patched/test_fixes.py::test_nvme_swap_files_removed_by_destroy",
+    ),
+    Bug(
+        id="DSM-012",
+        title="4-D (conv) parameters crash muon_update",
+        symptom="muon_update reshapes a 4-D update to 2-D for Newton-Schulz, then torch.where broadcasts it "
+                "against the 4-D gradient: RuntimeError at the first step, on every ZeRO path.",
+        trigger=lambda c: any(len(p.shape) == 4 and _is_muon(p) for p in c.params),
+        quantities=frozenset({"crash"}),
+        where="original_muon.py muon_update (:223-235)",
+        fix="muon-conv-kernels",
+        reproducer="pipeline_case(2, 'none', 'fp32', 1, params=(ParamShape('conv.weight', (4, 2, 3, 3)), "
+                   "ParamShape('conv.bias', (4,))))",
+    ),
+    Bug(
+        id="DSM-013",
+        title="BF16_Optimizer route clips raw gradients and reports their norm",
+        symptom="bf16 + grad_accum_dtype fp32 + ZeRO-1 runs BF16_Optimizer, which takes the norm over the raw "
+                "gradients, clips them before Muon and runs Muon unclipped: the same config means a different "
+                "step than on every other path (which clip by the Muon-update norm), and "
+                "get_global_grad_norm() is the raw-gradient norm. Measured (z1-none-bf16-ws2-gad32): reported "
+                "norm 1.70 vs 3.85; with clip 0.05 the Muon master is 0.029 off (2e5x).",
+        trigger=lambda c: _bf16_optimizer(c) and _has_muon(c),
+        quantities=frozenset({"global_norm", "grad", "master", "model", "update", "momentum"}),
+        where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
     ),
 )
 

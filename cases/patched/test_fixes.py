@@ -1,0 +1,106 @@
+"""Each fix of ``harness.patched_runtime`` with a case that fails on stock DeepSpeed 0.19.8 and passes
+on the patched runtime.
+
+On stock the case must (a) be selected by the registered bug's trigger, (b) fail the verdict, and
+(c) fail only in quantities the triggered bugs explain; patched, the verdict must pass and
+``bugs_for(..., patched=True)`` must be empty. Two bugs are not trajectory divergences and have their
+own tests here (conv crash, swap files); DSM-006 needs two param groups and is shown by
+``test_plain_script.py``.
+"""
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from harness.bugs import BY_ID, bugs_for
+from harness.case import Overflow, ParamShape
+from harness.pool import CaseFailure
+from harness.scenarios import TINY_PARAMS, pipeline_case
+from harness.verdict import judge
+
+pytestmark = pytest.mark.pipeline
+
+HEADS_PA = (ParamShape("attn.weight", (6, 5), num_heads=2), ParamShape("proj.weight", (3, 3)),
+            ParamShape("attn.bias", (6,)))
+BIG_O = (ParamShape("w.weight", (4096, 1)), ParamShape("b.bias", (4,)))
+
+
+def _comm32(c):
+    cfg = c.config
+    cfg["communication_data_type"] = "fp32"
+    from harness.case import canonical_json
+
+    return c.replace(name=c.name + "-comm32", ds_config=canonical_json(cfg))
+
+
+# (bug id, case): the stock case shows the bug, the patched one passes
+CASES = [
+    ("DSM-001", pipeline_case(2, "none", "bf16", 2, steps=3)),
+    ("DSM-001", pipeline_case(3, "cpu", "fp16", 1, steps=3)),
+    ("DSM-003", pipeline_case(2, "cpu", "fp16", 1, steps=4, loss_scale_window=2).replace(name="z2-cpu-fp16-ws1-grow")),
+    ("DSM-004", pipeline_case(2, "none", "fp16", 2, steps=3, hysteresis=1).replace(
+        name="z2-none-fp16-ws2-ovf2", overflows=(Overflow(step=2, rank=1),))),
+    ("DSM-005", pipeline_case(3, "cpu", "fp16", 1, steps=3, initial_scale_power=14, loss_scale_window=1,
+                              params=BIG_O).replace(name="z3-cpu-fp16-ws1-bigO")),
+    ("DSM-007", pipeline_case(3, "none", "fp32", 2, steps=3, save_muon_momentum_buffer_in_memory=True).replace(
+        name="z3-none-fp32-ws2-inmem-ckpt1", checkpoint_at=1)),
+    ("DSM-008", pipeline_case(1, "none", "fp32", 2, steps=2, params=HEADS_PA,
+                              extra_zero={"parameter_alignment": True}).replace(name="z1-none-fp32-ws2-heads-pa")),
+    ("DSM-009", _comm32(pipeline_case(3, "none", "fp16", 2, steps=3))),
+    ("DSM-010", pipeline_case(3, "nvme", "fp32", 1, steps=3).replace(name="z3-nvme-fp32-ws1-ckpt1", checkpoint_at=1)),
+]
+
+
+@pytest.mark.parametrize("bug,case", [pytest.param(b, c, id=f"{b}-{c.name}") for b, c in CASES])
+def test_stock_shows_the_bug_and_the_patched_runtime_removes_it(bug, case, pool_manager):
+    hit = bugs_for(case)
+    assert bug in [b.id for b in hit], f"{bug} trigger does not select {case.name}"
+    stock = judge(case, pool_manager.run(case).result)
+    assert not stock.passed, f"{case.name}: stock DeepSpeed passed; {bug} did not show"
+    explained = set().union(*(b.quantities for b in hit))
+    unexplained = {(f.param, f.quantity) for f in stock.failures if f.quantity not in explained}
+    assert not unexplained, f"stock divergences no registered bug explains: {sorted(unexplained)}"
+    assert BY_ID[bug].fix is not None
+
+    p = case.replace(patched=True)
+    assert bugs_for(p, patched=True) == []
+    patched = judge(p, pool_manager.run(p).result)
+    assert patched.passed, patched.message()
+
+
+CONV = (ParamShape("conv.weight", (4, 2, 3, 3)), ParamShape("conv.bias", (4,)))
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "none"), (3, "cpu")])
+def test_conv_kernels_crash_stock_and_train_patched(stage, offload, pool_manager):
+    c = pipeline_case(stage, offload, "fp32", 1, steps=2, params=CONV)
+    assert [b.id for b in bugs_for(c)] == ["DSM-012"]
+    with pytest.raises(CaseFailure, match="must match the size of tensor"):
+        pool_manager.run(c)
+    p = c.replace(patched=True)
+    v = judge(p, pool_manager.run(p).result)
+    assert v.passed, v.message()
+
+
+def _swap_files(traj) -> list[str]:
+    note = next(n for n in traj.notes if n.startswith("swap files after destroy: "))
+    return ast.literal_eval(note.split(": ", 1)[1])
+
+
+def test_nvme_swap_files_removed_by_destroy(pool_manager):
+    c = pipeline_case(3, "nvme", "fp32", 1, steps=1)
+    entry = "harness.patches:run_case_listing_swap_files"
+    stock = _swap_files(pool_manager.run(c, entry=entry).result)
+    assert any("/optimizer/rank0/" in f and ".tensor.swp" in f for f in stock), stock
+    patched = _swap_files(pool_manager.run(c.replace(patched=True), entry=entry).result)
+    assert patched == [], patched
+
+
+def test_patched_runtime_keeps_fp32_paths_exact(pool_manager):
+    """The fixes must not move a path that had no bug: fp32 cases give bit-identical trajectories."""
+    for c in (pipeline_case(2, "none", "fp32", 2, steps=2, params=TINY_PARAMS),
+              pipeline_case(3, "none", "fp32", 2, steps=2), pipeline_case(3, "cpu", "fp32", 2, steps=2)):
+        a = pool_manager.run(c).result
+        b = pool_manager.run(c.replace(patched=True)).result
+        assert a.fingerprint() == b.fingerprint(), c.name

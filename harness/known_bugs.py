@@ -1,0 +1,753 @@
+"""Mutation self-check: plausible and historical Muon/ZeRO bugs re-introduced into DeepSpeed 0.19.8
+at run time, to prove the harness (capture + oracle + verdict) catches them.
+
+``MUTANTS[name] = Mutant(name, description, install, catches)``; ``install(name)`` installs one and
+returns the callable that undoes it. A case asks for one with ``Case(..., mutant=name)``; it takes
+effect inside every rank through ``harness.patches`` -- on top of the patched runtime when the case
+is also ``patched=True``, which is how ``kill_matrix`` runs them, so the unmutated baseline is clean.
+
+How they are built. Every mutant *wraps* whatever is installed (stock DeepSpeed or the patched
+runtime's replacement) and never replaces a function with a copy of stock code, so it composes with
+the patched runtime. Most act at ``original_muon.muon_update`` (the one function every ZeRO path calls
+Muon through, looked up at call time); they find out which path called them by walking up to the
+innermost frame whose ``self`` is a ZeRO optimizer (``_ds_context``), and read the layout from that
+optimizer, as the buggy code would have.
+
+``catches`` is a predicate on a case: True where the mutant is *expected* to make the verdict fail.
+``kill_matrix`` checks the expectation as well as measuring kills. ``main()`` runs the default kill set.
+
+Usage::
+
+    .venv/bin/python -c "from harness.known_bugs import main; main()"
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from harness.case import Case, ParamShape
+
+# ------------------------------------------------------------------------------------------------
+# plumbing
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    description: str
+    install: Callable[[], Callable[[], None]]  # installs; returns undo
+    catches: Callable[[Case], bool] | tuple = ()  # predicate, or case-name substrings
+    history: str = ""  # where the bug is from (a DeepSpeed issue/PR, or "plausible")
+
+    def expected(self, case: Case) -> bool:
+        if callable(self.catches):
+            return bool(self.catches(case))
+        return any(p in case.name for p in self.catches)
+
+
+def _setattr(owner, attr, new):
+    old = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    setattr(owner, attr, new)
+
+    def undo():
+        setattr(owner, attr, old)
+
+    return old, undo
+
+
+def _ds_classes():
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer
+
+
+def _ds_context():
+    """(optimizer, path, frame locals) of the innermost caller frame whose ``self`` is a ZeRO optimizer.
+    path: "z12", "z12_offload", "z3", "z3_offload", "bf16_opt" or None."""
+    Z12, Z3, BF16 = _ds_classes()
+    f = sys._getframe(2)
+    try:
+        while f is not None:
+            s = f.f_locals.get("self")
+            if isinstance(s, Z12):
+                return s, ("z12_offload" if s.cpu_offload else "z12"), dict(f.f_locals)
+            if isinstance(s, Z3):
+                return s, ("z3_offload" if s.offload_optimizer else "z3"), dict(f.f_locals)
+            if isinstance(s, BF16):
+                return s, "bf16_opt", dict(f.f_locals)
+            f = f.f_back
+        return None, None, {}
+    finally:
+        del f
+
+
+_MU_SIG = None
+
+
+def _bind(args, kwargs) -> dict:
+    global _MU_SIG
+    if _MU_SIG is None:
+        def ref(grad, momentum, beta=0.95, ns_steps=5, nesterov=True, ns_method="gram", is_expert_group=False,
+                num_heads=None):
+            pass
+        _MU_SIG = inspect.signature(ref)
+    b = _MU_SIG.bind(*args, **kwargs)
+    b.apply_defaults()
+    return dict(b.arguments)
+
+
+def _wrap_muon_update(body):
+    """Install ``body(inner, a: dict) -> update`` around the current ``original_muon.muon_update``;
+    ``a`` holds every argument by name, ``inner(**a)`` calls the wrapped function."""
+    from deepspeed.runtime.zero.muon import original_muon
+
+    def install():
+        cur = original_muon.muon_update
+
+        def muon_update(*args, **kwargs):
+            return body(cur, _bind(args, kwargs))
+
+        _, undo = _setattr(original_muon, "muon_update", muon_update)
+        return undo
+
+    return install
+
+
+def _wrap_method(cls_index: tuple[int, ...], attr: str, make):
+    """Wrap ``attr`` on the ZeRO optimizer classes picked by ``cls_index`` (0: ZeRO-1/2, 1: ZeRO-3);
+    ``make(cur) -> new``."""
+    def install():
+        classes = _ds_classes()
+        undos = []
+        for i in cls_index:
+            cls = classes[i]
+            cur = cls.__dict__[attr]
+            undos.append(_setattr(cls, attr, make(cur))[1])
+
+        def undo():
+            for u in reversed(undos):
+                u()
+
+        return undo
+
+    return install
+
+
+def _owned_range(opt, path, loc, grad):
+    """This rank's flat element range [lo, hi) of the parameter being orthogonalised, or None."""
+    from deepspeed import comm as dist
+
+    n = grad.numel()
+    if path == "z12":
+        tl, i, g = loc.get("tensor_list"), loc.get("i"), loc.get("param_group_idx")
+        if tl is None or i is None or g is None:
+            return None
+        param = tl[i]
+        pid = dist.get_rank(group=opt.real_dp_process_group[g])
+    elif path == "z12_offload":
+        param, g, pid = loc.get("param"), loc.get("group_idx"), loc.get("rank")
+        if param is None or g is None or pid is None:
+            return None
+    elif path == "z3_offload":
+        param = loc.get("param")
+        if param is None:
+            return None
+        pn = param.partition_numel()
+        lo = opt._get_param_partition_rank(param) * pn
+        return (lo, min(n, lo + pn)) if lo < n else None
+    else:
+        return None
+    param_id = opt.get_param_id(param)
+    if pid not in opt.param_to_partition_ids[g][param_id]:
+        return None
+    lo = int(opt.grad_start_offset[g][pid][param_id])
+    dest = int(opt.grad_partition_insertion_offset[g][pid][param_id])
+    num = int(min(n - lo, int(opt.partition_size[g]) - dest))
+    return lo, lo + num
+
+
+def _rows_only(inner, a, lo, hi):
+    """Orthogonalise only the rows holding flat elements [lo, hi) (what a rank that holds just that
+    slice could do); other rows of the result are zero."""
+    grad, mom = a["grad"], a["momentum"]
+    rows = grad.shape[0]
+    cols = grad.numel() // rows
+    r0, r1 = lo // cols, -(-hi // cols)
+    if r0 == 0 and r1 >= rows:
+        return inner(**a)
+    b = dict(a, grad=grad.view(rows, cols)[r0:r1], momentum=mom.view(rows, cols)[r0:r1], num_heads=None)
+    sub = inner(**b)
+    out = torch.zeros(grad.shape, dtype=sub.dtype, device=sub.device)
+    out.view(rows, cols)[r0:r1] = sub
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the mutants
+
+
+def _m_partition_slice(inner, a):
+    opt, path, loc = _ds_context()
+    if path == "z12" and a["grad"].ndim >= 2:
+        r = _owned_range(opt, path, loc, a["grad"])
+        if r is not None:
+            return _rows_only(inner, a, *r)
+    return inner(**a)
+
+
+def _m_offload_shard(inner, a):
+    opt, path, loc = _ds_context()
+    if path in ("z12_offload", "z3_offload") and a["grad"].ndim >= 2:
+        r = _owned_range(opt, path, loc, a["grad"])
+        if r is not None:
+            return _rows_only(inner, a, *r)
+    return inner(**a)
+
+
+def _m_ns_per_micro(inner, a):
+    opt, path, _ = _ds_context()
+    gas = int(getattr(opt, "gradient_accumulation_steps", 1) or 1) if path in ("z3", "z3_offload") else 1
+    if gas <= 1:
+        return inner(**a)
+    share = a["grad"] / gas
+    out = None
+    for _ in range(gas):  # the momentum advances once per micro-batch, each time with a partial gradient
+        out = inner(**dict(a, grad=share.clone()))
+    return out
+
+
+def _m_fp16_momentum(inner, a):
+    out = inner(**a)
+    m = a["momentum"]
+    m.copy_(m.to(torch.float16).to(m.dtype))
+    return out
+
+
+def _m_beta_off(inner, a):
+    return inner(**dict(a, beta=a["beta"] - 0.05))
+
+
+def _m_nesterov_dropped(inner, a):
+    return inner(**dict(a, nesterov=False))
+
+
+def _m_aspect_dropped(inner, a):
+    out = inner(**a)
+    if a["num_heads"] is None and out.ndim == 2 and out.shape[0] > out.shape[1]:
+        out = out / math.sqrt(out.shape[0] / out.shape[1])
+    return out
+
+
+def _m_per_head_dropped(inner, a):
+    return inner(**dict(a, num_heads=None))
+
+
+def _m_offload_scale_not_divided(inner, a):
+    opt, path, _ = _ds_context()
+    S = float(opt.loss_scale) if opt is not None else 1.0
+    if path in ("z12_offload", "z3_offload") and S != 1.0:
+        return inner(**dict(a, grad=a["grad"] * S))  # undoes the caller's grad.div_(loss_scale)
+    return inner(**a)
+
+
+def _m_offload_dp_sum(inner, a):
+    opt, path, _ = _ds_context()
+    if path in ("z12_offload", "z3_offload"):
+        from deepspeed import comm as dist
+
+        W = dist.get_world_size(group=opt.dp_process_group)
+        if W > 1:
+            return inner(**dict(a, grad=a["grad"] * W))  # summed over ranks, never averaged
+    return inner(**a)
+
+
+def _padded_tail_range(opt, path, loc, grad):
+    """The mis-sliced range: where a matrix whose element count is not divisible by the world size
+    lies in a padded partition. ZeRO-3 pads every parameter to a multiple of W, so its last rank's
+    slice [(W-1)*ceil(n/W), n) is the padded tail; ZeRO-1/2 pad the group, so the matrix must reach
+    into the last partition of a group that has padding."""
+    from deepspeed import comm as dist
+
+    n = grad.numel()
+    if path in ("z3", "z3_offload"):
+        param = loc.get("param")
+        group = opt._get_param_partition_group(param) if param is not None else opt.dp_process_group
+        W = dist.get_world_size(group=group)
+        if W <= 1 or n % W == 0:
+            return None
+        c = math.ceil(n / W)
+        lo = (W - 1) * c
+        return (lo, n) if lo < n else None
+    if path in ("z12", "z12_offload"):
+        if path == "z12":
+            tl, i, g = loc.get("tensor_list"), loc.get("i"), loc.get("param_group_idx")
+            param = tl[i] if tl is not None and i is not None else None
+        else:
+            param, g = loc.get("param"), loc.get("group_idx")
+        if param is None or g is None:
+            return None
+        W = dist.get_world_size(group=opt.real_dp_process_group[g])
+        if W <= 1 or n % W == 0:
+            return None
+        last = W - 1
+        param_id = opt.get_param_id(param)
+        P = int(opt.partition_size[g])
+        total = sum(p.numel() for p in opt.bit16_groups[g])
+        if last not in opt.param_to_partition_ids[g][param_id] or P * W <= total:
+            return None
+        lo = int(opt.grad_start_offset[g][last][param_id])
+        dest = int(opt.grad_partition_insertion_offset[g][last][param_id])
+        return lo, lo + int(min(n - lo, P - dest))
+    return None
+
+
+def _m_padded_tail_misslice(inner, a):
+    opt, path, loc = _ds_context()
+    out = inner(**a)
+    r = _padded_tail_range(opt, path, loc, a["grad"]) if opt is not None else None
+    if r is None or r[0] < 1:
+        return out
+    lo, hi = r
+    flat = out.reshape(-1).clone()
+    flat[lo:hi] = out.reshape(-1)[lo - 1:hi - 1]  # the tail's slice taken one element early
+    return flat.view(out.shape)
+
+
+def _muon_group_of_unscale(self, args, kwargs) -> bool:
+    Z12, Z3, _ = _ds_classes()
+    if isinstance(self, Z3):
+        sg = args[0] if args else kwargs.get("sub_group_id")
+        return bool(getattr(self, "use_muon", False) and self.sub_groups_using_muon[sg])
+    f = sys._getframe(2)
+    try:
+        i = f.f_locals.get("i")
+    finally:
+        del f
+    return i is not None and bool(self._is_muon_group(self.bit16_groups[i]))
+
+
+def _make_clip_skips_muon(cur):
+    def unscale_and_clip_grads(self, *args, **kwargs):
+        if self.clip_grad > 0 and _muon_group_of_unscale(self, args, kwargs):
+            saved = self.clip_grad
+            self.clip_grad = 0.0  # the clip was applied to the gradient before NS, which normalised it away
+            try:
+                return cur(self, *args, **kwargs)
+            finally:
+                self.clip_grad = saved
+        return cur(self, *args, **kwargs)
+
+    return unscale_and_clip_grads
+
+
+def _make_norm_excludes_muon(pos):
+    """``pos``: where ``params`` sits -- get_grad_norm_direct(self, gradients, params, norm_type=2): 1;
+    complete_grad_norm_calculation_for_cpu_offload(self, params): 0."""
+    def make(cur):
+        def norm(self, *args, **kwargs):
+            out = cur(self, *args, **kwargs)  # still called: it takes part in collectives
+            params = kwargs.get("params", args[pos] if len(args) > pos else None)
+            if params and getattr(params[0], "use_muon", False):
+                return torch.zeros_like(out) if torch.is_tensor(out) else 0.0
+            return out
+
+        return norm
+
+    return make
+
+
+def _make_not_rescaled(cur):
+    def _muon_update_lacks_loss_scale(self, *args, **kwargs):
+        return False  # the Muon update is treated as if it carried the loss scale
+
+    return _muon_update_lacks_loss_scale
+
+
+def _install_norm_excludes_muon():
+    u1 = _wrap_method((0, 1), "get_grad_norm_direct", _make_norm_excludes_muon(1))()
+    u2 = _wrap_method((0, 1), "complete_grad_norm_calculation_for_cpu_offload", _make_norm_excludes_muon(0))()
+
+    def undo():
+        u2()
+        u1()
+
+    return undo
+
+
+def _install_weight_decay_twice():
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    cur = MuonWithAuxAdam.__dict__["step"]
+
+    @torch.no_grad()
+    def step(self, *args, **kwargs):
+        for group in self.param_groups:
+            if group.get("use_muon") and group.get("weight_decay", 0.0):
+                for p in group["params"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+        return cur(self, *args, **kwargs)
+
+    return _setattr(MuonWithAuxAdam, "step", step)[1]
+
+
+def _install_stale_momentum():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["load_checkpoint"]
+
+    def load_checkpoint(self, *args, **kwargs):
+        out = cur(self, *args, **kwargs)
+        Z12, Z3, _ = _ds_classes()
+        opt = self.optimizer
+        bufs = []
+        if isinstance(opt, Z12):
+            for g, params in enumerate(opt.bit16_groups):
+                if params and getattr(params[0], "use_muon", False):
+                    key = (opt.single_partition_of_fp32_groups[g] if opt.cpu_offload
+                           else opt.optimizer.param_groups[g]["params"][0])
+                    bufs.append(opt.optimizer.state.get(key, {}).get("momentum_buffer"))
+        elif isinstance(opt, Z3) and opt.use_muon:
+            for i, uses in enumerate(opt.sub_groups_using_muon):
+                if uses:
+                    bufs.append(opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[i], {}).get("momentum_buffer"))
+                    bufs.append((getattr(opt, "muon_momentum_buffer_partitioned_groups_flat", None) or {}).get(i))
+        for b in bufs:
+            if torch.is_tensor(b) and b.numel():
+                b.zero_()  # the resumed run starts from a fresh, zero momentum
+        return out
+
+    return _setattr(DeepSpeedEngine, "load_checkpoint", load_checkpoint)[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# expectations (predicates on a case)
+
+
+def _is_muon(p: ParamShape) -> bool:
+    return len(p.shape) >= 2 and not any(k in p.name.lower() for k in ("embed", "lm_head"))
+
+
+def _muon(c: Case):
+    return [p for p in c.params if _is_muon(p)]
+
+
+def _z12_layout(c: Case):
+    """[(param, lo, hi)] of the ZeRO-1/2 Muon group's flat layout and the partition size (no alignment)."""
+    muon = sorted(_muon(c), key=lambda p: tuple(p.shape), reverse=True)
+    total = sum(p.numel for p in muon)
+    align = 2 * c.world_size
+    P = math.ceil(total / align) * align // c.world_size
+    out, off = [], 0
+    for p in muon:
+        out.append((p, off, off + p.numel))
+        off += p.numel
+    return out, P, total
+
+
+def _z12_straddles(c: Case) -> bool:
+    if c.world_size < 2:
+        return False
+    layout, P, _ = _z12_layout(c)
+    return any(lo // P != (hi - 1) // P for _, lo, hi in layout)
+
+
+def _z12_padded_tail(c: Case) -> bool:
+    W = c.world_size
+    layout, P, total = _z12_layout(c)
+    return W > 1 and P * W > total and any(p.numel % W and hi > (W - 1) * P for p, lo, hi in layout)
+
+
+def _z3_padded_tail(c: Case) -> bool:
+    W = c.world_size
+    return W > 1 and any(p.numel % W and (W - 1) * math.ceil(p.numel / W) < p.numel for p in _muon(c))
+
+
+def _offload_straddles(c: Case) -> bool:
+    if c.world_size < 2 or c.offload == "none":
+        return False
+    if c.stage == 3:
+        return any(p.numel > math.ceil(p.numel / c.world_size) and p.shape[0] > 1 for p in _muon(c))
+    return _z12_straddles(c)
+
+
+def _clip(c: Case) -> float:
+    return float(c.config.get("gradient_clipping", 0.0))
+
+
+def _wd(c: Case) -> float:
+    return float(c.config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
+
+
+def _tall(c: Case) -> bool:
+    return any(p.num_heads is None and len(p.shape) == 2 and p.shape[0] > p.shape[1] for p in _muon(c))
+
+
+MUTANTS: dict[str, Mutant] = {m.name: m for m in (
+    Mutant("partition-slice-muon",
+           "ZeRO-1/2 (no offload): each owner orthogonalises only the rows of its own partition slice instead "
+           "of the full averaged matrix (a matrix straddling a partition boundary gets two half updates).",
+           _wrap_muon_update(_m_partition_slice),
+           lambda c: c.stage in (1, 2) and c.offload == "none" and _z12_straddles(c),
+           "the pre-#7727 ZeRO-1/2 Muon ran on the partition's flat slice"),
+    Mutant("offload-shard-orthogonalized",
+           "cpu/nvme offload: each rank orthogonalises its own shard of the matrix, not the gathered whole.",
+           _wrap_muon_update(_m_offload_shard),
+           lambda c: c.offload != "none" and _offload_straddles(c),
+           "plausible: the offload paths gather (_muon_all_gather_partitions) exactly to avoid this"),
+    Mutant("ns-per-micro-batch",
+           "ZeRO-3: Muon runs once per micro-batch under gradient accumulation (momentum advanced GAS times "
+           "per step, each time with a partial gradient).",
+           _wrap_muon_update(_m_ns_per_micro),
+           lambda c: c.stage == 3 and c.grad_accum > 1,
+           "DeepSpeed #8443 (stage3.py _apply_muon_to_accumulated_grads docstring)"),
+    Mutant("clip-skips-muon",
+           "Clipping applied to the gradient before Newton-Schulz, which normalises it away: the Muon step is "
+           "never clipped (Adam still is).",
+           _wrap_method((0, 1), "unscale_and_clip_grads", _make_clip_skips_muon),
+           lambda c: _clip(c) > 0 and bool(_muon(c)),
+           "plausible (the textbook clip-then-optimise order)"),
+    Mutant("clip-norm-excludes-muon",
+           "The global norm (clip coefficient and reported norm) is taken over the Adam gradients only, "
+           "leaving out the Muon updates.",
+           _install_norm_excludes_muon,
+           lambda c: bool(_muon(c)),
+           "plausible: the wrong norm"),
+    Mutant("fp16-momentum",
+           "The Muon momentum is stored in fp16 whatever the model dtype.",
+           _wrap_muon_update(_m_fp16_momentum),
+           lambda c: bool(_muon(c)),
+           "DSM-001 generalised"),
+    Mutant("stale-momentum-after-resume",
+           "After load_checkpoint the Muon momentum the update reads is a fresh zero buffer, not the "
+           "restored one.",
+           _install_stale_momentum,
+           lambda c: c.checkpoint_at is not None and c.checkpoint_at < c.steps and bool(_muon(c)),
+           "DSM-007 generalised to every path"),
+    Mutant("padded-tail-misslice",
+           "The padded tail is mis-sliced: for a matrix whose element count is not divisible by the world "
+           "size, the slice of the Muon update that lies in a padded partition (ZeRO-3: the last rank's "
+           "partition of the matrix; ZeRO-1/2: the group's last, padded partition) is taken one element "
+           "early.",
+           _wrap_muon_update(_m_padded_tail_misslice),
+           lambda c: (c.stage == 3 and _z3_padded_tail(c)) or (c.stage in (1, 2) and _z12_padded_tail(c)),
+           "plausible: off-by-one in the last rank's narrow() for odd element counts"),
+    Mutant("momentum-beta-off",
+           "The Muon momentum uses beta - 0.05 instead of the configured beta.",
+           _wrap_muon_update(_m_beta_off),
+           lambda c: bool(_muon(c)),
+           "plausible: a wrong group key / default"),
+    Mutant("nesterov-dropped",
+           "Muon uses the plain momentum instead of the Nesterov blend.",
+           _wrap_muon_update(_m_nesterov_dropped),
+           lambda c: bool(_muon(c)) and c.steps >= 2,
+           "plausible: nesterov=False default"),
+    Mutant("aspect-scale-dropped",
+           "The aspect-ratio scale sqrt(max(1, rows/cols)) of the Muon update is dropped.",
+           _wrap_muon_update(_m_aspect_dropped),
+           _tall,
+           "plausible"),
+    Mutant("per-head-dropped",
+           "Per-head Muon (muon_num_heads) is ignored: the whole matrix is orthogonalised.",
+           _wrap_muon_update(_m_per_head_dropped),
+           lambda c: any((p.num_heads or 1) > 1 for p in _muon(c)),
+           "DSM-008 generalised (also bf16_optimizer.py and muon_optimizer.py drop it)"),
+    Mutant("weight-decay-twice",
+           "Muon parameters get their decoupled weight decay applied twice per step.",
+           _install_weight_decay_twice,
+           lambda c: _wd(c) > 0 and bool(_muon(c)),
+           "plausible: decay in both the ZeRO wrapper and MuonWithAuxAdam"),
+    Mutant("offload-loss-scale-not-divided",
+           "cpu/nvme offload: the gathered gradient is not divided by the loss scale before Muon (momentum in "
+           "loss-scaled units).",
+           _wrap_muon_update(_m_offload_scale_not_divided),
+           lambda c: c.offload != "none" and c.dtype == "fp16" and bool(_muon(c)),
+           "plausible (the offload paths' grad.div_(loss_scale))"),
+    Mutant("offload-dp-average-missing",
+           "cpu/nvme offload: the Muon input is the sum over data-parallel ranks instead of the average.",
+           _wrap_muon_update(_m_offload_dp_sum),
+           lambda c: c.offload != "none" and c.world_size > 1 and bool(_muon(c)),
+           "plausible: averaging by W missing on one path"),
+    Mutant("muon-update-not-rescaled",
+           "Non-offload: the Muon update is not multiplied back by the loss scale before unscaling, so the "
+           "Muon step is divided by S (and the norm misses the factor).",
+           _wrap_method((0, 1), "_muon_update_lacks_loss_scale", _make_not_rescaled),
+           lambda c: c.offload == "none" and c.dtype == "fp16" and bool(_muon(c)),
+           "groups_lacking_loss_scale (stage_1_and_2.py / stage3.py) removed"),
+)}
+
+
+def install(name: str) -> Callable[[], None]:
+    """Install mutant ``name``; returns the callable that undoes it."""
+    if name not in MUTANTS:
+        raise KeyError(f"unknown mutant {name!r}; known: {sorted(MUTANTS)}")
+    return MUTANTS[name].install()
+
+
+# ------------------------------------------------------------------------------------------------
+# kill matrix
+
+
+def default_kill_cases() -> list[Case]:
+    """Six small cases (world size 1-2) that together kill every mutant."""
+    from harness.scenarios import TINY_PARAMS, pipeline_case
+
+    heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
+    cases = [
+        pipeline_case(1, "none", "fp16", 1, steps=3, clip=0.05, params=heads),
+        pipeline_case(2, "none", "fp32", 2, steps=3),
+        pipeline_case(3, "none", "fp32", 2, steps=3, grad_accum=2),
+        pipeline_case(2, "cpu", "fp16", 2, steps=3),
+        pipeline_case(3, "cpu", "bf16", 2, steps=3),
+        pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
+    ]
+    out = []
+    for c in cases:
+        extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
+                ("-wd" if _wd(c) else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
+        out.append(c.replace(name=c.name + extra))
+    return out
+
+
+@dataclass
+class KillRow:
+    mutant: str
+    case: str
+    killed: bool | None  # None: baseline failed, not counted
+    expected: bool
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class KillMatrix:
+    cases: list[str]
+    mutants: list[str]
+    baseline: dict[str, bool] = field(default_factory=dict)  # case -> passes unmutated (patched)
+    rows: list[KillRow] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def killed_by(self, mutant: str) -> list[str]:
+        return [r.case for r in self.rows if r.mutant == mutant and r.killed]
+
+    @property
+    def kill_rate(self) -> float:
+        return sum(bool(self.killed_by(m)) for m in self.mutants) / max(1, len(self.mutants))
+
+    def surprises(self) -> list[KillRow]:
+        """Cells where a kill was expected and not seen, or seen and not expected."""
+        return [r for r in self.rows if r.killed is not None and r.killed != r.expected]
+
+    def table(self) -> str:
+        short = [f"c{i + 1}" for i in range(len(self.cases))]
+        width = max(len(m) for m in self.mutants) if self.mutants else 10
+        lines = [f"cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
+                 "baseline (patched, unmutated): " + " ".join(
+                     f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
+                 "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
+                 "predicted, - baseline failed",
+                 f"{'mutant':<{width}} " + " ".join(f"{s:>3}" for s in short) + "  killed"]
+        cell = {(r.mutant, r.case): r for r in self.rows}
+        for m in self.mutants:
+            marks = []
+            for n in self.cases:
+                r = cell.get((m, n))
+                if r is None or r.killed is None:
+                    marks.append("-")
+                elif r.killed:
+                    marks.append("K" if r.expected else "k")
+                else:
+                    marks.append("!" if r.expected else ".")
+            lines.append(f"{m:<{width}} " + " ".join(f"{x:>3}" for x in marks)
+                         + f"  {'yes' if self.killed_by(m) else 'NO'}")
+        n_killed = sum(bool(self.killed_by(m)) for m in self.mutants)
+        lines.append(f"kill rate: {n_killed}/{len(self.mutants)} = {100 * self.kill_rate:.0f}% "
+                     f"({len(self.cases)} cases, {self.seconds:.0f} s)")
+        s = self.surprises()
+        if s:
+            lines.append("expectation mismatches: " + ", ".join(f"{r.mutant}@{r.case}" for r in s))
+        return "\n".join(lines)
+
+
+def kill_matrix(cases, mutants=None, manager=None, *, patched: bool = True, progress=None) -> KillMatrix:
+    """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
+    when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
+    patched runtime so the baseline is clean. ``manager``: a ``PoolManager`` (one is made and closed
+    if None)."""
+    from harness.pool import CaseFailure, PoolManager
+    from harness.verdict import judge
+
+    names = list(mutants) if mutants is not None else list(MUTANTS)
+    own = manager is None
+    manager = manager or PoolManager()
+    km = KillMatrix(cases=[c.name for c in cases], mutants=names)
+    t_all = time.perf_counter()
+    try:
+        for c in cases:
+            base = c.replace(patched=patched, mutant=None)
+            try:
+                v = judge(base, manager.run(base).result)
+                km.baseline[c.name] = v.passed
+            except CaseFailure as e:
+                km.baseline[c.name] = False
+                if progress:
+                    progress(f"baseline {c.name}: error {str(e)[:200]}")
+            if progress:
+                progress(f"baseline {c.name}: {'pass' if km.baseline[c.name] else 'FAIL'}")
+        for m in names:
+            mut = MUTANTS[m]
+            for c in cases:
+                expected = mut.expected(c)
+                if not km.baseline.get(c.name):
+                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
+                    continue
+                run = c.replace(patched=patched, mutant=m)
+                t0 = time.perf_counter()
+                try:
+                    v = judge(run, manager.run(run).result)
+                    killed = not v.passed
+                    first = v.first
+                    detail = (f"{first.param}.{first.quantity}@{first.step} x{first.worst_ratio:.3g}"
+                              if first is not None else "")
+                except CaseFailure as e:
+                    killed, detail = True, "crashed: " + str(e).splitlines()[0][:160]
+                km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
+                if progress:
+                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} {detail}")
+    finally:
+        km.seconds = time.perf_counter() - t_all
+        if own:
+            manager.close()
+    return km
+
+
+def main(argv=None) -> int:
+    """Run the default kill set against every mutant; print the table and the kill rate.
+    Returns 0 when every mutant is killed and every prediction held."""
+    import argparse
+
+    from harness import buildenv
+
+    ap = argparse.ArgumentParser(prog="harness.known_bugs", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
+    ap.add_argument("--only", default=None, help="substring filter on case names")
+    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed instead of the patched runtime")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    buildenv.apply_base_env()
+    cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
+    km = kill_matrix(cases, args.mutant, patched=not args.stock,
+                     progress=(lambda s: print(s, flush=True)) if args.verbose else None)
+    print(km.table())
+    return 0 if km.kill_rate == 1.0 and not km.surprises() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

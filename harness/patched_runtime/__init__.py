@@ -1,0 +1,95 @@
+"""Fixes for confirmed Muon/ZeRO bugs of DeepSpeed 0.19.8, installable into a plain training script.
+
+    from harness.patched_runtime import apply
+    apply()                      # before deepspeed.initialize(...)
+    engine, *_ = deepspeed.initialize(...)
+
+``apply(names=None)`` installs every fix (or the named ones) and returns the names now active;
+``remove(names=None)`` restores stock behaviour (all, or the named fixes); ``applied()`` lists the active
+fixes; ``fix_names()`` lists all fixes; ``FIXES`` maps a name to its ``Fix`` (bug id, symptom, trigger,
+the DeepSpeed functions it replaces). ``describe()`` prints that table.
+
+Guards: ``apply`` refuses (``PatchedRuntimeError``) on a DeepSpeed other than 0.19.8, and before it
+replaces a function it checks the function's source hash against 0.19.8's, so it never overwrites
+code it was not written against (another patch, a mutant, a different build). It is idempotent:
+applying twice changes nothing, and a partially failed ``apply`` rolls back what it installed.
+
+The fixes act in the rank processes, at the Python level only; they do not change DeepSpeed's files.
+Engines already built keep working with whatever is installed at the time of each call.
+"""
+from __future__ import annotations
+
+from harness.patched_runtime import ckpt, muon, scaler, z3, z12
+from harness.patched_runtime._registry import (ACTIVE, EXPECTED_DEEPSPEED, Fix, PatchedRuntimeError, Target, _LOCK,
+                                               check_version, install_target, installed_keys, source_hash,
+                                               uninstall_target, verify)
+
+__all__ = ["apply", "remove", "applied", "fix_names", "FIXES", "Fix", "PatchedRuntimeError", "describe",
+           "EXPECTED_DEEPSPEED", "source_hash"]
+
+_ORDER = z12.FIXES + z3.FIXES + scaler.FIXES + ckpt.FIXES + muon.FIXES
+FIXES: dict[str, Fix] = {f.name: f for f in _ORDER}
+
+
+def fix_names() -> list[str]:
+    return list(FIXES)
+
+
+def applied() -> list[str]:
+    return [n for n in FIXES if n in ACTIVE]
+
+
+def _needed_targets(names) -> dict[str, Target]:
+    out = {}
+    for n in names:
+        for t in FIXES[n].targets:
+            out[t.key] = t
+    return out
+
+
+def apply(names=None) -> list[str]:
+    """Install the fixes ``names`` (default: all). Returns the active fix names."""
+    names = list(FIXES) if names is None else [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in FIXES]
+    if unknown:
+        raise KeyError(f"unknown fix(es) {unknown}; known: {list(FIXES)}")
+    with _LOCK:
+        check_version()
+        targets = _needed_targets(names)
+        before = set(installed_keys())
+        for t in targets.values():  # verify everything before touching anything
+            if t.key not in before:
+                verify(t)
+        try:
+            for t in targets.values():
+                install_target(t)
+        except Exception:
+            for key in set(installed_keys()) - before:
+                uninstall_target(key)
+            raise
+        ACTIVE.update(names)
+        return applied()
+
+
+def remove(names=None) -> list[str]:
+    """Deactivate ``names`` (default: all) and restore every function no active fix still needs."""
+    with _LOCK:
+        names = list(ACTIVE) if names is None else [names] if isinstance(names, str) else list(names)
+        for n in names:
+            ACTIVE.discard(n)
+        still = _needed_targets(ACTIVE)
+        for key in installed_keys():
+            if key not in still:
+                uninstall_target(key)
+        return applied()
+
+
+def describe() -> str:
+    lines = []
+    for f in FIXES.values():
+        state = "active" if f.name in ACTIVE else "inactive"
+        lines.append(f"{f.name} [{f.bug_id}{', ' + ', '.join(f.also_fixes) if f.also_fixes else ''}] ({state})")
+        lines.append(f"    symptom: {f.symptom}")
+        lines.append(f"    trigger: {f.trigger}")
+        lines.append("    replaces: " + ", ".join(f.replaces))
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""``muon-conv-kernels`` (DSM-012): 4-D (conv) parameters crash ``muon_update``.
+
+``original_muon.muon_update`` reshapes a 4-D update to ``(out, in*kh*kw)`` for Newton-Schulz, but its
+last line ``torch.where(grad_is_finite, update, grad)`` broadcasts that 2-D result against the 4-D
+gradient: ``RuntimeError: The size of tensor a (18) must match the size of tensor b (3)``. DeepSpeed
+tags every >=2-D parameter ``use_muon`` (``set_optimizer_flags``), so any model with a ``Conv2d`` dies
+at its first step, on every ZeRO path. The aspect scale is also taken from ``(kh, kw)`` instead of
+the orthogonalised matrix's shape.
+
+The fix hands ``muon_update`` 2-D views ``(out, in*kh*kw)`` of the gradient and the momentum (the
+same memory, so the in-place momentum update and Nesterov blend land where DeepSpeed expects) and
+returns the update viewed back as 4-D. Newton-Schulz, the finite guard and the aspect scale
+``sqrt(max(1, out/(in*kh*kw)))`` are then those of the orthogonalised matrix.
+
+Every DeepSpeed call site imports ``muon_update`` from ``original_muon`` at call time, so replacing
+the module attribute reaches all of them.
+"""
+from __future__ import annotations
+
+from harness.patched_runtime._registry import MUON_INPUT_SCALE, Fix, Target, active
+
+CONV = "muon-conv-kernels"
+UNITS = "muon-momentum-scale-units"  # scaler.UNITS (not imported: scaler imports this module)
+
+
+def make_muon_update(orig):
+
+    def muon_update(grad, momentum, beta=0.95, ns_steps=5, nesterov=True, ns_method="gram",
+                    is_expert_group=False, num_heads=None):
+        scale = MUON_INPUT_SCALE[0] if active(UNITS) else None
+        if scale is not None and scale != 1.0:
+            # The caller keeps gradient and momentum in units of the loss scale S (as stock does, and as
+            # the checkpoint and harness.capture expect); Muon itself runs in true units, so that its
+            # Newton-Schulz input (normalised by ||X|| + 1e-7) is U, not S*U. Division and multiplication
+            # by a power of two are exact, so the stored momentum is S times the true-unit momentum.
+            momentum.div_(scale)
+            try:
+                return _call(grad / scale, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group,
+                             num_heads)
+            finally:
+                momentum.mul_(scale)
+        return _call(grad, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group, num_heads)
+
+    def _call(grad, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group, num_heads):
+        if active(CONV) and grad.ndim == 4 and not is_expert_group and num_heads is None:
+            g2 = grad.view(grad.shape[0], -1)
+            m2 = momentum.view(momentum.shape[0], -1)
+            out = orig(g2, m2, beta, ns_steps, nesterov, ns_method, is_expert_group, num_heads)
+            return out.view(grad.shape)
+        return orig(grad, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group, num_heads)
+
+    return muon_update
+
+
+T_MUON_UPDATE = Target("deepspeed.runtime.zero.muon.original_muon", "muon_update", "a77932ec952c6824", make_muon_update)
+
+FIXES = (
+    Fix(name=CONV, bug_id="DSM-012",
+        symptom="Any 4-D (conv) parameter makes muon_update raise a broadcast RuntimeError at the first step.",
+        trigger="a parameter with 4 dims (tagged use_muon), any stage/offload/dtype",
+        targets=(T_MUON_UPDATE,)),
+)

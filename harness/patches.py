@@ -1,0 +1,77 @@
+"""Where ``Case.patched`` and ``Case.mutant`` take effect, inside every rank around one case
+(called only from ``harness.ds_run.case_patches``).
+
+``enter(case)``: if ``case.patched``, apply every fix of ``harness.patched_runtime``; then, if
+``case.mutant``, install that mutant of ``harness.known_bugs`` (on top of the patched runtime, so a
+mutant is judged against a clean baseline). ``exit(case)``: undo the mutant, then remove exactly the
+fixes ``enter`` activated -- always, and in reverse order, so nothing of a case outlives it.
+Mutants wrap whatever function is installed (stock or patched) and never replace a function the
+patched runtime replaces with stock code.
+"""
+from __future__ import annotations
+
+from harness.case import Case
+
+_STACK: list[tuple[str, object]] = []  # (case name, undo callable), innermost last
+
+
+def enter(case: Case) -> None:
+    undo: list = []
+    try:
+        if case.patched:
+            from harness import patched_runtime
+
+            before = set(patched_runtime.applied())
+            now = set(patched_runtime.apply())
+            added = sorted(now - before)
+            undo.append(lambda added=added: patched_runtime.remove(added))
+        if case.mutant:
+            from harness import known_bugs
+
+            undo.append(known_bugs.install(case.mutant))
+    except BaseException:
+        for u in reversed(undo):
+            u()
+        raise
+    _STACK.append((case.name, undo))
+
+
+def exit(case: Case) -> None:  # noqa: A001 - the name ds_run expects
+    if not _STACK:
+        return
+    name, undo = _STACK.pop()
+    errors = []
+    for u in reversed(undo):
+        try:
+            u()
+        except Exception as e:  # keep restoring the rest
+            errors.append(e)
+    if name != case.name:
+        errors.append(RuntimeError(f"patches.exit({case.name!r}) but the innermost entered case is {name!r}"))
+    if errors:
+        raise errors[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# rank-side probe (a pool entry: ``PoolManager().run(case, entry="harness.patches:run_case_listing_swap_files")``)
+
+
+def run_case_listing_swap_files(case: Case, rank: int, world_size: int, workdir):
+    """Run the case as ``harness.ds_run`` does (the engine is destroyed at its end), then, once every
+    rank is done, list the NVMe swap files left under the case's folder into the trajectory's notes
+    (``"swap files after destroy: [...]"``): what DSM-011 leaves behind."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as tdist
+
+    from harness.ds_run import run_case_on_rank
+
+    traj = run_case_on_rank(case, rank, world_size, workdir)
+    tdist.barrier()
+    if rank == 0:
+        left = sorted(str(p.relative_to(workdir)) + f" ({os.path.getsize(p)} bytes)"
+                      for p in Path(workdir).rglob("*.swp"))
+        traj.notes.append("swap files after destroy: " + repr(left))
+    tdist.barrier()
+    return traj
