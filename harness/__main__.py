@@ -4,6 +4,7 @@
   run     rerun exactly one case (the reproducer every divergence message prints)
   bench   pool vs spawn-per-case vs bare DeepSpeed timings, measured in one run
   report  re-render the HTML divergence report from stored results (nothing reruns)
+  mutate  the mutation self-check: every known-bug mutant against the kill cases, as a table
   check   check your own DeepSpeed config (Muon) against the oracle on a scaled model (harness/check.py)
 """
 from __future__ import annotations
@@ -22,6 +23,10 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--only", default=None, help="substring filter on case names")
     g.add_argument("-q", "--quiet", action="store_true")
+    g.add_argument("--no-mutate", action="store_true", help="skip the mutation self-check")
+
+    mu = sub.add_parser("mutate", help="run every known-bug mutant against the kill cases; print the kill matrix")
+    mu.add_argument("rest", nargs=argparse.REMAINDER, help="options for harness.known_bugs (--mutant, --only, --stock, -v)")
 
     r = sub.add_parser("run", help="rerun one case given as JSON (what divergence messages print)")
     src = r.add_mutually_exclusive_group(required=True)
@@ -54,7 +59,12 @@ def main(argv=None) -> int:
     if args.cmd == "gate":
         from harness.gate import run_gate
 
-        return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet)
+        return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
+                        mutate=not args.no_mutate)
+    if args.cmd == "mutate":
+        from harness.known_bugs import main as mutate_main
+
+        return mutate_main(args.rest)
     if args.cmd == "run":
         from harness.case import Case
         from harness.gate import run_single

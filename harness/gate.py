@@ -111,6 +111,18 @@ def record(store, o: Outcome) -> None:
     store.add(rec, maps)
 
 
+def mutation_extra(km) -> dict:
+    """The kill matrix in the report's ``extra`` format."""
+    from harness import known_bugs
+
+    rows = []
+    for m in km.mutants:
+        cells = {r.case: r.killed for r in km.rows if r.mutant == m}
+        rows.append({"mutant": m, "description": known_bugs.MUTANTS[m].description, "killed": cells,
+                     "killed_by": km.killed_by(m)})
+    return {"mutations": rows, "mutation_cases": list(km.cases)}
+
+
 def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
     try:
         from harness.report import render
@@ -121,7 +133,7 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
 
 
 def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
-             quiet: bool = False) -> int:
+             quiet: bool = False, mutate: bool = True) -> int:
     from harness import results
     from harness.matrix import gate_cases
 
@@ -152,18 +164,30 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 if not quiet:
                     tag = o.status.upper() + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else "")
                     print(f"[{n}/{total}] {col:7s} {case.name:55s} {tag} ({o.seconds:.1f}s)", flush=True)
+        km = None
+        if mutate and patched_available() and not only:
+            from harness import known_bugs
+
+            print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
+            km = known_bugs.kill_matrix(known_bugs.default_kill_cases(), manager=manager)
+            print(km.table(), flush=True)
+            if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
+                counts["mutation-check-failed"] = 1
     finally:
         manager.close()
     elapsed = time.perf_counter() - t0
     env = environment()
     env["seed"] = seed
-    rendered = _render(results_dir, report_path, {"environment": env, "elapsed_s": elapsed})
+    extra = {"environment": env, "elapsed_s": elapsed}
+    if km is not None:
+        extra.update(mutation_extra(km))
+    rendered = _render(results_dir, report_path, extra)
     print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     for o in bad:
         print("\n" + o.message)
     print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))
-    return 1 if bad else 0
+    return 1 if bad or "mutation-check-failed" in counts else 0
 
 
 def run_single(case: Case, report: str | None = None) -> int:

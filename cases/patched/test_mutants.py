@@ -54,7 +54,6 @@ def test_unknown_mutant_is_an_error():
 
 @pytest.mark.pipeline
 @pytest.mark.mutate
-@pytest.mark.full
 def test_kill_matrix_kills_every_mutant_where_predicted(pool_manager):
     km = known_bugs.kill_matrix(known_bugs.default_kill_cases(), manager=pool_manager)
     assert all(km.baseline.values()), km.table()
