@@ -18,7 +18,7 @@ from harness import buildenv  # noqa: E402
 
 buildenv.apply_base_env()
 
-pytest_plugins = ["harness.pytest_plugin"]  # --divergence-report, result_store, report_extra
+pytest_plugins = ["harness.pytest_plugin", "cases.fuzz.plugin"]  # --divergence-report, result_store, report_extra
 
 
 def pytest_addoption(parser):

@@ -63,6 +63,10 @@ class Case:
     mutant: str | None = None  # name of a known-bug mutant to install (harness.known_bugs)
     timeout_s: float = 300.0
     fault: str | None = None  # test-only: "raise:R", "exit:R", "hang:R", "spawn-child:R" (harness.pool)
+    # Gradient spectrum of the synthetic model (harness.model.batch_data); defaults leave the data alone.
+    grad_scale: float = 1.0  # every gradient times this (near-zero gradients: NS normalisation epsilon)
+    grad_elementwise: float = 1.0  # weight of the full-rank elementwise term; 0: rank <= batch*W*GAS
+    grad_cond: float = 1.0  # X's columns scaled from 1 down to 1/grad_cond (ill-conditioned data term)
 
     @property
     def config(self) -> dict:

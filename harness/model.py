@@ -131,10 +131,36 @@ def batch_data(case, rank: int, step: int, micro: int, dtype: torch.dtype | None
                 "Z": torch.randn(B, n, generator=g, dtype=torch.float32),
                 "T": torch.randn(B, n, generator=g, dtype=torch.float32),
             }
+        _shape_spectrum(case, d)
         for v in poison:
             d["T"][0, 0] = v
         out[p.name] = {k: t.to(dtype) for k, t in d.items()}
     return out
+
+
+def _shape_spectrum(case, d: dict) -> None:
+    """Case knobs ``grad_cond`` / ``grad_elementwise`` / ``grad_scale`` (defaults 1: no change).
+    ``grad_cond``: column j of X scaled by cond**(-j/(c-1)), so the data term's gradient
+    ``R^T X`` has singular values spread over ~cond. ``grad_elementwise``: D scaled (0 removes the
+    full-rank elementwise term). ``grad_scale`` = s: X, Z, T times sqrt(s) and D times s, so every
+    loss term, and every gradient, is s times the unscaled one."""
+    cond = float(getattr(case, "grad_cond", 1.0))
+    elem = float(getattr(case, "grad_elementwise", 1.0))
+    scale = float(getattr(case, "grad_scale", 1.0))
+    if "X" in d:
+        c = d["X"].shape[1]
+        if cond != 1.0 and c > 1:
+            d["X"] *= torch.tensor(cond, dtype=torch.float64).pow(
+                -torch.arange(c, dtype=torch.float64) / (c - 1)).to(torch.float32)
+        if elem != 1.0:
+            d["D"] *= elem
+    if scale != 1.0:
+        r = math.sqrt(scale)
+        for k in ("X", "Z", "T"):
+            if k in d:
+                d[k] *= r
+        if "D" in d:
+            d["D"] *= scale
 
 
 # ------------------------------------------------------------------------------------------------
