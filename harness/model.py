@@ -252,6 +252,27 @@ def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: 
     return out
 
 
+def backward_overflows(lp_weights: dict[str, torch.Tensor], case, rank: int, step: int, micro: int,
+                       scale: float) -> bool:
+    """Whether this rank's half-precision backward of ``scale * loss / GAS`` produces a non-finite
+    gradient. The float64 gradient cannot say: an *intermediate* of the fp16 backward (e.g. the
+    scaled elementwise term ``S * D``) can pass 65504 while the final gradient stays small, and
+    DeepSpeed then (rightly) skips the step. Run the same loss in the model dtype, as the engine
+    does, and look. Only meaningful for fp16 (bf16 and fp32 have fp32's range)."""
+    dtype = MODEL_DTYPES[case.dtype]
+    data = batch_data(case, rank, step, micro)
+    leaves = {p.name: lp_weights[p.name].to(dtype).clone().requires_grad_(True) for p in case.params}
+    total = None
+    for p in case.params:
+        t = term_loss(leaves[p.name], data[p.name])
+        total = t if total is None else total + t
+    scaled = (total / case.grad_accum) * scale
+    if not bool(torch.isfinite(scaled)):
+        return True
+    scaled.backward()
+    return any(not bool(torch.isfinite(leaves[n].grad).all()) for n in leaves)
+
+
 def local_loss(params_f64: dict[str, torch.Tensor], case, rank: int, step: int, micro: int) -> float:
     """float64 value of the same loss (for cross-checks)."""
     data = batch_data(case, rank, step, micro)

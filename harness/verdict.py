@@ -206,6 +206,14 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         lp = _lp_weights(case, traj, s)
         grads = [[{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
                  for r in range(W)]
+        if case.dtype == "fp16":
+            # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
+            # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
+            S = float(state.scaler.scale)
+            for r in range(W):
+                for mu in range(GAS):
+                    if model_mod.backward_overflows(lp, case, r, s, mu, S):
+                        grads[r][mu] = {n: torch.full_like(g, math.inf) for n, g in grads[r][mu].items()}
         true_G = oracles.accumulate(grads, sc)
         term = _grad_term_scale(grads)
 
