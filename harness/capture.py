@@ -4,6 +4,19 @@ Everything here runs on every rank and takes part in the same collectives in the
 rank 0 assembles the ``StepRecord``. Public DeepSpeed helpers are used where they exist; every read of
 an internal attribute is marked ``# INTERNAL`` with what it is.
 
+Two capture modes give bit-identical trajectories (``cases/harness/test_capture_coalesced.py``):
+
+* ``reference``: the table below literally -- one public-helper collective per parameter and quantity,
+  and a gather to rank 0 after every step (~35 collectives per 3-step case, ~1 ms each on gloo).
+* ``coalesced`` (the default, ``DEFAULT_CAPTURE_MODE``): each rank reads, with no collective, the
+  same fragments/partitions the helpers start from, located the same way (Z1/2: ``_hp_mapping``;
+  ZeRO-3: the public *local* helpers ``safe_get_local_fp32_param`` / ``safe_get_local_grad`` /
+  ``safe_get_local_optimizer_state`` and ``ds_tensor``), keeps them until the case ends and ships them
+  all to rank 0 in one object gather, where the helpers' assembly is redone (section "rank-local
+  reads"). The case's only capture collective is that gather, so DeepSpeed runs exactly the
+  collectives of an uncaptured run (``GatheredParameters`` would also re-partition persistent ZeRO-3
+  params, which the next forward then gathers again).
+
 What is read, per path (``path_kind``):
 
 =================  ==========================================================================================
@@ -66,6 +79,9 @@ scale used in this step's backward):
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import pickle
 import sys
 from dataclasses import dataclass, field
 
@@ -91,6 +107,49 @@ def gather_to_rank0(obj, rank: int, world_size: int):
         return [obj]
     out = [None] * world_size if rank == 0 else None
     tdist.gather_object(obj, out, dst=0)
+    return out
+
+
+GATHER_CHUNK_BYTES = 1 << 16
+
+
+def gather_once_to_rank0(obj, rank: int, world_size: int):
+    """``gather_to_rank0`` in ONE collective when every rank's pickle fits ``GATHER_CHUNK_BYTES``.
+
+    ``gather_object`` costs two collectives (an all_gather of the sizes, then the gather). Here every
+    rank sends a fixed-size frame (8-byte length + the first ``GATHER_CHUNK_BYTES`` of its pickle) in
+    one gather; a rank whose pickle is longer sends the rest point-to-point, and rank 0, which learns
+    the lengths from the frames, receives exactly those. Rank 0's own object is returned as is (not
+    round-tripped through pickle). gloo only (the CPU pool); other backends use ``gather_to_rank0``.
+    """
+    if world_size == 1:
+        return [obj]
+    if tdist.get_backend() != "gloo":
+        return gather_to_rank0(obj, rank, world_size)
+    chunk = GATHER_CHUNK_BYTES
+    frame = torch.zeros(8 + chunk, dtype=torch.uint8)
+    data = b""
+    if rank != 0:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        frame[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        head = data[:chunk]
+        if head:
+            frame[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    frames = [torch.empty_like(frame) for _ in range(world_size)] if rank == 0 else None
+    tdist.gather(frame, frames, dst=0)
+    if rank != 0:
+        if len(data) > chunk:
+            tdist.send(torch.frombuffer(bytearray(data[chunk:]), dtype=torch.uint8), dst=0)
+        return None
+    out = [obj]
+    for r in range(1, world_size):
+        n = int(frames[r][:8].view(torch.int64)[0])
+        body = frames[r][8:8 + min(n, chunk)].numpy().tobytes()
+        if n > chunk:
+            rest = torch.empty(n - chunk, dtype=torch.uint8)
+            tdist.recv(rest, src=r)
+            body += rest.numpy().tobytes()
+        out.append(pickle.loads(body))
     return out
 
 
@@ -384,6 +443,232 @@ def _z3_momentum(engine, p, swap: SwapCounter):
 
 
 # ------------------------------------------------------------------------------------------------
+# capture modes
+#
+# "reference": every quantity through the public helpers, one collective per parameter and quantity
+#   (``safe_get_full_fp32_param`` / ``safe_get_full_grad``: an all_reduce on Z1/2, an all-gather on
+#   ZeRO-3; ``GatheredParameters`` for the model weights), and a gather of the step to rank 0 after
+#   every step. Simple and slow: on the CPU pool each collective costs ~1 ms, 30-40 per case.
+# "coalesced" (default): every rank reads only what it holds -- the same fragments/partitions the
+#   public helpers start from, located the same way -- with no collective at all during the case; the
+#   pieces of every step travel to rank 0 in ONE object gather at the end of the case, where rank 0
+#   redoes exactly the helpers' assembly (zero-filled float32 buffer + sum for Z1/2, concatenation in
+#   partition-rank order cut to ``ds_numel`` for ZeRO-3). Bit-identical to "reference"
+#   (cases/harness/test_capture_coalesced.py).
+
+CAPTURE_MODES = ("coalesced", "reference")
+# MUON_HARNESS_CAPTURE_MODE=reference (in the environment the ranks start with) switches a whole run
+# back to the public-helper path, e.g. to rule the capture out when triaging a divergence.
+DEFAULT_CAPTURE_MODE = os.environ.get("MUON_HARNESS_CAPTURE_MODE", "coalesced")
+if DEFAULT_CAPTURE_MODE not in CAPTURE_MODES:
+    raise ValueError(f"MUON_HARNESS_CAPTURE_MODE={DEFAULT_CAPTURE_MODE!r} is not one of {CAPTURE_MODES}")
+
+
+def coalescing_blocker(engine, named: dict, world_size: int) -> str | None:
+    """Why this engine's state cannot be read rank-locally (then the case runs in "reference" mode),
+    or None. The assembly on rank 0 assumes every parameter is partitioned over the whole world in
+    rank order, which is what every case here configures; anything else keeps the public helpers."""
+    for name, p in named.items():
+        if hasattr(p, "ds_id"):
+            group = engine.optimizer._get_param_partition_group(p)  # INTERNAL: the group p is partitioned over
+            if tdist.get_world_size(group) != world_size:
+                return f"{name} is partitioned over {tdist.get_world_size(group)} of {world_size} ranks"
+        elif getattr(p, "_dp_group", None) is not None:  # INTERNAL: the group get_full_hp_param all_reduces over
+            if tdist.get_world_size(p._dp_group) != world_size:
+                return f"{name} is partitioned over {tdist.get_world_size(p._dp_group)} of {world_size} ranks"
+    return None
+
+
+def z3_model_needs_gather(engine) -> bool:
+    """ZeRO-3 model weights whose local partition is not simply ``ds_tensor`` in memory (NVMe parameter
+    offload, hpZ secondary partitions, quantized weights): read through ``GatheredParameters`` even in
+    coalesced mode."""
+    off = engine.zero_offload_param()
+    dev = getattr(off, "device", None) if off else None
+    return (str(dev).endswith("nvme") or engine.zero_hpz_partition_size() > 1 or bool(engine.zero_quantized_weights())
+            or bool(engine.zero_quantized_nontrainable_weights()))
+
+
+# ------------------------------------------------------------------------------------------------
+# rank-local reads ("coalesced")
+#
+# A *piece* is what one rank contributes to one quantity of one parameter:
+#   ("sum", [(flat_offset, float32 ndarray), ...])  Z1/2 and BF16_Optimizer. The public helper
+#        (``tensor_fragment.get_full_hp_param`` / ``get_full_hp_grad``) zero-fills a float32 buffer of the
+#        parameter's size, copies this rank's fragment in at ``lp_fragment_address.start`` and
+#        all_reduces (SUM); rank 0 redoes that sum in float32 (0 + x, so even -0.0 -> +0.0 as in gloo).
+#   ("cat", partition_rank, ndarray)  ZeRO-3. The helper (``stage3._fp32_state_allgather``, or the
+#        parameter all-gather for model weights) all-gathers equal-sized partitions, rank r's at
+#        r * size, into a buffer of the helper's dtype and cuts it to ``ds_numel``; rank 0 concatenates.
+#   ("full", ndarray or None)  the value is whole on every rank (``param.grad``, Z1/2 model weights,
+#        ZeRO-3 params that are already gathered): rank 0's own; other ranks send None.
+#   None  the public helper returns None for this parameter.
+# Arrays keep the dtype the helper's result has (float16/32/64; anything else as float64, exactly).
+
+_NP_EXACT = (torch.float16, torch.float32, torch.float64)
+
+
+def _np_exact(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype not in _NP_EXACT:
+        t = t.to(torch.float64)  # bf16 and friends: float64 holds every value exactly
+    return t.to("cpu").contiguous().numpy().copy()  # a copy: DeepSpeed reuses its buffers
+
+
+def _hp_piece(p, grad: bool):
+    """This rank's contribution to ``get_full_hp_param`` / ``get_full_hp_grad`` of a Z1/2 or
+    BF16_Optimizer param, read the way those helpers read it (``utils/tensor_fragment.py``)."""
+    m = p._hp_mapping  # INTERNAL: this rank's tensor_fragment of p; None when p has nothing in this partition
+    if m is None:
+        return ("sum", [])
+    lp = m.lp_fragment_address  # INTERNAL: (start, numel) of the fragment inside the flattened p
+    if grad:
+        # INTERNAL: averaged_gradients / offload_gradient_dict entry of p (raises outside backward..step,
+        # as the helper does); _index_in_param_group is p's index in that list
+        v = m.get_lp_grad_fragment(p._index_in_param_group).to(torch.float32).flatten()
+        if v.numel() == p.numel():  # BF16_Optimizer keeps a full-size accumulation buffer
+            v = v.narrow(0, int(lp.start), int(lp.numel))
+    else:
+        v = m.get_hp_fragment().to(torch.float32).flatten()  # INTERNAL: the fp32 master fragment
+    if v.numel() != int(lp.numel):
+        raise RuntimeError(f"fragment of {tuple(p.shape)} param has {v.numel()} elements, address says {lp.numel}")
+    return ("sum", [(int(lp.start), _np_exact(v))])
+
+
+def _cat_piece(opt, p, local: torch.Tensor, dtype: torch.dtype):
+    group = opt._get_param_partition_group(p)  # INTERNAL: the group p is partitioned over
+    return ("cat", tdist.get_rank(group), _np_exact(local.to(dtype)))
+
+
+def _z3_helper_dtype(opt) -> torch.dtype:
+    # INTERNAL: dtype of the buffer stage3._fp32_state_allgather gathers into (fp32 unless configured)
+    return getattr(opt, "master_weights_and_grads_dtype", None) or torch.float32
+
+
+def master_piece(engine, p):
+    """Local counterpart of ``safe_get_full_fp32_param`` (same dispatch order)."""
+    if hasattr(p, "ds_id"):
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        v = safe_get_local_fp32_param(p)  # swaps an NVMe sub-group in and releases it, as the full helper
+        return None if v is None else _cat_piece(engine.optimizer, p, v, _z3_helper_dtype(engine.optimizer))
+    if hasattr(p, "_hp_mapping"):
+        return _hp_piece(p, grad=False)
+    return None
+
+
+def grad_piece(engine, p, rank: int):
+    """Local counterpart of ``safe_get_full_grad`` (same dispatch order)."""
+    if getattr(p, "_hp_grad", None) is not None:  # INTERNAL: BF16_Optimizer's accumulation buffer (tested first)
+        return _hp_piece(p, grad=True)
+    if p.grad is not None:
+        return ("full", _np_exact(p.grad) if rank == 0 else None)
+    if hasattr(p, "ds_id"):
+        from deepspeed.utils import safe_get_local_grad
+
+        v = safe_get_local_grad(p)
+        return None if v is None else _cat_piece(engine.optimizer, p, v, _z3_helper_dtype(engine.optimizer))
+    if hasattr(p, "_hp_mapping"):
+        return _hp_piece(p, grad=True)
+    return None
+
+
+def model_piece(engine, p, rank: int):
+    """Local counterpart of ``param.data`` inside ``GatheredParameters``: that gathers exactly the
+    ZeRO-3 params that are NOT_AVAILABLE, by all-gathering their ``ds_tensor`` partitions."""
+    if hasattr(p, "ds_id"):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:  # INTERNAL: ZeRO-3 gather state of p
+            group = engine.optimizer._get_param_partition_group(p)  # INTERNAL (== p.ds_process_group)
+            # INTERNAL: p.ds_tensor is this rank's partition of the low-precision param, ds_tensor.ds_numel
+            # elements (the last rank's zero-padded), exactly what the all-gather sends
+            return ("cat", tdist.get_rank(group), _np_exact(p.ds_tensor))
+    return ("full", _np_exact(p.data) if rank == 0 else None)
+
+
+def z3_momentum_piece(engine, p, swap: SwapCounter):
+    """Local counterpart of ``_z3_momentum``: (piece, dtype-string) or (None, None)."""
+    from deepspeed.utils import safe_get_local_optimizer_state
+
+    opt = engine.optimizer
+    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]  # INTERNAL: (sub-group, offset, numel)
+    if getattr(opt, "save_muon_momentum_buffer_in_memory", False):  # INTERNAL config mirror
+        buf = opt.muon_momentum_buffer_partitioned_groups_flat.get(group_idx)  # INTERNAL
+        if buf is None:
+            return None, None
+        return (_cat_piece(opt, p, buf.narrow(0, dest_offset, num_elements), torch.float32),
+                str(buf.dtype).replace("torch.", ""))
+    # INTERNAL: as in _z3_momentum (state entry of the sub-group's fp32 partition)
+    st = opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[group_idx], {})
+    if "momentum_buffer" not in st:
+        return None, None
+    if opt._swappable_optimizer_subgroup(group_idx):  # INTERNAL
+        dtype = "float32(nvme-swapped)"
+    else:
+        dtype = str(st["momentum_buffer"].dtype).replace("torch.", "")
+    with swap.pause():
+        v = safe_get_local_optimizer_state(p, "momentum_buffer")
+    return _cat_piece(opt, p, v, _z3_helper_dtype(opt)), dtype
+
+
+def resolve_pieces(pieces: list, shape: tuple, what: str) -> np.ndarray | None:
+    """Rank 0: the full float64 value from every rank's piece (rank order), as the helper builds it."""
+    first = pieces[0]
+    if first is None:
+        return None
+    kind = first[0]
+    if kind == "full":
+        return first[1].astype(np.float64).reshape(shape)
+    if any(pc is None or pc[0] != kind for pc in pieces):
+        # the public helper would have deadlocked or mixed collectives here
+        kinds = [None if pc is None else pc[0] for pc in pieces]
+        raise RuntimeError(f"{what}: ranks disagree on how the value is held: {kinds}")
+    n = math.prod(shape)
+    if kind == "sum":
+        buf = np.zeros(n, dtype=np.float32)
+        for pc in pieces:
+            for off, vals in pc[1]:
+                seg = buf[off:off + vals.size]
+                seg += vals  # float32, in place: the all_reduce's 0 + x
+        return buf.astype(np.float64).reshape(shape)
+    parts = sorted(pieces, key=lambda pc: pc[1])
+    if [pc[1] for pc in parts] != list(range(len(parts))) or len({pc[2].size for pc in parts}) != 1:
+        raise RuntimeError(f"{what}: partitions do not tile: ranks {[pc[1] for pc in parts]}, "
+                           f"sizes {[pc[2].size for pc in parts]}")
+    flat = np.concatenate([pc[2] for pc in parts])
+    if flat.size < n:
+        raise RuntimeError(f"{what}: partitions hold {flat.size} elements, the parameter {n}")
+    return flat[:n].astype(np.float64).reshape(shape)
+
+
+def read_masters(engine, case, named: dict, swap: SwapCounter) -> dict:
+    """Rank-local pieces of every master (no collective)."""
+    with swap.pause():
+        return {ps.name: master_piece(engine, named[ps.name]) for ps in case.params}
+
+
+def read_adam_grads(engine, case, named: dict, swap: SwapCounter, rank: int) -> dict:
+    """Rank-local pieces of every Adam param's gradient (no collective); before the boundary step."""
+    out = {}
+    with swap.pause():
+        for ps in case.params:
+            p = named[ps.name]
+            if not getattr(p, "use_muon", False):
+                out[ps.name] = grad_piece(engine, p, rank)
+    return out
+
+
+def resolve_all(per_rank: list[dict], case, what: str) -> dict:
+    """Rank 0: {name: float64 array or None} from every rank's {name: piece}."""
+    out = {}
+    for ps in case.params:
+        if ps.name in per_rank[0]:
+            out[ps.name] = resolve_pieces([d[ps.name] for d in per_rank], tuple(ps.shape), f"{what} of {ps.name}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # the per-step capture
 
 
@@ -392,7 +677,7 @@ class PreStep:
     """What has to be read before the boundary ``engine.step()``."""
 
     loss_scale: float
-    adam_grads: dict  # name -> np (rank 0 only meaningful)
+    adam_grads: dict  # reference: name -> np (rank 0 only meaningful); coalesced: name -> this rank's piece
 
 
 def loss_scale_of(engine) -> float:
@@ -404,7 +689,7 @@ def loss_scale_of(engine) -> float:
 
 
 def capture_adam_grads(engine, case, named: dict, swap: SwapCounter) -> dict:
-    """Accumulated, averaged, still-scaled gradient of every Adam param (collective)."""
+    """Accumulated, averaged, still-scaled gradient of every Adam param (collective). Reference mode."""
     from deepspeed.utils import safe_get_full_grad
 
     out = {}
@@ -419,6 +704,7 @@ def capture_adam_grads(engine, case, named: dict, swap: SwapCounter) -> dict:
 
 
 def capture_masters(engine, case, named: dict, swap: SwapCounter) -> dict:
+    """Every master through ``safe_get_full_fp32_param`` (collective). Reference mode."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     out = {}
@@ -430,6 +716,7 @@ def capture_masters(engine, case, named: dict, swap: SwapCounter) -> dict:
 
 
 def capture_model_weights(engine, case, named: dict) -> dict:
+    """Every model weight inside ``GatheredParameters`` (collective on ZeRO-3). Reference mode."""
     import deepspeed
 
     params = [named[ps.name] for ps in case.params]
@@ -440,10 +727,7 @@ def capture_model_weights(engine, case, named: dict) -> dict:
     return out
 
 
-def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: dict, id_to_name: dict,
-                 info: PathInfo, pre: PreStep, recorder: MuonCallRecorder, swap: SwapCounter,
-                 losses: list[float]) -> StepRecord | None:
-    """After the boundary ``engine.step()``: read everything, gather to rank 0, build the record."""
+def _step_common(engine, recorder: MuonCallRecorder, swap: SwapCounter):
     skipped = not engine.was_step_applied()
     scale_after = loss_scale_of(engine)
     gn = engine.get_global_grad_norm()
@@ -451,6 +735,79 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
     written, read = swap.reset()
     calls, ncalls = recorder.calls, recorder.count
     recorder.reset()
+    return skipped, scale_after, gn, written, read, calls, ncalls
+
+
+def read_step(engine, case, step: int, rank: int, *, named: dict, id_to_name: dict, info: PathInfo,
+              pre: PreStep, recorder: MuonCallRecorder, swap: SwapCounter, losses: list[float],
+              gather_model: bool = False) -> dict:
+    """Coalesced mode, after the boundary ``engine.step()``: everything this rank holds of the step, with
+    no collective (``gather_model``: model weights through ``GatheredParameters``, a collective, for
+    the layouts ``z3_model_needs_gather`` names). Rank 0 turns the list of every rank's dicts into
+    the ``StepRecord`` with ``assemble_step``."""
+    skipped, scale_after, gn, written, read, calls, ncalls = _step_common(engine, recorder, swap)
+    masters = read_masters(engine, case, named, swap)
+    if gather_model:
+        full = capture_model_weights(engine, case, named)
+        model_w = {k: ("full", v if rank == 0 else None) for k, v in full.items()}
+    else:
+        model_w = {ps.name: model_piece(engine, named[ps.name], rank) for ps in case.params}
+    mom_frags, mom_dtypes, mom_z3 = [], {}, {}
+    if info.kind in ("z12", "z12_offload", "bf16_opt"):
+        mom_frags, mom_dtypes = _z12_momentum_fragments(engine, info, id_to_name, rank)
+    elif info.kind in ("z3", "z3_offload"):
+        for ps in case.params:
+            p = named[ps.name]
+            if getattr(p, "use_muon", False):
+                mom_z3[ps.name], mom_dtypes[ps.name] = z3_momentum_piece(engine, p, swap)
+    return {
+        "rank": rank,
+        "calls": calls,
+        "ncalls": ncalls,
+        "mom_frags": mom_frags,
+        "mom_dtypes": mom_dtypes,
+        "losses": list(losses),
+        "swap": (written, read),
+        # rank 0's values are the record's
+        "step": step, "skipped": skipped, "scale_after": scale_after, "gn": gn,
+        "loss_scale": pre.loss_scale, "kind": info.kind, "muon_true_units": info.muon_true_units,
+        "muon_names": frozenset(n for n, p in named.items() if getattr(p, "use_muon", False)),
+        # pieces
+        "adam": pre.adam_grads,
+        "masters": masters,
+        "model": model_w,
+        "mom_z3": mom_z3,
+    }
+
+
+def assemble_step(case, gathered: list[dict]) -> StepRecord:
+    """Rank 0, coalesced mode: the StepRecord from every rank's ``read_step`` dict (rank order)."""
+    r0 = gathered[0]
+    step = r0["step"]
+    adam = resolve_all([g["adam"] for g in gathered], case, f"step {step}: Adam grad")
+    masters = resolve_all([g["masters"] for g in gathered], case, f"step {step}: master")
+    model_w = resolve_all([g["model"] for g in gathered], case, f"step {step}: model weight")
+    mom_full = {}
+    mom_dtypes = dict(r0["mom_dtypes"])
+    for ps in case.params:
+        if ps.name in r0["mom_z3"]:
+            pcs = [g["mom_z3"].get(ps.name) for g in gathered]
+            if pcs[0] is None:
+                mom_dtypes.pop(ps.name, None)
+                continue
+            mom_full[ps.name] = resolve_pieces(pcs, tuple(ps.shape), f"step {step}: momentum of {ps.name}")
+    return _build_record(case, gathered, step=step, kind=r0["kind"], muon_true_units=r0["muon_true_units"],
+                         muon_names=r0["muon_names"], S=r0["loss_scale"], adam_grads=adam, masters=masters,
+                         model_w=model_w, mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=r0["skipped"],
+                         scale_after=r0["scale_after"], gn=r0["gn"])
+
+
+def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: dict, id_to_name: dict,
+                 info: PathInfo, pre: PreStep, recorder: MuonCallRecorder, swap: SwapCounter,
+                 losses: list[float]) -> StepRecord | None:
+    """Reference mode, after the boundary ``engine.step()``: read everything through the public helpers,
+    gather to rank 0, build the record."""
+    skipped, scale_after, gn, written, read, calls, ncalls = _step_common(engine, recorder, swap)
 
     masters = capture_masters(engine, case, named, swap)
     model_w = capture_model_weights(engine, case, named)
@@ -481,10 +838,18 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
     gathered = gather_to_rank0(local, rank, world_size)
     if rank != 0:
         return None
+    return _build_record(case, gathered, step=step, kind=info.kind, muon_true_units=info.muon_true_units,
+                         muon_names={n for n, p in named.items() if getattr(p, "use_muon", False)},
+                         S=pre.loss_scale, adam_grads=pre.adam_grads, masters=masters, model_w=model_w,
+                         mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=skipped, scale_after=scale_after, gn=gn)
 
+
+def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true_units: bool, muon_names,
+                  S: float, adam_grads: dict, masters: dict, model_w: dict, mom_full: dict, mom_dtypes: dict,
+                  skipped: bool, scale_after: float, gn) -> StepRecord:
+    """Rank 0, both modes: the StepRecord from the full values and every rank's calls/fragments."""
     notes = []
-    S = pre.loss_scale
-    muon_scale = 1.0 if info.muon_true_units else S
+    muon_scale = 1.0 if muon_true_units else S
     # Muon calls: first call per (rank, param) in rank order; duplicates checked for agreement.
     per_param_calls: dict[str, list[tuple[int, MuonCall]]] = {}
     for loc in gathered:
@@ -503,7 +868,7 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
 
     # Momentum assembly from fragments (z12 paths).
     momentum: dict[str, np.ndarray] = dict(mom_full)
-    if info.kind in ("z12", "z12_offload", "bf16_opt"):
+    if kind in ("z12", "z12_offload", "bf16_opt"):
         shapes = {ps.name: ps.shape for ps in case.params}
         flat: dict[str, np.ndarray] = {}
         covered: dict[str, np.ndarray] = {}
@@ -529,9 +894,7 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
 
     params: dict[str, ParamStep] = {}
     for ps in case.params:
-        p = named[ps.name]
-        is_muon = bool(getattr(p, "use_muon", False))
-        if is_muon:
+        if ps.name in muon_names:
             lst = per_param_calls.get(ps.name)
             call = lst[0][1] if lst else None  # lowest rank's first call; repeats are noted above
             params[ps.name] = ParamStep(
@@ -549,7 +912,7 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
             params[ps.name] = ParamStep(
                 master=masters[ps.name],
                 model=model_w[ps.name],
-                grad=pre.adam_grads.get(ps.name),
+                grad=adam_grads.get(ps.name),
                 grad_scale=S,
             )
 

@@ -19,6 +19,18 @@ Timing (this 2-core machine, warm rank, 4-tensor model, 2 steps, fp32): 20-45 ms
 40-170 ms at W=2 (ZeRO-3 the slower end); the first case in a process costs ~3-4 s (DeepSpeed
 import and op loads).
 
+Capture communication (``capture.DEFAULT_CAPTURE_MODE``, "coalesced"): during the steps every rank
+only reads what it holds; after the last step ONE object gather brings every rank's pieces of every
+step to rank 0, which builds the ``StepRecord``s. ``run_case_on_rank_reference`` (pool entry
+``harness.ds_run:run_case_on_rank_reference``) runs the same case through the public helpers (a
+collective per parameter and quantity, a gather per step) and is the yardstick of
+``cases/harness/test_capture_coalesced.py``. Harness bookkeeping per case at W=2, measured in-rank
+on the 3-step bench cases (ms, shared 2-core machine): rank-local reads 1-2, the final gather 1-3
+(mostly waiting for the slower rank), rank-0 assembly ~1, gc.collect 0.5-1.8, ProcessState snapshot +
+restore 0.2-0.5, pickling the Trajectory 0.3-0.7 -- together ~5-10 % of a 50-100 ms case. The first
+case a rank runs also loads the already-built JIT ops (``warm_rank``), so their one-off load does not
+land in the first offload/NVMe case.
+
 Step numbering: optimizer steps count from 1 (``StepRecord.step``, ``Overflow.step``,
 ``checkpoint_at``); micro-batches from 0.
 """
@@ -259,12 +271,59 @@ def destroy_engine(engine) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# once per rank process
+
+# DeepSpeed JIT ops a case loads on first use (DeepSpeedCPUAdam for cpu/nvme optimizer offload, the
+# aio op for NVMe swapping). Loading one that is already built still costs tens of ms (ninja and
+# compiler probes in subprocesses; ~0.1 s on two busy cores), which would otherwise land in whichever
+# case happens to be the first of its kind in the process.
+PRELOAD_OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
+_rank_warmed = False
+
+
+def warm_rank() -> list[str]:
+    """Load the ``PRELOAD_OPS`` that are already built in ``TORCH_EXTENSIONS_DIR`` (never builds
+    anything), once per process; called by the first case a rank runs. Returns the ops loaded."""
+    global _rank_warmed
+    if _rank_warmed:
+        return []
+    _rank_warmed = True
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not ext:
+        return []
+    loaded = []
+    for name in PRELOAD_OPS:
+        with contextlib.suppress(Exception):  # best effort: the case itself loads (or builds) what it needs
+            from deepspeed.accelerator import get_accelerator
+
+            builder = get_accelerator().create_op_builder(name)
+            if builder is not None and (Path(ext) / builder.NAME / f"{builder.NAME}.so").exists():
+                builder.load(verbose=False)  # cached in OpBuilder._loaded_ops for every later load()
+                loaded.append(builder.NAME)
+    return loaded
+
+
+# ------------------------------------------------------------------------------------------------
 # the case
 
 
 def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> Trajectory | None:
+    return _run_case(case, rank, world_size, workdir, capture.DEFAULT_CAPTURE_MODE)
+
+
+def run_case_on_rank_reference(case: Case, rank: int, world_size: int, workdir: Path) -> Trajectory | None:
+    """``run_case_on_rank`` with every quantity read through the public helpers, one collective per
+    parameter and quantity (``capture_mode="reference"``): the yardstick the coalesced capture is
+    tested against bit for bit (cases/harness/test_capture_coalesced.py). Pool entry
+    ``harness.ds_run:run_case_on_rank_reference``."""
+    return _run_case(case, rank, world_size, workdir, "reference")
+
+
+def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mode: str) -> Trajectory | None:
     import torch.distributed as tdist
 
+    if capture_mode not in capture.CAPTURE_MODES:
+        raise ValueError(f"capture_mode {capture_mode!r} is not one of {capture.CAPTURE_MODES}")
     if not tdist.is_initialized():
         raise RuntimeError("run_case_on_rank needs an initialised torch.distributed process group")
     if tdist.get_world_size() != world_size or tdist.get_rank() != rank:
@@ -281,6 +340,7 @@ def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> T
     # Everything alive now (torch, DeepSpeed, the previous case's survivors) is long-lived: move it
     # out of the collector's sight so the end-of-case gc.collect() scans only this case's objects
     # (0.5 s -> a few ms per case on this machine). Frozen objects are still freed by refcount.
+    warm_rank()  # once per process; not part of the case (and not in its notes: they must not depend on order)
     gc.freeze()
     state = ProcessState()
     _seed_everything(case.seed)
@@ -303,7 +363,21 @@ def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> T
             if init_w or init_r:
                 notes.append(f"swap bytes during initialize: written {init_w}, read {init_r}")
             notes.append(f"path {info.kind}")
-            initial = capture.capture_masters(engine, case, named, swap)
+            # coalesced: every rank keeps what it holds of each step (no collective) and rank 0 gets it
+            # all in one gather after the last step; reference: public helpers + a gather per step.
+            coalesced = capture_mode == "coalesced"
+            if coalesced:
+                blocker = capture.coalescing_blocker(engine, named, world_size)
+                if blocker is not None:
+                    coalesced = False
+                    notes.append(f"capture: reference mode ({blocker})")
+            gather_model = coalesced and info.stage == 3 and capture.z3_model_needs_gather(engine)
+            pending: list[dict] = []  # coalesced: this rank's read_step dicts, one per step
+            if coalesced:
+                initial_pieces = capture.read_masters(engine, case, named, swap)
+                initial = {}  # filled on rank 0 after the final gather
+            else:
+                initial = capture.capture_masters(engine, case, named, swap)
             swap.reset()
             if rank == 0:
                 traj = Trajectory(case_name=case.name, initial=initial,
@@ -324,14 +398,23 @@ def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> T
                     engine.backward(loss)
                     loss = None  # its grad_fn graph reaches the parameters, and through them the engine
                     if micro == gas - 1:
-                        adam = capture.capture_adam_grads(engine, case, named, swap)
+                        if coalesced:
+                            adam = capture.read_adam_grads(engine, case, named, swap, rank)
+                        else:
+                            adam = capture.capture_adam_grads(engine, case, named, swap)
                     engine.step()
                 pre = capture.PreStep(loss_scale=S, adam_grads=adam)
-                rec = capture.capture_step(engine, case, step, rank, world_size, named=named,
-                                           id_to_name=recorder.id_to_name, info=info, pre=pre,
-                                           recorder=recorder, swap=swap, losses=losses)
-                if rank == 0:
-                    traj.steps.append(rec)
+                if coalesced:
+                    pending.append(capture.read_step(engine, case, step, rank, named=named,
+                                                     id_to_name=recorder.id_to_name, info=info, pre=pre,
+                                                     recorder=recorder, swap=swap, losses=losses,
+                                                     gather_model=gather_model))
+                else:
+                    rec = capture.capture_step(engine, case, step, rank, world_size, named=named,
+                                               id_to_name=recorder.id_to_name, info=info, pre=pre,
+                                               recorder=recorder, swap=swap, losses=losses)
+                    if rank == 0:
+                        traj.steps.append(rec)
                 if case.checkpoint_at is not None and step == case.checkpoint_at and step < case.steps:
                     ckpt = workdir / "ckpt"
                     tag = f"step{step}"
@@ -352,6 +435,15 @@ def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> T
             t_steps = time.perf_counter()
             destroy_engine(engine)
             engine = named = info = None
+            if coalesced:
+                # The case's only capture collective: every rank's pieces of every step to rank 0.
+                gathered = capture.gather_once_to_rank0((initial_pieces, pending), rank, world_size)
+                pending = initial_pieces = None
+                if rank == 0:
+                    traj.initial = capture.resolve_all([g[0] for g in gathered], case, "initial master")
+                    traj.steps = [capture.assemble_step(case, [g[1][i] for g in gathered])
+                                  for i in range(len(gathered[0][1]))]
+                gathered = None
             notes.append(f"seconds: build {t_built - t0:.3f}, steps+capture {t_steps - t_built:.3f}")
     finally:
         if engine is not None:
