@@ -202,11 +202,10 @@ def force_ns_dtype(name: str | None):
 
 @contextlib.contextmanager
 def case_patches(case: Case):
-    """THE single place where ``case.patched`` / ``case.mutant`` take effect (hook for later work).
-
-    ``harness.patches`` (not written yet) is expected to offer ``enter(case)`` / ``exit(case)``.
-    A case that asks for either and finds no such module fails rather than silently running
-    unpatched DeepSpeed.
+    """THE single place where ``case.patched`` / ``case.mutant`` take effect: ``harness.patches``
+    installs the patched runtime and/or a known-bug mutant inside this rank for the case and always
+    undoes them. A case that asks for either and finds no such module fails rather than silently
+    running unpatched DeepSpeed.
     """
     if not (case.patched or case.mutant):
         yield
