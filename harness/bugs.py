@@ -34,6 +34,9 @@ class Bug:
     where: str  # the DeepSpeed 0.19.8 code responsible
     fix: str | None = None
     reproducer: str = ""  # the case or test that shows it
+    # Where the fix is a refusal rather than a repair: text the patched runtime's error must contain.
+    # A patched case this bug triggers then passes when, and only when, it is refused with that text.
+    refused_when_patched: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,6 +253,8 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: c.offload == "nvme" and c.stage in (1, 2),
         quantities=frozenset({"swap"}),
         where="stage_1_and_2.py __init__ (cpu_offload = device in (cpu, nvme))",
+        fix="z12-nvme-refuse",
+        refused_when_patched="ZeRO stage 1/2 do not implement NVMe optimizer offload",
     ),
     Bug(
         id="DSM-003",
@@ -421,3 +426,11 @@ def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
         fixed = set(patched_runtime.fix_names())
         hits = [b for b in hits if b.fix is None or b.fix not in fixed]
     return hits
+
+
+def refusals_for(case: Case) -> list[Bug]:
+    """Bugs whose patched fix refuses this case (with the text each refusal must carry)."""
+    from harness import patched_runtime
+
+    fixed = set(patched_runtime.fix_names())
+    return [b for b in BUGS if b.refused_when_patched and b.fix in fixed and b.trigger(case)]

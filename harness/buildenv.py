@@ -55,8 +55,9 @@ def apply_base_env(overrides: dict[str, str] | None = None) -> None:
     os.environ.update(env)
 
 
-def clear_stale_locks(max_age_s: float = 0.0) -> list[Path]:
-    """Remove ``lock`` files in the extensions cache; callers hold no build when they call this."""
+def clear_stale_locks(max_age_s: float) -> list[Path]:
+    """Remove ``lock`` files in the extensions cache older than ``max_age_s``: torch's FileBaton
+    waits forever on a lock a killed build left behind."""
     import time
 
     removed = []

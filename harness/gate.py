@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.bugs import bugs_for
+from harness.bugs import bugs_for, refusals_for
 from harness.case import Case
 from harness.pool import CaseFailure, PoolManager
 from harness.verdict import Verdict, judge, reproduce_command
@@ -36,6 +36,7 @@ class Outcome:
     unexplained: list = field(default_factory=list)
     swapped_bytes: int | None = None
     trajectory: object = None
+    refused: bool = False  # the patched runtime refused the case, as its fix for a bug says it must
 
 
 def patched_available() -> bool:
@@ -56,11 +57,23 @@ def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
     bugs = bugs_for(c, patched=patched)
     ids = [b.id for b in bugs]
     explained = set().union(*(b.quantities for b in bugs)) if bugs else set()
+    refusals = refusals_for(c) if patched else []
     t0 = time.perf_counter()
     try:
         out = manager.run(c)
     except CaseFailure as exc:
-        return Outcome(c, column, "error", ids, str(exc), time.perf_counter() - t0)
+        text = str(exc)
+        if refusals and all(b.refused_when_patched in text for b in refusals):
+            names = ", ".join(b.id for b in refusals)
+            why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
+            return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "
+                           f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True)
+        return Outcome(c, column, "error", ids, text, time.perf_counter() - t0)
+    if refusals:
+        return Outcome(c, column, "failed", ids,
+                       f"{c.name}: the patched runtime should have refused this case "
+                       f"({', '.join(b.id for b in refusals)}) but ran it\n  reproduce: {reproduce_command(c)}",
+                       time.perf_counter() - t0, trajectory=out.result)
     traj = out.result
     verdict = judge(c, traj)
     seconds = time.perf_counter() - t0
@@ -104,7 +117,7 @@ def record(store, o: Outcome) -> None:
 
     if o.verdict is None:
         store.add(results.error_record(o.case, column=o.column, message=o.message, seconds=o.seconds,
-                                       bug_ids=o.bug_ids))
+                                       bug_ids=o.bug_ids, status=o.status))
         return
     rec, maps = results.from_verdict(o.verdict, column=o.column, status=o.status, bug_ids=o.bug_ids,
                                      seconds=o.seconds, message=o.message, swapped_bytes=o.swapped_bytes)

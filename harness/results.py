@@ -109,12 +109,15 @@ def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, 
     return rec, maps
 
 
-def error_record(case: Case, *, column: str, message: str, seconds: float, bug_ids=()) -> CaseRecord:
+def error_record(case: Case, *, column: str, message: str, seconds: float, bug_ids=(),
+                 status: str = "error") -> CaseRecord:
+    """A record for an outcome without a verdict: an error, or a case the patched runtime refused."""
     from harness.verdict import reproduce_command
 
-    return CaseRecord(key=record_key(case, column), case_name=case.name, column=column, status="error",
+    return CaseRecord(key=record_key(case, column), case_name=case.name, column=column, status=status,
                       bug_ids=list(bug_ids), mode="-", message=message, reproduce=reproduce_command(case),
-                      case_json=case.to_json(), seconds=seconds, worst_ratio=float("inf"))
+                      case_json=case.to_json(), seconds=seconds,
+                      worst_ratio=float("inf") if status == "error" else 0.0)
 
 
 def _f(x: float) -> float:

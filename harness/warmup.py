@@ -15,6 +15,7 @@ import time
 from harness import buildenv
 
 OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
+STALE_LOCK_AGE_S = 20 * 60
 
 
 def fill_cpuinfo_cache() -> dict:
@@ -60,7 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-compile", action="store_true", help="do not fill the torch.compile cache")
     args = ap.parse_args(argv)
     buildenv.apply_base_env({"TORCHDYNAMO_DISABLE": "0"})
-    removed = buildenv.clear_stale_locks()
+    # A lock is stale once it is older than any build here takes (cold async_io: ~7 min wall on 2
+    # cores); a younger one may belong to a live build or load in another process, and removing it
+    # breaks that process (seen: FileNotFoundError on .../cpu_adam/lock), so it is waited for.
+    removed = buildenv.clear_stale_locks(max_age_s=STALE_LOCK_AGE_S)
     for lock in removed:
         print(f"warmup: removed stale build lock {lock}")
     fill_cpuinfo_cache()

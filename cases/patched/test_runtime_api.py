@@ -109,7 +109,24 @@ def test_bugs_for_patched_keeps_only_unfixed_bugs():
     assert [b.id for b in bugs.bugs_for(c)] == ["DSM-001"]
     assert bugs.bugs_for(c.replace(patched=True), patched=True) == []
     nv = pipeline_case(2, "nvme", "fp32", 1)
-    assert [b.id for b in bugs.bugs_for(nv.replace(patched=True), patched=True)] == ["DSM-002"]
+    # DSM-002's fix is a refusal: no longer an expected divergence, but an expected refusal.
+    assert bugs.bugs_for(nv.replace(patched=True), patched=True) == []
+    assert [b.id for b in bugs.refusals_for(nv)] == ["DSM-002"]
+    unfixed = pipeline_case(1, "none", "bf16", 2, steps=3, extra_zero=None)
+    assert bugs.refusals_for(unfixed) == []
+
+
+def test_zero12_nvme_is_refused_with_its_cause_when_patched(pool_manager):
+    """DSM-002's fix: stock silently runs CPU offload (0 bytes swapped); patched refuses, naming why."""
+    from harness.gate import evaluate
+    from harness.scenarios import pipeline_case
+
+    case = pipeline_case(1, "nvme", "fp32", 1, steps=1)
+    stock = evaluate(case, "stock", pool_manager)
+    assert stock.status == "xfailed" and stock.bug_ids == ["DSM-002"] and stock.swapped_bytes == 0
+    patched = evaluate(case, "patched", pool_manager)
+    assert patched.status == "passed" and patched.refused, patched.message
+    assert "do not implement NVMe optimizer offload" in patched.message
 
 
 def test_describe_lists_every_fix():

@@ -71,7 +71,8 @@ def test_base(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", _suite(matrix.nvme_cases))
 def test_nvme(case, column, pool_manager, seed, request):
     o = _run(case, column, pool_manager, seed, request)
-    assert o.swapped_bytes and o.swapped_bytes > 0
+    if not o.refused:  # a refused case (patched fix for DSM-002) never reached the swapper
+        assert o.swapped_bytes and o.swapped_bytes > 0
 
 
 @pytest.mark.parametrize("case,column", _suite(matrix.inmem_cases))

@@ -62,6 +62,8 @@ def test_resume_equals_uninterrupted(case, column, pool_manager, seed):
     straight = evaluate(case.replace(seed=seed, checkpoint_at=None, name=case.name + "-straight"), column,
                         pool_manager)
     assert straight.status in ("passed", "xfailed"), straight.message
+    if resumed.refused and straight.refused:
+        return  # the patched runtime refuses this configuration outright (see the bug's fix)
     if resumed.trajectory is None:
         pytest.fail(resumed.message, pytrace=False)
     diffs = _differences(resumed.trajectory, straight.trajectory, case.checkpoint_at)

@@ -11,6 +11,11 @@ One replacement of ``DeepSpeedZeroOptimizer.get_flat_partition`` carries two fix
   (an exact widening), which makes ``_muon_momentum_buffer`` convert the momentum (and with it the
   staged copy) to fp32, and builds the Muon group's flat partition in fp32, so the update reaches the
   fp32 gradient of the master partition unrounded. Norm, overflow test and ``step`` are dtype-agnostic.
+* ``z12-nvme-refuse`` (DSM-002). ZeRO-1/2 accept ``offload_optimizer.device: nvme`` and silently run
+  CPU offload (``__init__`` treats any device other than none as cpu). Implementing NVMe swapping for
+  stage 1/2 is out of scope for a runtime patch; the fix turns the silent substitution into a clear
+  refusal at engine construction, naming the cause and the alternatives, so nobody believes their
+  optimizer state is on NVMe when it is in host memory.
 * ``z12-per-head-with-alignment`` (DSM-008). With ``zero_optimization.parameter_alignment`` and at
   least one padded parameter the group takes the padded branch of ``get_flat_partition``, whose
   ``muon_update`` call does not pass ``num_heads`` (compare ``_get_flat_partition_unpadded``): per-head
@@ -24,6 +29,9 @@ from harness.patched_runtime._registry import Fix, Target, active, muon_input_sc
 
 FP32 = "z12-fp32-muon-state"
 HEADS = "z12-per-head-with-alignment"
+NVME_REFUSE = "z12-nvme-refuse"
+NVME_REFUSAL = ("ZeRO stage 1/2 do not implement NVMe optimizer offload: DeepSpeed 0.19.8 would silently run "
+                "CPU offload instead (bug DSM-002). Use offload_optimizer.device 'cpu', or ZeRO stage 3 for NVMe.")
 UNITS = "muon-momentum-scale-units"  # harness.patched_runtime.scaler.UNITS
 
 MOD = "deepspeed.runtime.zero.stage_1_and_2"
@@ -126,7 +134,29 @@ def _get_flat_partition(self, orig, fp32, heads, tensor_list, first_offset, part
 GET_FLAT_PARTITION = Target(MOD, "DeepSpeedZeroOptimizer.get_flat_partition", "d01c98d11989f902",
                             make_get_flat_partition)
 
+def make_init(orig):
+    def __init__(self, *args, **kwargs):
+        if active(NVME_REFUSE):
+            cfg = kwargs.get("offload_optimizer_config")
+            device = getattr(getattr(cfg, "device", None), "value", getattr(cfg, "device", None))
+            if device == "nvme":
+                raise ValueError(NVME_REFUSAL)
+        return orig(self, *args, **kwargs)
+
+    __init__.__wrapped__ = orig
+    return __init__
+
+
+INIT = Target(MOD, "DeepSpeedZeroOptimizer.__init__", "a381470af4e9e679", make_init)
+
 FIXES = (
+    Fix(name=NVME_REFUSE, bug_id="DSM-002",
+        symptom="ZeRO-1/2 with offload_optimizer.device nvme: nothing is ever swapped; the optimizer state stays "
+                "in host memory as with cpu offload, silently.",
+        trigger="stage 1/2, offload_optimizer.device nvme",
+        targets=(INIT,),
+        notes="A refusal, not an implementation: the engine raises ValueError naming the cause before anything "
+              "is allocated."),
     Fix(name=FP32, bug_id="DSM-001",
         symptom="ZeRO-1/2 (no offload), fp16/bf16 model: Muon momentum, its Nesterov blend and the Muon update "
                 "are kept in the model dtype, so every step rounds the momentum to 16 bit (bf16 drops increments "
