@@ -147,6 +147,7 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
         import importlib
 
         importlib.import_module("harness.ds_run")  # imports deepspeed once per rank
+        runtime_state.preload_built_ops()  # no case ever takes a JIT-build lock a kill could orphan
 
         conn.send(("ready", os.getpid()))
     except BaseException:

@@ -27,3 +27,47 @@ def install_process_caches() -> None:
         inner.get_cpu_info = cpuinfo.get_cpu_info
     except ImportError:
         pass
+
+
+PRELOAD_BUILDERS = ("PinMemoryBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder",
+                    "ShareMemCommBuilder")
+
+
+def preload_built_ops() -> list[str]:
+    """Import every op the warm-up built straight from its ``.so``, into DeepSpeed's per-process op
+    cache (``OpBuilder._loaded_ops``), so no case ever goes through torch's JIT ``load``.
+
+    Why: that path takes a FileBaton ``lock`` in the shared extensions folder, even for an op that
+    is already built, and a rank killed while holding it (the pool kills ranks on timeouts and
+    failures) leaves a lock behind on which every later load waits forever. Ops not built yet are
+    left to DeepSpeed's normal path. ``pin_memory`` goes first: async_io resolves symbols from it.
+    """
+    import ctypes
+    import os
+    import sys
+    from pathlib import Path
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from torch.utils.cpp_extension import _import_module_from_library
+
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not ext:
+        return []
+    loaded = []
+    for name in PRELOAD_BUILDERS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or builder.NAME in OpBuilder._loaded_ops:
+            continue
+        folder = Path(ext) / builder.NAME
+        if not (folder / f"{builder.NAME}.so").exists():
+            continue
+        module = _import_module_from_library(builder.NAME, str(folder), True)
+        OpBuilder._loaded_ops[builder.NAME] = module
+        if name == "PinMemoryBuilder":
+            # What DeepSpeed's own pin_memory loader does (op_builder/pin_memory_load.py): publish the
+            # module process-wide and re-open it RTLD_GLOBAL so async_io resolves its symbols.
+            setattr(sys, "_deepspeed_pin_memory_op_module", module)
+            ctypes.CDLL(module.__file__, mode=ctypes.RTLD_GLOBAL)
+        loaded.append(builder.NAME)
+    return loaded

@@ -31,6 +31,22 @@ def _pool_pids(manager, ws):
     return pool.pids() if pool else []
 
 
+def _pool_uid(manager, ws):
+    """The marker value of this process's pool: other pytest-xdist workers start pools of their own
+    at any time, so process-table checks look only for this pool's marker."""
+    return manager.pools[(ws, False)].uid
+
+
+def _wait_marker_gone(uid, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = marked_processes(uid)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return marked_processes(uid)
+
+
 def test_pool_is_reused_across_cases(pool_manager):
     a = pool_manager.run(pipeline_case(1, world_size=2, steps=1))
     pids = _pool_pids(pool_manager, 2)
@@ -43,7 +59,8 @@ def test_pool_is_reused_across_cases(pool_manager):
 def test_raising_rank_names_itself_and_pool_recovers(pool_manager):
     pool_manager.run(pipeline_case(1, world_size=2, steps=1))  # make sure a pool is up
     old = _pool_pids(pool_manager, 2)
-    before = set(marked_processes())
+    uid = _pool_uid(pool_manager, 2)
+    assert sorted(marked_processes(uid)) == sorted(old)
     with pytest.raises(RankFailed) as err:
         pool_manager.run(pipeline_case(1, world_size=2, steps=1).replace(fault="raise:1"))
     assert err.value.rank == 1
@@ -51,7 +68,7 @@ def test_raising_rank_names_itself_and_pool_recovers(pool_manager):
     assert "Traceback" in str(err.value)
     # The peer (rank 0) was inside deepspeed.initialize's collectives; it must be gone too.
     assert _wait_gone(old) == []
-    assert set(marked_processes()) <= before - set(old)
+    assert _wait_marker_gone(uid) == []
     after = pool_manager.run(pipeline_case(1, world_size=2, steps=1))
     assert after.result is not None and len(after.result.steps) == 1
     assert set(_pool_pids(pool_manager, 2)).isdisjoint(old), "the broken pool must have been replaced"
@@ -65,7 +82,8 @@ def test_dying_rank_is_reported_with_exit_code(pool_manager):
 
 
 def test_hung_rank_times_out_with_stacks_and_leaves_nothing(pool_manager):
-    before = set(marked_processes())
+    pool_manager.run(pipeline_case(1, world_size=2, steps=1))  # make sure a pool is up
+    uid = _pool_uid(pool_manager, 2)
     case = pipeline_case(1, world_size=2, steps=1).replace(fault="spawn-child:0", timeout_s=8.0)
     t0 = time.monotonic()
     with pytest.raises(CaseTimeout) as err:
@@ -77,7 +95,7 @@ def test_hung_rank_times_out_with_stacks_and_leaves_nothing(pool_manager):
     # Rank 1 is blocked in DeepSpeed's start-up collectives waiting for rank 0: its stack shows it.
     assert "Thread" in stacks[1] or "File" in stacks[1]
     # The grandchild rank 0 started carries the pool marker; a session kill must reap it too.
-    leftover = set(_wait_gone(set(marked_processes()) - before))
+    leftover = _wait_marker_gone(uid)
     assert not leftover, f"processes left behind: {leftover}"
     assert pool_manager.run(pipeline_case(1, world_size=2, steps=1)).result is not None
 
