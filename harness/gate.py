@@ -179,10 +179,10 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                     print(f"[{n}/{total}] {col:7s} {case.name:55s} {tag} ({o.seconds:.1f}s)", flush=True)
         km = None
         if mutate and patched_available() and not only:
-            from harness import known_bugs
+            from harness.kill_matrix import default_kill_cases, kill_matrix
 
             print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
-            km = known_bugs.kill_matrix(known_bugs.default_kill_cases(), manager=manager)
+            km = kill_matrix(default_kill_cases(), manager=manager)
             print(km.table(), flush=True)
             if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
                 counts["mutation-check-failed"] = 1

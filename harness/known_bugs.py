@@ -4,7 +4,7 @@ at run time, to prove the harness (capture + oracle + verdict) catches them.
 ``MUTANTS[name] = Mutant(name, description, install, catches)``; ``install(name)`` installs one and
 returns the callable that undoes it. A case asks for one with ``Case(..., mutant=name)``; it takes
 effect inside every rank through ``harness.patches`` -- on top of the patched runtime when the case
-is also ``patched=True``, which is how ``kill_matrix`` runs them, so the unmutated baseline is clean.
+is also ``patched=True``, which is how ``harness.kill_matrix`` runs them, so the unmutated baseline is clean.
 
 How they are built. Every mutant *wraps* whatever is installed (stock DeepSpeed or the patched
 runtime's replacement) and never replaces a function with a copy of stock code, so it composes with
@@ -14,19 +14,16 @@ innermost frame whose ``self`` is a ZeRO optimizer (``_ds_context``), and read t
 optimizer, as the buggy code would have.
 
 ``catches`` is a predicate on a case: True where the mutant is *expected* to make the verdict fail.
-``kill_matrix`` checks the expectation as well as measuring kills. ``main()`` runs the default kill set.
-
-Usage::
-
-    .venv/bin/python -c "from harness.known_bugs import main; main()"
+``harness.kill_matrix`` (the parent-side driver, ``python -m harness mutate``) checks the expectation
+as well as measuring kills. This module is imported inside the ranks, so it imports nothing that
+starts or drives ranks.
 """
 from __future__ import annotations
 
 import inspect
 import math
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -482,7 +479,7 @@ def _clip(c: Case) -> float:
     return float(c.config.get("gradient_clipping", 0.0))
 
 
-def _wd(c: Case) -> float:
+def case_weight_decay(c: Case) -> float:
     return float(c.config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
 
 
@@ -562,7 +559,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("weight-decay-twice",
            "Muon parameters get their decoupled weight decay applied twice per step.",
            _install_weight_decay_twice,
-           lambda c: _wd(c) > 0 and bool(_muon(c)),
+           lambda c: case_weight_decay(c) > 0 and bool(_muon(c)),
            "plausible: decay in both the ZeRO wrapper and MuonWithAuxAdam"),
     Mutant("offload-loss-scale-not-divided",
            "cpu/nvme offload: the gathered gradient is not divided by the loss scale before Muon (momentum in "
@@ -589,165 +586,3 @@ def install(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise KeyError(f"unknown mutant {name!r}; known: {sorted(MUTANTS)}")
     return MUTANTS[name].install()
-
-
-# ------------------------------------------------------------------------------------------------
-# kill matrix
-
-
-def default_kill_cases() -> list[Case]:
-    """Six small cases (world size 1-2) that together kill every mutant."""
-    from harness.scenarios import TINY_PARAMS, pipeline_case
-
-    heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
-    cases = [
-        pipeline_case(1, "none", "fp16", 1, steps=3, clip=0.05, params=heads),
-        pipeline_case(2, "none", "fp32", 2, steps=3),
-        pipeline_case(3, "none", "fp32", 2, steps=3, grad_accum=2),
-        pipeline_case(2, "cpu", "fp16", 2, steps=3),
-        pipeline_case(3, "cpu", "bf16", 2, steps=3),
-        pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
-    ]
-    out = []
-    for c in cases:
-        extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
-                ("-wd" if _wd(c) else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
-        out.append(c.replace(name=c.name + extra))
-    return out
-
-
-@dataclass
-class KillRow:
-    mutant: str
-    case: str
-    killed: bool | None  # None: baseline failed, not counted
-    expected: bool
-    detail: str = ""
-    seconds: float = 0.0
-
-
-@dataclass
-class KillMatrix:
-    cases: list[str]
-    mutants: list[str]
-    baseline: dict[str, bool] = field(default_factory=dict)  # case -> passes unmutated (patched)
-    rows: list[KillRow] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def killed_by(self, mutant: str) -> list[str]:
-        return [r.case for r in self.rows if r.mutant == mutant and r.killed]
-
-    @property
-    def kill_rate(self) -> float:
-        return sum(bool(self.killed_by(m)) for m in self.mutants) / max(1, len(self.mutants))
-
-    def surprises(self) -> list[KillRow]:
-        """Cells where a kill was expected and not seen, or seen and not expected."""
-        return [r for r in self.rows if r.killed is not None and r.killed != r.expected]
-
-    def table(self) -> str:
-        short = [f"c{i + 1}" for i in range(len(self.cases))]
-        width = max(len(m) for m in self.mutants) if self.mutants else 10
-        lines = [f"cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
-                 "baseline (patched, unmutated): " + " ".join(
-                     f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
-                 "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
-                 "predicted, - baseline failed",
-                 f"{'mutant':<{width}} " + " ".join(f"{s:>3}" for s in short) + "  killed"]
-        cell = {(r.mutant, r.case): r for r in self.rows}
-        for m in self.mutants:
-            marks = []
-            for n in self.cases:
-                r = cell.get((m, n))
-                if r is None or r.killed is None:
-                    marks.append("-")
-                elif r.killed:
-                    marks.append("K" if r.expected else "k")
-                else:
-                    marks.append("!" if r.expected else ".")
-            lines.append(f"{m:<{width}} " + " ".join(f"{x:>3}" for x in marks)
-                         + f"  {'yes' if self.killed_by(m) else 'NO'}")
-        n_killed = sum(bool(self.killed_by(m)) for m in self.mutants)
-        lines.append(f"kill rate: {n_killed}/{len(self.mutants)} = {100 * self.kill_rate:.0f}% "
-                     f"({len(self.cases)} cases, {self.seconds:.0f} s)")
-        s = self.surprises()
-        if s:
-            lines.append("expectation mismatches: " + ", ".join(f"{r.mutant}@{r.case}" for r in s))
-        return "\n".join(lines)
-
-
-def kill_matrix(cases, mutants=None, manager=None, *, patched: bool = True, progress=None) -> KillMatrix:
-    """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
-    when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
-    patched runtime so the baseline is clean. ``manager``: a ``PoolManager`` (one is made and closed
-    if None)."""
-    from harness.pool import CaseFailure, PoolManager
-    from harness.verdict import judge
-
-    names = list(mutants) if mutants is not None else list(MUTANTS)
-    own = manager is None
-    manager = manager or PoolManager()
-    km = KillMatrix(cases=[c.name for c in cases], mutants=names)
-    t_all = time.perf_counter()
-    try:
-        for c in cases:
-            base = c.replace(patched=patched, mutant=None)
-            try:
-                v = judge(base, manager.run(base).result)
-                km.baseline[c.name] = v.passed
-            except CaseFailure as e:
-                km.baseline[c.name] = False
-                if progress:
-                    progress(f"baseline {c.name}: error {str(e)[:200]}")
-            if progress:
-                progress(f"baseline {c.name}: {'pass' if km.baseline[c.name] else 'FAIL'}")
-        for m in names:
-            mut = MUTANTS[m]
-            for c in cases:
-                expected = mut.expected(c)
-                if not km.baseline.get(c.name):
-                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
-                    continue
-                run = c.replace(patched=patched, mutant=m)
-                t0 = time.perf_counter()
-                try:
-                    v = judge(run, manager.run(run).result)
-                    killed = not v.passed
-                    first = v.first
-                    detail = (f"{first.param}.{first.quantity}@{first.step} x{first.worst_ratio:.3g}"
-                              if first is not None else "")
-                except CaseFailure as e:
-                    killed, detail = True, "crashed: " + str(e).splitlines()[0][:160]
-                km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
-                if progress:
-                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} {detail}")
-    finally:
-        km.seconds = time.perf_counter() - t_all
-        if own:
-            manager.close()
-    return km
-
-
-def main(argv=None) -> int:
-    """Run the default kill set against every mutant; print the table and the kill rate.
-    Returns 0 when every mutant is killed and every prediction held."""
-    import argparse
-
-    from harness import buildenv
-
-    ap = argparse.ArgumentParser(prog="harness.known_bugs", description=main.__doc__.splitlines()[0])
-    ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
-    ap.add_argument("--only", default=None, help="substring filter on case names")
-    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed instead of the patched runtime")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    buildenv.apply_base_env()
-    cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
-    km = kill_matrix(cases, args.mutant, patched=not args.stock,
-                     progress=(lambda s: print(s, flush=True)) if args.verbose else None)
-    print(km.table())
-    return 0 if km.kill_rate == 1.0 and not km.surprises() else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
