@@ -26,7 +26,8 @@ def main(argv=None) -> int:
     g.add_argument("--no-mutate", action="store_true", help="skip the mutation self-check")
 
     mu = sub.add_parser("mutate", help="run every known-bug mutant against the kill cases; print the kill matrix")
-    mu.add_argument("rest", nargs=argparse.REMAINDER, help="options for harness.kill_matrix (--mutant, --only, --stock, -v)")
+    mu.add_argument("rest", nargs=argparse.REMAINDER,
+                    help="options for harness.kill_matrix (--mutant, --only, --stock, -v)")
 
     r = sub.add_parser("run", help="rerun one case given as JSON (what divergence messages print)")
     src = r.add_mutually_exclusive_group(required=True)

@@ -414,7 +414,8 @@ def _z3_momentum(engine, p, swap: SwapCounter):
     from deepspeed.utils import safe_get_full_optimizer_state
 
     opt = engine.optimizer
-    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]  # INTERNAL: (sub-group, offset, numel)
+    # INTERNAL: (sub-group, offset, numel)
+    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]
     if getattr(opt, "save_muon_momentum_buffer_in_memory", False):  # INTERNAL config mirror
         buf = opt.muon_momentum_buffer_partitioned_groups_flat.get(group_idx)  # INTERNAL
         if buf is None:  # same on every rank: created on all of them at once
@@ -592,7 +593,8 @@ def z3_momentum_piece(engine, p, swap: SwapCounter):
     from deepspeed.utils import safe_get_local_optimizer_state
 
     opt = engine.optimizer
-    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]  # INTERNAL: (sub-group, offset, numel)
+    # INTERNAL: (sub-group, offset, numel)
+    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]
     if getattr(opt, "save_muon_momentum_buffer_in_memory", False):  # INTERNAL config mirror
         buf = opt.muon_momentum_buffer_partitioned_groups_flat.get(group_idx)  # INTERNAL
         if buf is None:
@@ -864,7 +866,8 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
             for q in ("grad", "update", "momentum"):
                 a, b = getattr(ref, q), getattr(c, q)
                 if a.shape != b.shape or not np.array_equal(a, b, equal_nan=True):
-                    notes.append(f"step {step}: muon_update {q} of {name} differs between rank {lst[0][0]} and rank {r}")
+                    notes.append(f"step {step}: muon_update {q} of {name} differs between rank {lst[0][0]} "
+                                 f"and rank {r}")
 
     # Momentum assembly from fragments (z12 paths).
     momentum: dict[str, np.ndarray] = dict(mom_full)

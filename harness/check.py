@@ -457,7 +457,8 @@ def _rewrite(cfg: dict, world_size: int, factor: float, notes: list[str], total_
     how = "kept"
     if gas is None:
         if tb and mb and tb % (mb * world_size) == 0:
-            gas, how = tb // (mb * world_size), f"derived from train_batch_size {tb} / (micro {mb} x {world_size} ranks)"
+            gas = tb // (mb * world_size)
+            how = f"derived from train_batch_size {tb} / (micro {mb} x {world_size} ranks)"
         else:
             gas, how = 1, "not given: 1"
     if gas > MAX_GAS:
@@ -537,12 +538,6 @@ def validate(args) -> Plan:
     if not 1 <= args.steps <= MAX_STEPS:
         raise BadInput(f"--steps {args.steps}: expected 1..{MAX_STEPS}")
     requested = parse_shapes(args.shapes)
-    if args.patched:
-        from harness.gate import patched_available
-
-        if not patched_available():
-            raise BadInput("--patched: the bundled fixes (harness.patched_runtime) are not installed in this "
-                           "checkout yet; run without --patched")
     cfg = load_config(args.ds_config)
     check_optimizer(cfg)
     check_zero(cfg)
@@ -580,7 +575,7 @@ def validate(args) -> Plan:
 class _Out:
     """Human output: stdout normally, stderr under --json, nothing but verdict lines under -q."""
 
-    def __init__(self, quiet: bool, json_mode: bool, stream):
+    def __init__(self, quiet: bool, stream):
         self.quiet = quiet
         self.stream = stream
 
@@ -674,19 +669,16 @@ def _exit_of(status: str) -> int:
 
 
 def known_bug_info(case: Case) -> list[dict]:
+    from harness import patched_runtime
     from harness.bugs import bugs_for
-    from harness.gate import patched_available
 
-    fixes = None
-    if patched_available():
-        from harness import patched_runtime
-
-        fixes = set(patched_runtime.fix_names())
     out = []
     for b in bugs_for(case):
-        fixed = None if fixes is None else (b.fix is not None and b.fix in fixes)
-        out.append({"id": b.id, "title": b.title, "symptom": b.symptom, "where": b.where, "fix": b.fix,
-                    "fixed_by_patched": fixed})
+        # the fix that acts on this case's stage (DSM-001 has one for ZeRO-1/2 and one for ZeRO-3)
+        fixes = patched_runtime.fixes_for(b.id, case.stage)
+        fix = " + ".join(fixes) if fixes else b.fix
+        out.append({"id": b.id, "title": b.title, "symptom": b.symptom, "where": b.where, "fix": fix,
+                    "fixed_by_patched": bool(fixes)})
     return out
 
 
@@ -694,13 +686,11 @@ def _bug_sentence(b: dict) -> str:
     observed = b.get("observed_fixed_by_patched")
     if observed is not None:
         fix = "--patched FIXES it (observed in this run)" if observed else "--patched does NOT fix it (observed)"
-    elif b["fixed_by_patched"] is True:
+    elif b["fixed_by_patched"]:
         fix = f"fixed by --patched (bundled fix {b['fix']!r})"
-    elif b["fixed_by_patched"] is False:
+    else:
         fix = ("not listed as fixed by the bundled fixes" if b["fix"] is None
                else f"its fix {b['fix']!r} is not in this patched runtime") + "; run with --patched to see"
-    else:
-        fix = "the bundled fixes (--patched) are not installed in this checkout"
     return f"{b['id']} ({b['title']}): {fix}"
 
 
@@ -745,11 +735,8 @@ def _columns_case(plan: Plan, column: str, uid: str) -> tuple[Case, list[Path]]:
 def _report(outcomes, report: str | None, extra: dict):
     if report is None:
         return None, "--no-report"
-    try:
-        from harness.report import render
-    except ImportError:
-        return None, "report unavailable: harness.report is not installed in this checkout"
     from harness import gate, results
+    from harness.report import render
 
     report_path = Path(report)
     results_dir = report_path.with_name(report_path.stem + "-results")
@@ -768,7 +755,7 @@ def run_check(args) -> int:
     json_mode = bool(args.json)
     with contextlib.ExitStack() as stack:
         json_out = stack.enter_context(_stdout_to_stderr()) if json_mode else None
-        out = _Out(args.quiet, json_mode, sys.stderr if json_mode else sys.stdout)
+        out = _Out(args.quiet, sys.stderr if json_mode else sys.stdout)
         result = {"config": args.ds_config, "verdict": "bad_input", "exit_code": EXIT_BAD_INPUT}
         try:
             plan = validate(args)

@@ -6,7 +6,9 @@ was, what was allowed, and how to rerun exactly this case.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import numpy as np
+
 
 class LayoutView:
     """What the comparison needs to know about ZeRO's flat layout: who owns an element, and the
@@ -103,10 +105,6 @@ def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expe
                  actual=float(a[worst]) if ratio.size else 0.0, expected=float(e[worst]) if ratio.size else 0.0,
                  n_bad=int(bad.sum()), numel=int(a.size), rank=rank, region=region, region_counts=counts,
                  error_map=ratio.astype(np.float32) if keep_map else None)
-
-
-def compare_scalar(case: str, name: str, step: int, actual: float, expected: float, allowed: Allowed) -> Check:
-    return compare_arrays(case, "<step>", name, step, [actual], [expected], allowed, keep_map=False)
 
 
 def first_divergence(checks: list[Check]) -> Check | None:

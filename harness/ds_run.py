@@ -47,7 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import capture, model as model_mod
+from harness import capture
+from harness import model as model_mod
 from harness.case import NVME_PATH_PLACEHOLDER, Case
 from harness.trajectory import Trajectory
 
@@ -204,17 +205,13 @@ def force_ns_dtype(name: str | None):
 def case_patches(case: Case):
     """THE single place where ``case.patched`` / ``case.mutant`` take effect: ``harness.patches``
     installs the patched runtime and/or a known-bug mutant inside this rank for the case and always
-    undoes them. A case that asks for either and finds no such module fails rather than silently
-    running unpatched DeepSpeed.
+    undoes them.
     """
     if not (case.patched or case.mutant):
         yield
         return
-    try:
-        from harness import patches
-    except ImportError as e:
-        raise RuntimeError(f"case {case.name!r} asks for patched={case.patched} mutant={case.mutant!r} "
-                           "but harness.patches does not exist") from e
+    from harness import patches
+
     patches.enter(case)
     try:
         yield

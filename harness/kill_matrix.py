@@ -17,8 +17,6 @@ from harness.case import Case, ParamShape
 from harness.known_bugs import MUTANTS, case_weight_decay
 
 
-
-
 def default_kill_cases() -> list[Case]:
     """Six small cases (world size 1-2) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
@@ -72,7 +70,7 @@ class KillMatrix:
     def table(self) -> str:
         short = [f"c{i + 1}" for i in range(len(self.cases))]
         width = max(len(m) for m in self.mutants) if self.mutants else 10
-        lines = [f"cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
+        lines = ["cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
                  "baseline (patched, unmutated): " + " ".join(
                      f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
                  "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "

@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from harness.case import Case, ParamShape
+from harness.case import Case
+from oracles.layout import zero3_padded_tail
 
 # ------------------------------------------------------------------------------------------------
 # plumbing
@@ -268,21 +269,16 @@ def _m_offload_dp_sum(inner, a):
 
 def _padded_tail_range(opt, path, loc, grad):
     """The mis-sliced range: where a matrix whose element count is not divisible by the world size
-    lies in a padded partition. ZeRO-3 pads every parameter to a multiple of W, so its last rank's
-    slice [(W-1)*ceil(n/W), n) is the padded tail; ZeRO-1/2 pad the group, so the matrix must reach
-    into the last partition of a group that has padding."""
+    lies in a padded partition. ZeRO-3 pads every parameter to a multiple of W, so the padded tail is
+    the slice of the rank whose partition the matrix's end cuts short (``oracles.layout.zero3_padded_tail``);
+    ZeRO-1/2 pad the group, so the matrix must reach into the last partition of a group that has padding."""
     from deepspeed import comm as dist
 
     n = grad.numel()
     if path in ("z3", "z3_offload"):
         param = loc.get("param")
         group = opt._get_param_partition_group(param) if param is not None else opt.dp_process_group
-        W = dist.get_world_size(group=group)
-        if W <= 1 or n % W == 0:
-            return None
-        c = math.ceil(n / W)
-        lo = (W - 1) * c
-        return (lo, n) if lo < n else None
+        return zero3_padded_tail(n, dist.get_world_size(group=group))
     if path in ("z12", "z12_offload"):
         if path == "z12":
             tl, i, g = loc.get("tensor_list"), loc.get("i"), loc.get("param_group_idx")
@@ -428,12 +424,8 @@ def _install_stale_momentum():
 # expectations (predicates on a case)
 
 
-def _is_muon(p: ParamShape) -> bool:
-    return len(p.shape) >= 2 and not any(k in p.name.lower() for k in ("embed", "lm_head"))
-
-
 def _muon(c: Case):
-    return [p for p in c.params if _is_muon(p)]
+    return [p for p in c.params if p.uses_muon]
 
 
 def _z12_layout(c: Case):
@@ -463,8 +455,7 @@ def _z12_padded_tail(c: Case) -> bool:
 
 
 def _z3_padded_tail(c: Case) -> bool:
-    W = c.world_size
-    return W > 1 and any(p.numel % W and (W - 1) * math.ceil(p.numel / W) < p.numel for p in _muon(c))
+    return any(zero3_padded_tail(p.numel, c.world_size) is not None for p in _muon(c))
 
 
 def _offload_straddles(c: Case) -> bool:
@@ -530,8 +521,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "DSM-007 generalised to every path"),
     Mutant("padded-tail-misslice",
            "The padded tail is mis-sliced: for a matrix whose element count is not divisible by the world "
-           "size, the slice of the Muon update that lies in a padded partition (ZeRO-3: the last rank's "
-           "partition of the matrix; ZeRO-1/2: the group's last, padded partition) is taken one element "
+           "size, the slice of the Muon update that lies in a padded partition (ZeRO-3: the partition the "
+           "matrix's end cuts short; ZeRO-1/2: the group's last, padded partition) is taken one element "
            "early.",
            _wrap_muon_update(_m_padded_tail_misslice),
            lambda c: (c.stage == 3 and _z3_padded_tail(c)) or (c.stage in (1, 2) and _z12_padded_tail(c)),

@@ -846,7 +846,7 @@ def heatmap_svg(ratio, layout: dict | None, *, case: str, param: str, quantity: 
         if tails:
             ax.text(0.005 * xmax, P1 + 0.12, "\u25bc padded tail", ha="left", va="center", fontsize=7, color="#8e44ad")
         # partition boundaries: at the first element of every rank slice but the first
-        for rk, a, b in ranks:
+        for rk, a, _ in ranks:
             if a > 0:
                 ax.plot([a, a], [R0, P1], color="black", linewidth=1.4)[0].set_gid(f"boundary-r{rk}")
         ax.set_xlim(0, xmax)

@@ -58,7 +58,9 @@ import torch
 from . import emulate
 from .adam import adam_step
 from .clipping import clip_coefficient, global_norm
-from .loss_scaler import LossScalerConfig, LossScalerState, initial_state as scaler_initial_state, update_scale
+from .layout import deepspeed_uses_muon
+from .loss_scaler import LossScalerConfig, LossScalerState, update_scale
+from .loss_scaler import initial_state as scaler_initial_state
 from .momentum import muon_momentum, round_to
 from .newton_schulz import NS_STEPS, muon_direction
 
@@ -80,10 +82,8 @@ class ParamSpec:
 
     @staticmethod
     def deepspeed_tagged(name: str, shape: Sequence[int], num_heads: Optional[int] = None) -> "ParamSpec":
-        """DeepSpeed's automatic tag (``deepspeed/__init__.py`` ``set_optimizer_flags``): Muon iff the
-        parameter has >= 2 dims and its name contains neither "embed" nor "lm_head"."""
-        low = name.lower()
-        use = len(shape) >= 2 and "embed" not in low and "lm_head" not in low
+        """DeepSpeed's automatic tag (``oracles.layout.deepspeed_uses_muon``)."""
+        use = deepspeed_uses_muon(name, shape)
         return ParamSpec(name, tuple(shape), use, num_heads if use else None)
 
 

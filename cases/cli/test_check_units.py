@@ -15,7 +15,9 @@ WORLD_SIZES = range(1, 9)
 
 def _random_models(seed: int, n: int):
     rnd = random.Random(seed)
-    dims = lambda: rnd.choice([rnd.randint(1, 24), rnd.randint(25, 6000), rnd.choice([4096, 4097, 1023, 11008, 128256])])
+    def dims():
+        return rnd.choice([rnd.randint(1, 24), rnd.randint(25, 6000), rnd.choice([4096, 4097, 1023, 11008, 128256])])
+
     for _ in range(n):
         W = rnd.choice(list(WORLD_SIZES))
         model = [tuple(dims() for _ in range(rnd.choice([1, 2, 2, 2, 3]))) for _ in range(rnd.randint(1, 5))]
@@ -78,7 +80,7 @@ def test_group_residue_with_biases_is_kept():
     for W, model in _random_models(seed=1, n=400):
         scaled, _ = scale_shapes(model, W)
         for group in ("muon", "adam"):
-            def total(shapes):
+            def total(shapes, group=group):
                 params = check.build_params(shapes)
                 return sum(p.numel for p in params if (len(p.shape) >= 2) == (group == "muon"))
             assert total(model) % (2 * W) == total(scaled) % (2 * W)
@@ -115,7 +117,8 @@ def test_batch_sizes_rewritten_for_the_world_size(given, W, expect):
     notes: list[str] = []
     out = check._rewrite(_cfg(**given), W, 1.0, notes)
     mb, gas, tb = expect
-    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == expect
+    got = (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"])
+    assert got == expect
     assert tb == mb * gas * W
     assert any("batch sizes rewritten" in n and f"world size {W}" in n for n in notes)
 

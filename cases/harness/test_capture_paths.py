@@ -129,7 +129,7 @@ def matrix_results(request):
 def test_every_path_captures_everything(matrix_results):
     ws, cases, results = matrix_results
     problems = []
-    for case, (traj, secs) in zip(cases, results):
+    for case, (traj, _) in zip(cases, results):
         stage, off = case.stage, case.offload
         assert traj is not None and traj.case_name == case.name
         assert set(traj.initial) == {p.name for p in case.params}
@@ -184,7 +184,7 @@ def test_paths_agree_on_fp32_weights(matrix_results):
     by_off: dict[str, list] = {}
     for case, (traj, _) in zip(cases, results):
         by_off.setdefault(case.offload, []).append((case, traj))
-    for off, group in by_off.items():
+    for group in by_off.values():
         ref_case, ref = group[0]
         for case, traj in group[1:]:
             for s_ref, s in zip(ref.steps, traj.steps):
@@ -210,6 +210,6 @@ def test_nvme_threshold_matches_deepspeed():
 
 def test_timings_are_reported(matrix_results, record_property):
     ws, cases, results = matrix_results
-    for case, (traj, secs) in zip(cases, results):
+    for case, (_, secs) in zip(cases, results):
         record_property(f"seconds/{case.name}", round(secs, 3))
     print({case.name: round(secs, 2) for case, (_, secs) in zip(cases, results)})

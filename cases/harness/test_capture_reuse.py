@@ -43,12 +43,11 @@ def _rank_worker(rank: int, world_size: int, tmp: str, cases: list) -> None:
 
     runtime_state.install_process_caches()
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
-    from harness.ds_run import run_case_on_rank
-
     import gc
 
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    from harness.ds_run import run_case_on_rank
     from harness.model import SyntheticModel
 
     out = []

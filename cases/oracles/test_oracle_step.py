@@ -11,9 +11,23 @@ from dataclasses import replace
 import pytest
 import torch
 
-from oracles import (Conventions, LossScalerConfig, OracleState, ParamSpec, StepConfig, adam_step, clip_coefficient,
-                     deepspeed_conventions, initial_state, muon_direction, muon_momentum, ns_relative_error,
-                     oracle_step, round_to, run)
+from oracles import (
+    Conventions,
+    LossScalerConfig,
+    OracleState,
+    ParamSpec,
+    StepConfig,
+    adam_step,
+    clip_coefficient,
+    deepspeed_conventions,
+    initial_state,
+    muon_direction,
+    muon_momentum,
+    ns_relative_error,
+    oracle_step,
+    round_to,
+    run,
+)
 
 SPECS = (ParamSpec("w1", (6, 10), True), ParamSpec("w2", (12, 4), True), ParamSpec("heads", (8, 6), True, 2),
          ParamSpec("conv", (4, 2, 3, 3), True), ParamSpec("bias", (6,), False), ParamSpec("scale", (5,), False))
@@ -189,7 +203,7 @@ def test_storage_rounding_conventions():
     cfg = _cfg(model_dtype="bf16")
     st, rec = oracle_step(initial_state(cfg, _weights()), _grads(1, 1), cfg,
                           Conventions(momentum_dtype="model", grad_dtype="model"))
-    for n, r in rec.params.items():
+    for r in rec.params.values():
         assert torch.equal(r.model, round_to(r.model, torch.bfloat16))
         assert torch.equal(r.master, round_to(r.master, torch.float32))
         if r.momentum is not None:
