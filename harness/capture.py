@@ -60,7 +60,8 @@ Units (``grad_scale`` / ``momentum_scale`` = loss scale S the captured value sti
 scale used in this step's backward):
 
 * z12 / z3 without offload: Muon grad and momentum x S (momentum: x S of *this* step; after a scale
-  change it mixes units, semantics doc 4.2). Muon input dtype = model dtype (z12) / comm dtype (z3).
+  change it mixes units, docs/deepspeed-0.19.8.md section 5). Muon input dtype = model dtype (z12) /
+  comm dtype (z3).
 * z12 / z3 with cpu or nvme offload, and BF16_Optimizer: Muon grad and momentum in true units (1).
 * Adam grad: x S on every path. Update: unit-free Newton-Schulz output, as returned.
 

@@ -182,7 +182,8 @@ def _seed_everything(seed: int) -> None:
 
 @contextlib.contextmanager
 def force_ns_dtype(name: str | None):
-    """High-precision-NS mode: make every Newton-Schulz iteration run in ``name`` (semantics doc 2.3, 9).
+    """High-precision-NS mode: make every Newton-Schulz iteration run in ``name``
+    (docs/deepspeed-0.19.8.md, sections 3, 12).
 
     ``zeropower_via_*`` look ``ns_compute_dtype`` up in ``original_muon``'s globals at call time.
     (The gram variant still normalises in the input dtype before the cast, ``original_muon.py:108-116``.)

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from harness.case import Case, ParamShape
-from harness.known_bugs import MUTANTS, case_weight_decay
+from harness.known_bugs import MUTANTS
+from harness.known_bugs import _wd as case_weight_decay  # the mutants' own reading of a case
 
 
 def default_kill_cases() -> list[Case]:

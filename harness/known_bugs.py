@@ -470,7 +470,7 @@ def _clip(c: Case) -> float:
     return float(c.config.get("gradient_clipping", 0.0))
 
 
-def case_weight_decay(c: Case) -> float:
+def _wd(c: Case) -> float:
     return float(c.config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
 
 
@@ -550,7 +550,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("weight-decay-twice",
            "Muon parameters get their decoupled weight decay applied twice per step.",
            _install_weight_decay_twice,
-           lambda c: case_weight_decay(c) > 0 and bool(_muon(c)),
+           lambda c: _wd(c) > 0 and bool(_muon(c)),
            "plausible: decay in both the ZeRO wrapper and MuonWithAuxAdam"),
     Mutant("offload-loss-scale-not-divided",
            "cpu/nvme offload: the gathered gradient is not divided by the loss scale before Muon (momentum in "

@@ -14,7 +14,7 @@ Loss of one (rank, step, micro) batch, summed over the parameters (unscaled, not
   usual linear-layer data term (it goes through ``torch.nn.functional.linear``, which ZeRO-3 swaps
   for its own implementation); its gradient has rank <= B. The second, elementwise term makes the
   gradient full rank whatever ``B`` is, because Newton-Schulz in 16 bit is badly conditioned on
-  rank-deficient input (semantics doc, section 8).
+  rank-deficient input (docs/deepspeed-0.19.8.md, section 12).
 
 * vector ``v`` (1-D)::
 

@@ -45,7 +45,7 @@ def comparison_mode(case: Case) -> str:
 
 
 def step_config(case: Case) -> oracles.StepConfig:
-    """The oracle's reading of the case's DeepSpeed config (semantics doc 1.2 for the lr routing)."""
+    """The oracle's reading of the case's DeepSpeed config (docs/deepspeed-0.19.8.md section 2 for the lr routing)."""
     cfg = case.config
     opt = cfg.get("optimizer", {}).get("params", {})
     shared_lr = opt.get("lr")

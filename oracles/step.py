@@ -200,7 +200,8 @@ class Conventions:
 
 def deepspeed_conventions(stage: int, offload: bool, model_dtype: str, *,
                           parameter_alignment: bool = False) -> Conventions:
-    """The conventions DeepSpeed 0.19.8 actually implements on a path (semantics doc sections 4, 10).
+    """The conventions DeepSpeed 0.19.8 actually implements on a path
+    (docs/deepspeed-0.19.8.md sections 5-8, 13).
 
     Not modelled: ZeRO-3 offload's fp16 ``g/S`` underflow and ``S*O`` overflow (doc 10.3), ZeRO-3's
     momentum commit on an invalid-norm skip (doc 10.4), the BF16_Optimizer path (bf16 +

@@ -2,7 +2,7 @@
 float64 computation of that step, to fp32 round-off.
 
 The expected values use only ``harness.model.local_gradients`` (exact float64 gradients of the
-synthetic loss) and the step as the semantics doc describes it (section 0): DP/GAS-averaged
+synthetic loss) and the step as docs/deepspeed-0.19.8.md describes it (section 1): DP/GAS-averaged
 gradient; Muon with nesterov momentum, quintic Newton-Schulz (3.4445, -4.7750, 2.0315; 5 steps;
 F-norm + 1e-7 normalisation), aspect scale sqrt(max(1, rows/cols)); bias-corrected AdamW with
 DeepSpeed's Muon-side defaults (betas 0.9/0.95, eps 1e-10). Newton-Schulz is computed here in float64,
