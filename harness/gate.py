@@ -20,7 +20,8 @@ from pathlib import Path
 
 from harness.bugs import bugs_for, refusals_for
 from harness.case import Case
-from harness.pool import CaseFailure, PoolManager
+from harness.launcher import CaseFailure, Launcher
+from harness.pool import PoolManager
 from harness.verdict import Verdict, judge, reproduce_command
 
 
@@ -43,7 +44,7 @@ def columns() -> list[str]:
     return ["stock", "patched"]
 
 
-def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
+def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     patched = column == "patched"
     c = case.replace(patched=patched)
     bugs = bugs_for(c, patched=patched)

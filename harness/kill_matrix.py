@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from harness.case import Case, ParamShape
 from harness.known_bugs import MUTANTS
 from harness.known_bugs import _wd as case_weight_decay  # the mutants' own reading of a case
+from harness.launcher import CaseFailure, Launcher
 
 
 def default_kill_cases() -> list[Case]:
@@ -99,12 +100,13 @@ class KillMatrix:
         return "\n".join(lines)
 
 
-def kill_matrix(cases, mutants=None, manager=None, *, patched: bool = True, progress=None) -> KillMatrix:
+def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched: bool = True,
+                progress=None) -> KillMatrix:
     """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
     when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
-    patched runtime so the baseline is clean. ``manager``: a ``PoolManager`` (one is made and closed
+    patched runtime so the baseline is clean. ``manager``: a launcher (a ``PoolManager`` is made and closed
     if None)."""
-    from harness.pool import CaseFailure, PoolManager
+    from harness.pool import PoolManager
     from harness.verdict import judge
 
     names = list(mutants) if mutants is not None else list(MUTANTS)

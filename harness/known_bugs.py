@@ -192,22 +192,17 @@ def _rows_only(inner, a, lo, hi):
 # the mutants
 
 
-def _m_partition_slice(inner, a):
-    opt, path, loc = _ds_context()
-    if path == "z12" and a["grad"].ndim >= 2:
-        r = _owned_range(opt, path, loc, a["grad"])
-        if r is not None:
-            return _rows_only(inner, a, *r)
-    return inner(**a)
+def _m_own_rows(paths: tuple[str, ...]):
+    """On ``paths``, each rank orthogonalises only the rows of the matrix it owns."""
+    def body(inner, a):
+        opt, path, loc = _ds_context()
+        if path in paths and a["grad"].ndim >= 2:
+            r = _owned_range(opt, path, loc, a["grad"])
+            if r is not None:
+                return _rows_only(inner, a, *r)
+        return inner(**a)
 
-
-def _m_offload_shard(inner, a):
-    opt, path, loc = _ds_context()
-    if path in ("z12_offload", "z3_offload") and a["grad"].ndim >= 2:
-        r = _owned_range(opt, path, loc, a["grad"])
-        if r is not None:
-            return _rows_only(inner, a, *r)
-    return inner(**a)
+    return body
 
 
 def _m_ns_per_micro(inner, a):
@@ -482,12 +477,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("partition-slice-muon",
            "ZeRO-1/2 (no offload): each owner orthogonalises only the rows of its own partition slice instead "
            "of the full averaged matrix (a matrix straddling a partition boundary gets two half updates).",
-           _wrap_muon_update(_m_partition_slice),
+           _wrap_muon_update(_m_own_rows(("z12",))),
            lambda c: c.stage in (1, 2) and c.offload == "none" and _z12_straddles(c),
            "the pre-#7727 ZeRO-1/2 Muon ran on the partition's flat slice"),
     Mutant("offload-shard-orthogonalized",
            "cpu/nvme offload: each rank orthogonalises its own shard of the matrix, not the gathered whole.",
-           _wrap_muon_update(_m_offload_shard),
+           _wrap_muon_update(_m_own_rows(("z12_offload", "z3_offload"))),
            lambda c: c.offload != "none" and _offload_straddles(c),
            "plausible: the offload paths gather (_muon_all_gather_partitions) exactly to avoid this"),
     Mutant("ns-per-micro-batch",

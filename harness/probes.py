@@ -28,3 +28,21 @@ def run_case_listing_swap_files(case: Case, rank: int, world_size: int, workdir)
         traj.notes.append("swap files after destroy: " + repr(left))
     tdist.barrier()
     return traj
+
+
+def run_case_counting_survivors(case: Case, rank: int, world_size: int, workdir):
+    """Run the case as ``harness.ds_run`` does, then count the DeepSpeed engines and harness models
+    still alive (``"engines+models alive after the case: N"`` in the notes). Anything alive now would
+    be frozen, never collected, by the next case's ``gc.freeze()``: the runner must release it all."""
+    import gc
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from harness.ds_run import run_case_on_rank
+    from harness.model import SyntheticModel
+
+    traj = run_case_on_rank(case, rank, world_size, workdir)
+    alive = sum(isinstance(o, (DeepSpeedEngine, SyntheticModel)) for o in gc.get_objects())
+    if traj is not None:
+        traj.notes.append(f"engines+models alive after the case: {alive}")
+    return traj

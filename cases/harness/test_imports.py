@@ -106,3 +106,17 @@ def test_cycle_detection_names_the_cycle(tmp_path, files, cycle):
         (tmp_path / rel).write_text(text)
     (tmp_path / "oracles").mkdir()
     assert find_cycle(import_graph(modules(tmp_path))) == cycle
+
+
+def test_ranks_start_in_one_place():
+    """Every launcher's ranks join their process group through ``harness.bootstrap.bootstrap_rank``;
+    a second copy of the start-up is how the pool and torchrun mode drift apart. (The plain training
+    script of ``cases/patched`` is a user's script, on purpose.)"""
+    callers = []
+    for f in sorted(ROOT.glob("harness/**/*.py")) + sorted(ROOT.glob("cases/**/*.py")):
+        if f.name == "plain_training.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "init_process_group":
+                callers.append(str(f.relative_to(ROOT)))
+    assert callers == ["harness/bootstrap.py"], callers

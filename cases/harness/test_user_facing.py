@@ -62,8 +62,15 @@ def test_warmup_prints_a_total(monkeypatch, capsys):
 # bad case JSON: exit 2 and a message naming the cause
 
 
-def _good() -> dict:
-    return json.loads(pipeline_case(1, "none", "fp32", 1).to_json())
+def _case_json(change: dict) -> str:
+    """A valid case's JSON with ``change`` applied (a None value deletes the key)."""
+    d = json.loads(pipeline_case(1, "none", "fp32", 1).to_json())
+    for k, v in change.items():
+        if v is None:
+            del d[k]
+        else:
+            d[k] = v
+    return json.dumps(d)
 
 
 @pytest.mark.parametrize("change, says", [
@@ -73,19 +80,13 @@ def _good() -> dict:
     ({"bogus": 1}, "unknown field(s) bogus"),
 ])
 def test_from_json_names_what_is_wrong(change, says):
-    d = _good()
-    for k, v in change.items():
-        if v is None:
-            del d[k]
-        else:
-            d[k] = v
     with pytest.raises(ValueError) as e:
-        Case.from_json(json.dumps(d))
+        Case.from_json(_case_json(change))
     assert says in str(e.value)
 
 
 def test_from_json_names_a_parameter_without_shape():
-    d = _good()
+    d = json.loads(_case_json({}))
     d["params"][1] = {"name": "x"}
     with pytest.raises(ValueError, match=r"params\[1\] lacks shape"):
         Case.from_json(json.dumps(d))
@@ -99,13 +100,7 @@ def test_from_json_round_trips():
 @pytest.mark.parametrize("change, says", [({"world_size": 0}, "world_size 0"),
                                           ({"params": None}, "missing field(s) params")])
 def test_run_with_a_bad_case_exits_2_without_a_traceback(change, says):
-    d = _good()
-    for k, v in change.items():
-        if v is None:
-            del d[k]
-        else:
-            d[k] = v
-    r = subprocess.run([sys.executable, "-m", "harness", "run", "--case", json.dumps(d)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "harness", "run", "--case", _case_json(change)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
