@@ -58,7 +58,7 @@ def _case(stage: int, offload: str, ws: int) -> Case:
 def expected_muon_calls(stage: int, offload: str, ws: int, case: Case) -> list[int] | None:
     """Per rank, the number of muon_update calls per step the path is documented to make
     (harness/capture.py). None where it depends on the partition layout (z1/2 without offload)."""
-    n = sum(1 for p in case.params if len(p.shape) >= 2)
+    n = sum(1 for p in case.params if p.uses_muon)
     if offload != "none":
         return [n] * ws  # every rank orthogonalises every matrix
     if stage == 3:
@@ -81,7 +81,7 @@ def test_every_path_captures_everything(matrix_results):
         stage, off = case.stage, case.offload
         assert traj is not None and traj.case_name == case.name
         assert set(traj.initial) == {p.name for p in case.params}
-        assert set(traj.muon_params) == {p.name for p in case.params if len(p.shape) >= 2}
+        assert set(traj.muon_params) == {p.name for p in case.params if p.uses_muon}
         assert len(traj.steps) == case.steps
         for s in traj.steps:
             where = f"{case.name} step {s.step}"
