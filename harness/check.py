@@ -21,8 +21,8 @@ named). With ``--patched`` both the stock and the
 patched column run, the output says whether the bundled fixes change the verdict, and the exit code
 is the patched column's (what you get with the fixes).
 
-Scale-down rule (``scale_shapes``)
-----------------------------------
+Scale-down rule (``harness.check_shapes.scale_shapes``)
+-------------------------------------------------------
 A model whose largest tensor exceeds ``MAX_TENSOR_NUMEL`` (65,536 elements, 256x256) or whose total
 exceeds ``MAX_TOTAL_NUMEL`` (262,144) is scaled down by one common element factor
 
@@ -62,8 +62,8 @@ What is rewritten in the config (always said in the output)
   ``elasticity`` disabled; ``optimizer.params.per_head_muon`` removed (the synthetic model has no
   attention module for DeepSpeed to tag); ``steps_per_print`` / ``wall_clock_breakdown`` silenced.
 
-Bad input (exit 2, before any rank starts; ``validate``)
---------------------------------------------------------
+Bad input (exit 2, before any rank starts; ``harness.check_plan.validate``)
+--------------------------------------------------------------------------
 * the file: unreadable, not strict JSON (line and column), not an object, duplicate keys (DeepSpeed
   rejects them too);
 * ``--shapes`` malformed (which entry), ``--world-size`` outside ``1 .. min(8, 2 x cpu_count)`` (for
@@ -77,8 +77,7 @@ Bad input (exit 2, before any rank starts; ``validate``)
   optimizer hyper-parameters or ``gradient_clipping``;
 * outside what the harness covers: ZeRO stage 0 / no ``zero_optimization``;
 * an NVMe path that is not an existing writable directory;
-* ``--patched`` when ``harness.patched_runtime`` is not installed; ``--launcher pool`` with
-  ``--accelerator cuda`` (the pool runs CPU ranks).
+* ``--launcher pool`` with ``--accelerator cuda`` (the pool runs CPU ranks).
 
 Launchers: ``pool`` (default; CPU ranks over gloo, ``harness.pool``) or ``torchrun``
 (``harness.torchrun``: ``torch.distributed.run`` with ``env://`` and the accelerator's backend, nccl
