@@ -44,7 +44,10 @@ def bootstrap_rank(rank: int, world_size: int, *, backend: str = "gloo", init_me
     cache spares every DeepSpeed import a slow CPU probe. ``harness.ds_run`` (and with it DeepSpeed)
     is imported here, not in the first case, so a case's time is the case's. ``preload_ops`` imports
     the built ops straight from their ``.so``: a rank killed inside torch's JIT ``load`` would leave
-    a lock that hangs every later load (``harness.runtime_state.preload_built_ops``).
+    a lock that hangs every later load, and a ``build.ninja`` written from another checkout's path
+    makes ``load`` rebuild the op under that lock (``harness.runtime_state.preload_built_ops``).
+    Seen with torchrun ranks, which did not preload: every case waited on another checkout's
+    rebuild of ``pin_memory`` until its timeout.
     """
     import torch
     import torch.distributed as dist

@@ -216,8 +216,7 @@ def rank_main(argv=None) -> int:
             torch.cuda.set_device(local_rank)
             device = torch.device("cuda", local_rank)
         _log(f"rank {rank}/{world} (local {local_rank}) accelerator {accel}, backend {backend_for(accel)}")
-        bootstrap_rank(rank, world, backend=backend_for(accel), init_method="env://", cpu=accel == "cpu",
-                       preload_ops=False)
+        bootstrap_rank(rank, world, backend=backend_for(accel), init_method="env://", cpu=accel == "cpu")
         from harness import ds_run
 
         if device is not None:
