@@ -14,6 +14,13 @@ import sys
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["mutate"]:
+        # its options belong to harness.kill_matrix: argparse's REMAINDER after a sub-command refuses
+        # anything that looks like an option (``mutate --only X`` was "unrecognized arguments")
+        from harness.kill_matrix import main as mutate_main
+
+        return mutate_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m harness", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -62,10 +69,6 @@ def main(argv=None) -> int:
 
         return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
                         mutate=not args.no_mutate)
-    if args.cmd == "mutate":
-        from harness.kill_matrix import main as mutate_main
-
-        return mutate_main(args.rest)
     if args.cmd == "run":
         from harness.case import Case
         from harness.gate import run_single

@@ -106,6 +106,15 @@ def test_run_with_a_bad_case_exits_2_without_a_traceback(change, says):
     assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_mutate_takes_its_own_options():
+    """``python -m harness mutate --only X --mutant M`` reaches the kill matrix (no case matches here,
+    so nothing runs; the table still prints)."""
+    r = subprocess.run([sys.executable, "-m", "harness", "mutate", "--only", "no-such-case", "--mutant",
+                        "fp16-momentum"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "unrecognized arguments" not in r.stderr, r.stderr
+    assert "kill rate: 0/1" in r.stdout and "(0 cases" in r.stdout, r.stdout + r.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # check names the fix for the case's stage
 
