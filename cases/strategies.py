@@ -433,8 +433,9 @@ def case_layout(case: Case):
 def layout_details(case: Case) -> dict[str, set[str]]:
     """Per layout class, where it occurs (``"muon"`` / ``"adam"`` group, ``"subgroup"`` for a
     ZeRO-3 sub-group partition that is all padding); absent classes are absent."""
-    from harness import verdict
     from oracles.layout import Zero12Layout, param_slices, rank_segments
+
+    from harness import verdict
 
     sc = verdict.step_config(case)
     layout = verdict.layout_for(case, sc)

@@ -6,9 +6,7 @@ was, what was allowed, and how to rerun exactly this case.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 import numpy as np
-
 
 class LayoutView:
     """What the comparison needs to know about ZeRO's flat layout: who owns an element, and the

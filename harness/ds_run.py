@@ -47,8 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import capture
-from harness import model as model_mod
+from harness import capture, model as model_mod
 from harness.case import NVME_PATH_PLACEHOLDER, Case
 from harness.trajectory import Trajectory
 

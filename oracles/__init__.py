@@ -10,88 +10,27 @@ Modules: ``newton_schulz`` (float64 NS, the Muon direction), ``emulate`` (DeepSp
 bit), ``momentum``, ``adam``, ``loss_scaler``, ``clipping``, ``layout`` (ZeRO partitions), ``step`` (the
 full step), ``checkpoint``, ``mp`` (mpmath twins), ``tolerance`` (allowed errors per quantity).
 """
-import types as _types
-
 from .adam import AdamResult, adam_step
 from .checkpoint import CHECKPOINT_FIELDS, StateDifference, StateField, checkpoint_state, compare_states, restore_state
 from .clipping import CLIP_EPS, clip_coefficient, global_norm
-from .emulate import (
-                      emulated_direction,
-                      emulated_momentum,
-                      emulated_muon_update,
-                      emulated_ns,
-                      emulated_ns_gram,
-                      emulated_ns_standard,
-                      ns_compute_dtype,
-)
-from .layout import (
-                      REGIONS,
-                      LayoutParam,
-                      Location,
-                      Placement,
-                      RankSlice,
-                      Segment,
-                      Zero3Layout,
-                      Zero12Layout,
-                      ds_param_groups,
-                      locate,
-                      locate_flat,
-                      param_slices,
-                      partition_padding,
-                      placement,
-                      rank_segments,
-                      region_indices,
-                      region_ranges,
-                      zero3_layout,
-                      zero12_layout,
-)
+from .emulate import (emulated_direction, emulated_momentum, emulated_muon_update, emulated_ns, emulated_ns_gram,
+                      emulated_ns_standard, ns_compute_dtype)
+from .layout import (REGIONS, LayoutParam, Location, Placement, RankSlice, Segment, Zero3Layout, Zero12Layout,
+                     ds_param_groups, locate, locate_flat, param_slices, partition_padding, placement, rank_segments,
+                     region_indices, region_ranges, zero3_layout, zero12_layout)
 from .loss_scaler import LossScaleAtMinimum, LossScalerConfig, LossScalerState, update_scale
 from .loss_scaler import initial_state as initial_scaler_state
 from .momentum import muon_momentum, round_to
-from .newton_schulz import (
-                      NS_A,
-                      NS_B,
-                      NS_C,
-                      NS_COEFFICIENTS,
-                      NS_EPS,
-                      NS_STEPS,
-                      aspect_scale,
-                      band_entry_threshold,
-                      muon_direction,
-                      ns_gram,
-                      ns_standard,
-                      phi,
-                      phi_derivative,
-                      quintic,
-                      quintic_band,
-)
-from .step import (
-                      MODEL_DTYPES,
-                      Conventions,
-                      OracleState,
-                      ParamRecord,
-                      ParamSpec,
-                      StepConfig,
-                      StepRecord,
-                      accumulate,
-                      deepspeed_conventions,
-                      fp16_overflow,
-                      initial_state,
-                      run,
-)
+from .newton_schulz import (NS_A, NS_B, NS_C, NS_COEFFICIENTS, NS_EPS, NS_STEPS, aspect_scale, band_entry_threshold,
+                            muon_direction, ns_gram, ns_standard, phi, phi_derivative, quintic,
+                            quintic_band)
+from .step import (MODEL_DTYPES, Conventions, OracleState, ParamRecord, ParamSpec, StepConfig, StepRecord, accumulate,
+                   deepspeed_conventions, fp16_overflow, initial_state, run)
 from .step import step as oracle_step  # the function; ``oracles.step`` stays the module
-from .tolerance import (
-                      MODES,
-                      UNIT_ROUNDOFF,
-                      Allowance,
-                      Allowances,
-                      Check,
-                      allowances,
-                      normalised_sigma_lo,
-                      ns_gains,
-                      ns_relative_error,
-                      unit_roundoff,
-)
+from .tolerance import (MODES, UNIT_ROUNDOFF, Allowance, Allowances, Check, allowances, normalised_sigma_lo, ns_gains,
+                        ns_relative_error, unit_roundoff)
+
+import types as _types
 
 __all__ = [_n for _n, _v in dict(globals()).items()
            if not _n.startswith("_") and not isinstance(_v, _types.ModuleType)]

@@ -59,8 +59,7 @@ from . import emulate
 from .adam import adam_step
 from .clipping import clip_coefficient, global_norm
 from .layout import deepspeed_uses_muon
-from .loss_scaler import LossScalerConfig, LossScalerState, update_scale
-from .loss_scaler import initial_state as scaler_initial_state
+from .loss_scaler import LossScalerConfig, LossScalerState, initial_state as scaler_initial_state, update_scale
 from .momentum import muon_momentum, round_to
 from .newton_schulz import NS_STEPS, muon_direction
 

@@ -16,10 +16,10 @@ import torch  # noqa: E402
 
 def main(inp: str, out: str) -> None:
     torch.set_num_threads(int(os.environ.get("ORACLE_TEST_THREADS", "1")))
-    from deepspeed.runtime.fp16 import loss_scaler as ls
     from deepspeed.runtime.zero.muon import original_muon as om
-    from deepspeed.runtime.zero.partition_parameters import Init
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.fp16 import loss_scaler as ls
+    from deepspeed.runtime.zero.partition_parameters import Init
 
     spec = torch.load(inp)
     res = {"ns_dtypes": (om.ns_compute_dtype("gram"), om.ns_compute_dtype("standard"))}

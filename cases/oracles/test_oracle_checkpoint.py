@@ -7,17 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from oracles import (
-    CHECKPOINT_FIELDS,
-    LossScalerConfig,
-    ParamSpec,
-    StepConfig,
-    checkpoint_state,
-    compare_states,
-    initial_state,
-    restore_state,
-    run,
-)
+from oracles import (CHECKPOINT_FIELDS, LossScalerConfig, ParamSpec, StepConfig, checkpoint_state, compare_states,
+                     initial_state, restore_state, run)
 
 SPECS = (ParamSpec("w", (6, 10), True), ParamSpec("b", (6,), False))
 

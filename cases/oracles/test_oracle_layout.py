@@ -10,19 +10,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oracles import (
-    ParamSpec,
-    ds_param_groups,
-    locate,
-    locate_flat,
-    param_slices,
-    partition_padding,
-    rank_segments,
-    region_indices,
-    region_ranges,
-    zero3_layout,
-    zero12_layout,
-)
+from oracles import (ParamSpec, ds_param_groups, locate, locate_flat, param_slices, partition_padding, rank_segments,
+                     region_indices, region_ranges, zero3_layout, zero12_layout)
 
 numels = st.lists(st.integers(1, 41), min_size=1, max_size=5)
 

@@ -12,24 +12,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases.oracles._matrices import with_singular_values as _with_svals
-from oracles import (
-    NS_EPS,
-    adam_step,
-    aspect_scale,
-    band_entry_threshold,
-    muon_direction,
-    muon_momentum,
-    normalised_sigma_lo,
-    ns_gains,
-    ns_gram,
-    ns_relative_error,
-    ns_standard,
-    phi,
-    quintic,
-    quintic_band,
-)
+from oracles import (NS_EPS, adam_step, aspect_scale, band_entry_threshold, muon_direction, muon_momentum,
+                     normalised_sigma_lo, ns_gains, ns_gram, ns_relative_error, ns_standard, phi, quintic,
+                     quintic_band)
 from oracles.newton_schulz import NS_A, NS_B, NS_C, quintic_derivative
+
+from cases.oracles._matrices import with_singular_values as _with_svals
 
 U64 = 2.0 ** -53
 

@@ -11,23 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from oracles import (
-    Conventions,
-    LossScalerConfig,
-    OracleState,
-    ParamSpec,
-    StepConfig,
-    adam_step,
-    clip_coefficient,
-    deepspeed_conventions,
-    initial_state,
-    muon_direction,
-    muon_momentum,
-    ns_relative_error,
-    oracle_step,
-    round_to,
-    run,
-)
+from oracles import (Conventions, LossScalerConfig, OracleState, ParamSpec, StepConfig, adam_step, clip_coefficient,
+                     deepspeed_conventions, initial_state, muon_direction, muon_momentum, ns_relative_error,
+                     oracle_step, round_to, run)
 
 SPECS = (ParamSpec("w1", (6, 10), True), ParamSpec("w2", (12, 4), True), ParamSpec("heads", (8, 6), True, 2),
          ParamSpec("conv", (4, 2, 3, 3), True), ParamSpec("bias", (6,), False), ParamSpec("scale", (5,), False))

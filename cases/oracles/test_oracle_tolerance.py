@@ -8,18 +8,8 @@ import math
 import pytest
 import torch
 
-from oracles import (
-    Allowance,
-    Conventions,
-    ParamSpec,
-    StepConfig,
-    allowances,
-    emulated_direction,
-    initial_state,
-    muon_direction,
-    normalised_sigma_lo,
-    run,
-)
+from oracles import (Allowance, Conventions, ParamSpec, StepConfig, allowances, emulated_direction, initial_state,
+                     muon_direction, normalised_sigma_lo, run)
 
 U64 = 2.0 ** -53
 

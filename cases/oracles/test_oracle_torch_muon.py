@@ -31,18 +31,8 @@ from unittest import mock
 import pytest
 import torch
 
-from oracles import (
-    Conventions,
-    ParamSpec,
-    StepConfig,
-    allowances,
-    aspect_scale,
-    initial_state,
-    muon_direction,
-    normalised_sigma_lo,
-    ns_relative_error,
-    oracle_step,
-)
+from oracles import (Conventions, ParamSpec, StepConfig, allowances, aspect_scale, initial_state, muon_direction,
+                     normalised_sigma_lo, ns_relative_error, oracle_step)
 
 U64 = 2.0 ** -53
 SHAPES = {"tall": (12, 5), "wide": (5, 12), "square": (6, 6)}

@@ -19,19 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oracles import (
-    LossScalerConfig,
-    LossScalerState,
-    allowances,
-    emulated_muon_update,
-    muon_direction,
-    muon_momentum,
-    normalised_sigma_lo,
-    param_slices,
-    update_scale,
-    zero3_layout,
-    zero12_layout,
-)
+from oracles import (LossScalerConfig, LossScalerState, allowances, emulated_muon_update, muon_direction,
+                     muon_momentum, normalised_sigma_lo, param_slices, update_scale, zero12_layout, zero3_layout)
 from oracles.emulate import PRODUCTION_NS_DTYPE
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from _chromium import Chromium, find_chromium
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
-import synth
 
+import synth
 from harness import report
 from harness.results import load_records
 

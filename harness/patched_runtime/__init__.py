@@ -20,20 +20,9 @@ Engines already built keep working with whatever is installed at the time of eac
 from __future__ import annotations
 
 from harness.patched_runtime import ckpt, muon, scaler, z3, z12
-from harness.patched_runtime._registry import (
-    _LOCK,
-    ACTIVE,
-    EXPECTED_DEEPSPEED,
-    Fix,
-    PatchedRuntimeError,
-    Target,
-    check_version,
-    install_target,
-    installed_keys,
-    source_hash,
-    uninstall_target,
-    verify,
-)
+from harness.patched_runtime._registry import (ACTIVE, EXPECTED_DEEPSPEED, Fix, PatchedRuntimeError, Target, _LOCK,
+                                               check_version, install_target, installed_keys, source_hash,
+                                               uninstall_target, verify)
 
 __all__ = ["apply", "remove", "applied", "fix_names", "fixes_for", "FIXES", "Fix", "PatchedRuntimeError", "describe",
            "EXPECTED_DEEPSPEED", "source_hash"]
