@@ -17,7 +17,8 @@ What a case varies
   per-rank matrix, see ``harness.nvme``), model dtype, gradient accumulation 1..3, clipping
   threshold (off, far below, near and above the update norm), steps 2..3, data seed,
   ``ns_method``, momentum, weight decay, the fp16 initial loss scale (2^4, 2^8, 2^12 and DeepSpeed's default
-  2^16, which overflows this model's fp16 backward: FUZZ-001 in ``cases/fuzz/test_fuzz_muon_zero.py``) and forced overflows, ZeRO-3
+  2^16, which overflows this model's fp16 backward: FUZZ-001 in ``cases/fuzz/test_fuzz_muon_zero.py``) and forced
+  overflows, ZeRO-3
   ``sub_group_size`` and ``save_muon_momentum_buffer_in_memory``, and rarely the float64-NS mode;
 * the gradient spectrum. The synthetic loss has a data term of rank <= ``batch`` per micro-batch and
   a full-rank elementwise term about ``c**1.5`` times smaller; a small ``batch`` gives a nearly
@@ -481,7 +482,7 @@ def layout_details(case: Case) -> dict[str, set[str]]:
             by_sub: dict[int, list] = {}
             for s in rank_segments(layout, r):
                 by_sub.setdefault(s.group, []).append(s)
-            for g, segs in by_sub.items():
+            for segs in by_sub.values():
                 if all(s.kind != "param" for s in segs):
                     add("padding-only-partition", "subgroup")
     return out

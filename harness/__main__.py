@@ -14,6 +14,13 @@ import sys
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["mutate"]:
+        # its options belong to harness.kill_matrix: argparse's REMAINDER after a sub-command refuses
+        # anything that looks like an option (``mutate --only X`` was "unrecognized arguments")
+        from harness.kill_matrix import main as mutate_main
+
+        return mutate_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m harness", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -26,7 +33,8 @@ def main(argv=None) -> int:
     g.add_argument("--no-mutate", action="store_true", help="skip the mutation self-check")
 
     mu = sub.add_parser("mutate", help="run every known-bug mutant against the kill cases; print the kill matrix")
-    mu.add_argument("rest", nargs=argparse.REMAINDER, help="options for harness.known_bugs (--mutant, --only, --stock, -v)")
+    mu.add_argument("rest", nargs=argparse.REMAINDER,
+                    help="options for harness.kill_matrix (--mutant, --only, --stock, -v)")
 
     r = sub.add_parser("run", help="rerun one case given as JSON (what divergence messages print)")
     src = r.add_mutually_exclusive_group(required=True)
@@ -61,10 +69,6 @@ def main(argv=None) -> int:
 
         return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
                         mutate=not args.no_mutate)
-    if args.cmd == "mutate":
-        from harness.known_bugs import main as mutate_main
-
-        return mutate_main(args.rest)
     if args.cmd == "run":
         from harness.case import Case
         from harness.gate import run_single

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from harness.case import Case
+from oracles.layout import zero3_padded_tail
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _z3_inmem(c: Case) -> bool:
 
 
 def _is_muon(p) -> bool:
-    return len(p.shape) >= 2 and not any(k in p.name.lower() for k in ("embed", "lm_head"))
+    return p.uses_muon
 
 
 def _has_muon(c: Case) -> bool:
@@ -159,7 +160,7 @@ def _padded_head_group(c: Case) -> bool:
 
 def _z3_padded_tail(c: Case) -> bool:
     W = c.world_size
-    return W > 1 and any(_is_muon(p) and p.numel % math.ceil(p.numel / W) for p in c.params)
+    return W > 1 and any(_is_muon(p) and zero3_padded_tail(p.numel, W) is not None for p in c.params)
 
 
 @functools.lru_cache(maxsize=128)
@@ -235,7 +236,8 @@ BUGS: tuple[Bug, ...] = (
                 "offload; not ZeRO-1/2 cpu/nvme offload (fp32 momentum), not BF16_Optimizer.",
         trigger=lambda c: _half(c) and _has_muon(c) and not _bf16_optimizer(c) and (
             (c.stage in (1, 2) and c.offload == "none")
-            or (c.stage == 3 and c.offload == "none" and not (_comm(c) == "fp32" and (c.dtype == "fp16" or _gad(c) == "fp32")))
+            or (c.stage == 3 and c.offload == "none"
+                and not (_comm(c) == "fp32" and (c.dtype == "fp16" or _gad(c) == "fp32")))
             or (c.stage == 3 and c.offload != "none" and not (_comm(c) == "fp32" and _gad(c) == "fp32"))),
         quantities=WEIGHTS,
         where="stage_1_and_2.py _muon_momentum_buffer (buffer follows the grad dtype); "
@@ -341,7 +343,8 @@ BUGS: tuple[Bug, ...] = (
         symptom="The padded branch of get_flat_partition calls muon_update without num_heads, so a per-head "
                 "parameter is orthogonalised as one matrix. Measured (z1-none-fp32-ws2, (6,5) with 2 heads "
                 "and a (3,3) matrix): update 0.56 off (5.2e6x).",
-        trigger=lambda c: c.stage in (1, 2) and c.offload == "none" and not _bf16_optimizer(c) and _padded_head_group(c),
+        trigger=lambda c: (c.stage in (1, 2) and c.offload == "none" and not _bf16_optimizer(c)
+                           and _padded_head_group(c)),
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         where="stage_1_and_2.py get_flat_partition (:2756-2760; compare _get_flat_partition_unpadded :2865-2870)",
         fix="z12-per-head-with-alignment",

@@ -60,7 +60,8 @@ Units (``grad_scale`` / ``momentum_scale`` = loss scale S the captured value sti
 scale used in this step's backward):
 
 * z12 / z3 without offload: Muon grad and momentum x S (momentum: x S of *this* step; after a scale
-  change it mixes units, semantics doc 4.2). Muon input dtype = model dtype (z12) / comm dtype (z3).
+  change it mixes units, docs/deepspeed-0.19.8.md section 5). Muon input dtype = model dtype (z12) /
+  comm dtype (z3).
 * z12 / z3 with cpu or nvme offload, and BF16_Optimizer: Muon grad and momentum in true units (1).
 * Adam grad: x S on every path. Update: unit-free Newton-Schulz output, as returned.
 
@@ -414,7 +415,8 @@ def _z3_momentum(engine, p, swap: SwapCounter):
     from deepspeed.utils import safe_get_full_optimizer_state
 
     opt = engine.optimizer
-    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]  # INTERNAL: (sub-group, offset, numel)
+    # INTERNAL: (sub-group, offset, numel)
+    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]
     if getattr(opt, "save_muon_momentum_buffer_in_memory", False):  # INTERNAL config mirror
         buf = opt.muon_momentum_buffer_partitioned_groups_flat.get(group_idx)  # INTERNAL
         if buf is None:  # same on every rank: created on all of them at once
@@ -592,7 +594,8 @@ def z3_momentum_piece(engine, p, swap: SwapCounter):
     from deepspeed.utils import safe_get_local_optimizer_state
 
     opt = engine.optimizer
-    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]  # INTERNAL: (sub-group, offset, numel)
+    # INTERNAL: (sub-group, offset, numel)
+    group_idx, dest_offset, num_elements = opt.grad_position[opt.get_param_id(p)]
     if getattr(opt, "save_muon_momentum_buffer_in_memory", False):  # INTERNAL config mirror
         buf = opt.muon_momentum_buffer_partitioned_groups_flat.get(group_idx)  # INTERNAL
         if buf is None:
@@ -864,7 +867,8 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
             for q in ("grad", "update", "momentum"):
                 a, b = getattr(ref, q), getattr(c, q)
                 if a.shape != b.shape or not np.array_equal(a, b, equal_nan=True):
-                    notes.append(f"step {step}: muon_update {q} of {name} differs between rank {lst[0][0]} and rank {r}")
+                    notes.append(f"step {step}: muon_update {q} of {name} differs between rank {lst[0][0]} "
+                                 f"and rank {r}")
 
     # Momentum assembly from fragments (z12 paths).
     momentum: dict[str, np.ndarray] = dict(mom_full)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from oracles.layout import deepspeed_uses_muon
 
 DTYPES = ("fp32", "fp16", "bf16")
 OFFLOADS = ("none", "cpu", "nvme")
@@ -20,7 +22,7 @@ class ParamShape:
     """One trainable tensor of the synthetic model.
 
     ``shape`` with two or more dims is tagged Muon by DeepSpeed (unless the name holds "embed" or
-    "lm_head"); a 1-D shape goes to the auxiliary Adam.
+    "lm_head"); a 1-D shape goes to the auxiliary Adam (``uses_muon``).
     """
 
     name: str
@@ -33,6 +35,10 @@ class ParamShape:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def uses_muon(self) -> bool:
+        return deepspeed_uses_muon(self.name, self.shape)
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,29 @@ class Case:
 
     @classmethod
     def from_json(cls, text: str) -> "Case":
+        """A case from its JSON (what a divergence's reproducer prints); ``ValueError`` naming what is
+        missing or wrong, before any rank starts."""
         d = json.loads(text)
+        if not isinstance(d, dict):
+            raise ValueError(f"a case is a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("name", "params", "ds_config") if k not in d]
+        if missing:
+            raise ValueError(f"missing field(s) {', '.join(missing)}: a case needs name, params (a list of "
+                             "{name, shape[, num_heads]}) and ds_config")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+        for key in ("world_size", "steps"):
+            v = d.get(key, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key} {v!r}: must be an integer >= 1")
+        if not isinstance(d["params"], list):
+            raise ValueError("params: expected a list of {name, shape[, num_heads]}")
+        for i, p in enumerate(d["params"]):
+            lacks = [k for k in ("name", "shape") if not isinstance(p, dict) or k not in p]
+            if lacks:
+                raise ValueError(f"params[{i}] lacks {', '.join(lacks)}: each parameter is "
+                                 "{name, shape[, num_heads]}")
         d["params"] = tuple(ParamShape(p["name"], tuple(p["shape"]), p.get("num_heads")) for p in d["params"])
         d["overflows"] = tuple(Overflow(**o) for o in d.get("overflows", ()))
         d["ds_config"] = canonical_json(d["ds_config"])

@@ -105,10 +105,6 @@ def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expe
                  error_map=ratio.astype(np.float32) if keep_map else None)
 
 
-def compare_scalar(case: str, name: str, step: int, actual: float, expected: float, allowed: Allowed) -> Check:
-    return compare_arrays(case, "<step>", name, step, [actual], [expected], allowed, keep_map=False)
-
-
 def first_divergence(checks: list[Check]) -> Check | None:
     """The earliest failing check: later ones are usually consequences of it."""
     failing = [c for c in checks if not c.passed]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from harness.bugs import bugs_for, refusals_for
 from harness.case import Case
-from harness.pool import CaseFailure, PoolManager
+from harness.launcher import CaseFailure, Launcher
+from harness.pool import PoolManager
 from harness.verdict import Verdict, judge, reproduce_command
 
 
@@ -39,19 +40,11 @@ class Outcome:
     refused: bool = False  # the patched runtime refused the case, as its fix for a bug says it must
 
 
-def patched_available() -> bool:
-    try:
-        from harness import patched_runtime  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def columns() -> list[str]:
-    return ["stock", "patched"] if patched_available() else ["stock"]
+    return ["stock", "patched"]
 
 
-def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
+def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     patched = column == "patched"
     c = case.replace(patched=patched)
     bugs = bugs_for(c, patched=patched)
@@ -137,10 +130,8 @@ def mutation_extra(km) -> dict:
 
 
 def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
-    try:
-        from harness.report import render
-    except ImportError:
-        return None
+    from harness.report import render
+
     render(results_dir, report, extra=extra)
     return str(report)
 
@@ -161,7 +152,10 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     store = results.ResultStore(results_dir, writer="gate")
     manager = PoolManager()
     counts: dict[str, int] = {}
-    bad = []
+    # Only the messages of what went wrong stay in memory: every outcome (verdict, trajectory, error
+    # maps) goes to the store on disk and is dropped before the next case, so the parent stays flat
+    # however many cases fail.
+    bad: list[str] = []
     t0 = time.perf_counter()
     try:
         total = len(cases) * len(cols)
@@ -173,16 +167,18 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 record(store, o)
                 counts[o.status] = counts.get(o.status, 0) + 1
                 if o.status in ("failed", "error", "xpassed"):
-                    bad.append(o)
+                    bad.append(o.message)
                 if not quiet:
-                    tag = o.status.upper() + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else "")
-                    print(f"[{n}/{total}] {col:7s} {case.name:55s} {tag} ({o.seconds:.1f}s)", flush=True)
+                    ids = f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else ""
+                    print(f"[{n}/{total}] {col:7s} {case.name:55s} {o.status.upper()}{ids} ({o.seconds:.1f}s)",
+                          flush=True)
+                del o
         km = None
-        if mutate and patched_available() and not only:
-            from harness import known_bugs
+        if mutate and not only:
+            from harness.kill_matrix import default_kill_cases, kill_matrix
 
             print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
-            km = known_bugs.kill_matrix(known_bugs.default_kill_cases(), manager=manager)
+            km = kill_matrix(default_kill_cases(), manager=manager)
             print(km.table(), flush=True)
             if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
                 counts["mutation-check-failed"] = 1
@@ -197,8 +193,8 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     rendered = _render(results_dir, report_path, extra)
     print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    for o in bad:
-        print("\n" + o.message)
+    for message in bad:
+        print("\n" + message)
     print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))
     return 1 if bad or "mutation-check-failed" in counts else 0
 

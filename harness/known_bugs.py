@@ -4,7 +4,7 @@ at run time, to prove the harness (capture + oracle + verdict) catches them.
 ``MUTANTS[name] = Mutant(name, description, install, catches)``; ``install(name)`` installs one and
 returns the callable that undoes it. A case asks for one with ``Case(..., mutant=name)``; it takes
 effect inside every rank through ``harness.patches`` -- on top of the patched runtime when the case
-is also ``patched=True``, which is how ``kill_matrix`` runs them, so the unmutated baseline is clean.
+is also ``patched=True``, which is how ``harness.kill_matrix`` runs them, so the unmutated baseline is clean.
 
 How they are built. Every mutant *wraps* whatever is installed (stock DeepSpeed or the patched
 runtime's replacement) and never replaces a function with a copy of stock code, so it composes with
@@ -14,24 +14,22 @@ innermost frame whose ``self`` is a ZeRO optimizer (``_ds_context``), and read t
 optimizer, as the buggy code would have.
 
 ``catches`` is a predicate on a case: True where the mutant is *expected* to make the verdict fail.
-``kill_matrix`` checks the expectation as well as measuring kills. ``main()`` runs the default kill set.
-
-Usage::
-
-    .venv/bin/python -c "from harness.known_bugs import main; main()"
+``harness.kill_matrix`` (the parent-side driver, ``python -m harness mutate``) checks the expectation
+as well as measuring kills. This module is imported inside the ranks, so it imports nothing that
+starts or drives ranks.
 """
 from __future__ import annotations
 
 import inspect
 import math
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from harness.case import Case, ParamShape
+from harness.case import Case
+from oracles.layout import zero3_padded_tail
 
 # ------------------------------------------------------------------------------------------------
 # plumbing
@@ -194,22 +192,17 @@ def _rows_only(inner, a, lo, hi):
 # the mutants
 
 
-def _m_partition_slice(inner, a):
-    opt, path, loc = _ds_context()
-    if path == "z12" and a["grad"].ndim >= 2:
-        r = _owned_range(opt, path, loc, a["grad"])
-        if r is not None:
-            return _rows_only(inner, a, *r)
-    return inner(**a)
+def _m_own_rows(paths: tuple[str, ...]):
+    """On ``paths``, each rank orthogonalises only the rows of the matrix it owns."""
+    def body(inner, a):
+        opt, path, loc = _ds_context()
+        if path in paths and a["grad"].ndim >= 2:
+            r = _owned_range(opt, path, loc, a["grad"])
+            if r is not None:
+                return _rows_only(inner, a, *r)
+        return inner(**a)
 
-
-def _m_offload_shard(inner, a):
-    opt, path, loc = _ds_context()
-    if path in ("z12_offload", "z3_offload") and a["grad"].ndim >= 2:
-        r = _owned_range(opt, path, loc, a["grad"])
-        if r is not None:
-            return _rows_only(inner, a, *r)
-    return inner(**a)
+    return body
 
 
 def _m_ns_per_micro(inner, a):
@@ -271,21 +264,16 @@ def _m_offload_dp_sum(inner, a):
 
 def _padded_tail_range(opt, path, loc, grad):
     """The mis-sliced range: where a matrix whose element count is not divisible by the world size
-    lies in a padded partition. ZeRO-3 pads every parameter to a multiple of W, so its last rank's
-    slice [(W-1)*ceil(n/W), n) is the padded tail; ZeRO-1/2 pad the group, so the matrix must reach
-    into the last partition of a group that has padding."""
+    lies in a padded partition. ZeRO-3 pads every parameter to a multiple of W, so the padded tail is
+    the slice of the rank whose partition the matrix's end cuts short (``oracles.layout.zero3_padded_tail``);
+    ZeRO-1/2 pad the group, so the matrix must reach into the last partition of a group that has padding."""
     from deepspeed import comm as dist
 
     n = grad.numel()
     if path in ("z3", "z3_offload"):
         param = loc.get("param")
         group = opt._get_param_partition_group(param) if param is not None else opt.dp_process_group
-        W = dist.get_world_size(group=group)
-        if W <= 1 or n % W == 0:
-            return None
-        c = math.ceil(n / W)
-        lo = (W - 1) * c
-        return (lo, n) if lo < n else None
+        return zero3_padded_tail(n, dist.get_world_size(group=group))
     if path in ("z12", "z12_offload"):
         if path == "z12":
             tl, i, g = loc.get("tensor_list"), loc.get("i"), loc.get("param_group_idx")
@@ -431,12 +419,8 @@ def _install_stale_momentum():
 # expectations (predicates on a case)
 
 
-def _is_muon(p: ParamShape) -> bool:
-    return len(p.shape) >= 2 and not any(k in p.name.lower() for k in ("embed", "lm_head"))
-
-
 def _muon(c: Case):
-    return [p for p in c.params if _is_muon(p)]
+    return [p for p in c.params if p.uses_muon]
 
 
 def _z12_layout(c: Case):
@@ -466,8 +450,7 @@ def _z12_padded_tail(c: Case) -> bool:
 
 
 def _z3_padded_tail(c: Case) -> bool:
-    W = c.world_size
-    return W > 1 and any(p.numel % W and (W - 1) * math.ceil(p.numel / W) < p.numel for p in _muon(c))
+    return any(zero3_padded_tail(p.numel, c.world_size) is not None for p in _muon(c))
 
 
 def _offload_straddles(c: Case) -> bool:
@@ -494,12 +477,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("partition-slice-muon",
            "ZeRO-1/2 (no offload): each owner orthogonalises only the rows of its own partition slice instead "
            "of the full averaged matrix (a matrix straddling a partition boundary gets two half updates).",
-           _wrap_muon_update(_m_partition_slice),
+           _wrap_muon_update(_m_own_rows(("z12",))),
            lambda c: c.stage in (1, 2) and c.offload == "none" and _z12_straddles(c),
            "the pre-#7727 ZeRO-1/2 Muon ran on the partition's flat slice"),
     Mutant("offload-shard-orthogonalized",
            "cpu/nvme offload: each rank orthogonalises its own shard of the matrix, not the gathered whole.",
-           _wrap_muon_update(_m_offload_shard),
+           _wrap_muon_update(_m_own_rows(("z12_offload", "z3_offload"))),
            lambda c: c.offload != "none" and _offload_straddles(c),
            "plausible: the offload paths gather (_muon_all_gather_partitions) exactly to avoid this"),
     Mutant("ns-per-micro-batch",
@@ -533,8 +516,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "DSM-007 generalised to every path"),
     Mutant("padded-tail-misslice",
            "The padded tail is mis-sliced: for a matrix whose element count is not divisible by the world "
-           "size, the slice of the Muon update that lies in a padded partition (ZeRO-3: the last rank's "
-           "partition of the matrix; ZeRO-1/2: the group's last, padded partition) is taken one element "
+           "size, the slice of the Muon update that lies in a padded partition (ZeRO-3: the partition the "
+           "matrix's end cuts short; ZeRO-1/2: the group's last, padded partition) is taken one element "
            "early.",
            _wrap_muon_update(_m_padded_tail_misslice),
            lambda c: (c.stage == 3 and _z3_padded_tail(c)) or (c.stage in (1, 2) and _z12_padded_tail(c)),
@@ -589,165 +572,3 @@ def install(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise KeyError(f"unknown mutant {name!r}; known: {sorted(MUTANTS)}")
     return MUTANTS[name].install()
-
-
-# ------------------------------------------------------------------------------------------------
-# kill matrix
-
-
-def default_kill_cases() -> list[Case]:
-    """Six small cases (world size 1-2) that together kill every mutant."""
-    from harness.scenarios import TINY_PARAMS, pipeline_case
-
-    heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
-    cases = [
-        pipeline_case(1, "none", "fp16", 1, steps=3, clip=0.05, params=heads),
-        pipeline_case(2, "none", "fp32", 2, steps=3),
-        pipeline_case(3, "none", "fp32", 2, steps=3, grad_accum=2),
-        pipeline_case(2, "cpu", "fp16", 2, steps=3),
-        pipeline_case(3, "cpu", "bf16", 2, steps=3),
-        pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
-    ]
-    out = []
-    for c in cases:
-        extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
-                ("-wd" if _wd(c) else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
-        out.append(c.replace(name=c.name + extra))
-    return out
-
-
-@dataclass
-class KillRow:
-    mutant: str
-    case: str
-    killed: bool | None  # None: baseline failed, not counted
-    expected: bool
-    detail: str = ""
-    seconds: float = 0.0
-
-
-@dataclass
-class KillMatrix:
-    cases: list[str]
-    mutants: list[str]
-    baseline: dict[str, bool] = field(default_factory=dict)  # case -> passes unmutated (patched)
-    rows: list[KillRow] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def killed_by(self, mutant: str) -> list[str]:
-        return [r.case for r in self.rows if r.mutant == mutant and r.killed]
-
-    @property
-    def kill_rate(self) -> float:
-        return sum(bool(self.killed_by(m)) for m in self.mutants) / max(1, len(self.mutants))
-
-    def surprises(self) -> list[KillRow]:
-        """Cells where a kill was expected and not seen, or seen and not expected."""
-        return [r for r in self.rows if r.killed is not None and r.killed != r.expected]
-
-    def table(self) -> str:
-        short = [f"c{i + 1}" for i in range(len(self.cases))]
-        width = max(len(m) for m in self.mutants) if self.mutants else 10
-        lines = [f"cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
-                 "baseline (patched, unmutated): " + " ".join(
-                     f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
-                 "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
-                 "predicted, - baseline failed",
-                 f"{'mutant':<{width}} " + " ".join(f"{s:>3}" for s in short) + "  killed"]
-        cell = {(r.mutant, r.case): r for r in self.rows}
-        for m in self.mutants:
-            marks = []
-            for n in self.cases:
-                r = cell.get((m, n))
-                if r is None or r.killed is None:
-                    marks.append("-")
-                elif r.killed:
-                    marks.append("K" if r.expected else "k")
-                else:
-                    marks.append("!" if r.expected else ".")
-            lines.append(f"{m:<{width}} " + " ".join(f"{x:>3}" for x in marks)
-                         + f"  {'yes' if self.killed_by(m) else 'NO'}")
-        n_killed = sum(bool(self.killed_by(m)) for m in self.mutants)
-        lines.append(f"kill rate: {n_killed}/{len(self.mutants)} = {100 * self.kill_rate:.0f}% "
-                     f"({len(self.cases)} cases, {self.seconds:.0f} s)")
-        s = self.surprises()
-        if s:
-            lines.append("expectation mismatches: " + ", ".join(f"{r.mutant}@{r.case}" for r in s))
-        return "\n".join(lines)
-
-
-def kill_matrix(cases, mutants=None, manager=None, *, patched: bool = True, progress=None) -> KillMatrix:
-    """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
-    when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
-    patched runtime so the baseline is clean. ``manager``: a ``PoolManager`` (one is made and closed
-    if None)."""
-    from harness.pool import CaseFailure, PoolManager
-    from harness.verdict import judge
-
-    names = list(mutants) if mutants is not None else list(MUTANTS)
-    own = manager is None
-    manager = manager or PoolManager()
-    km = KillMatrix(cases=[c.name for c in cases], mutants=names)
-    t_all = time.perf_counter()
-    try:
-        for c in cases:
-            base = c.replace(patched=patched, mutant=None)
-            try:
-                v = judge(base, manager.run(base).result)
-                km.baseline[c.name] = v.passed
-            except CaseFailure as e:
-                km.baseline[c.name] = False
-                if progress:
-                    progress(f"baseline {c.name}: error {str(e)[:200]}")
-            if progress:
-                progress(f"baseline {c.name}: {'pass' if km.baseline[c.name] else 'FAIL'}")
-        for m in names:
-            mut = MUTANTS[m]
-            for c in cases:
-                expected = mut.expected(c)
-                if not km.baseline.get(c.name):
-                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
-                    continue
-                run = c.replace(patched=patched, mutant=m)
-                t0 = time.perf_counter()
-                try:
-                    v = judge(run, manager.run(run).result)
-                    killed = not v.passed
-                    first = v.first
-                    detail = (f"{first.param}.{first.quantity}@{first.step} x{first.worst_ratio:.3g}"
-                              if first is not None else "")
-                except CaseFailure as e:
-                    killed, detail = True, "crashed: " + str(e).splitlines()[0][:160]
-                km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
-                if progress:
-                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} {detail}")
-    finally:
-        km.seconds = time.perf_counter() - t_all
-        if own:
-            manager.close()
-    return km
-
-
-def main(argv=None) -> int:
-    """Run the default kill set against every mutant; print the table and the kill rate.
-    Returns 0 when every mutant is killed and every prediction held."""
-    import argparse
-
-    from harness import buildenv
-
-    ap = argparse.ArgumentParser(prog="harness.known_bugs", description=main.__doc__.splitlines()[0])
-    ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
-    ap.add_argument("--only", default=None, help="substring filter on case names")
-    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed instead of the patched runtime")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    buildenv.apply_base_env()
-    cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
-    km = kill_matrix(cases, args.mutant, patched=not args.stock,
-                     progress=(lambda s: print(s, flush=True)) if args.verbose else None)
-    print(km.table())
-    return 0 if km.kill_rate == 1.0 and not km.surprises() else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

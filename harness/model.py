@@ -14,7 +14,7 @@ Loss of one (rank, step, micro) batch, summed over the parameters (unscaled, not
   usual linear-layer data term (it goes through ``torch.nn.functional.linear``, which ZeRO-3 swaps
   for its own implementation); its gradient has rank <= B. The second, elementwise term makes the
   gradient full rank whatever ``B`` is, because Newton-Schulz in 16 bit is badly conditioned on
-  rank-deficient input (semantics doc, section 8).
+  rank-deficient input (docs/deepspeed-0.19.8.md, section 12).
 
 * vector ``v`` (1-D)::
 
@@ -228,7 +228,8 @@ def build_model(case, variant: int = 0, dtype: torch.dtype = torch.float32) -> S
 # exact gradients
 
 
-def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
+def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: int,
+                    micro: int) -> dict[str, torch.Tensor]:
     """Exact float64 gradient of one rank's UNSCALED micro-batch loss (no 1/GAS, no 1/W, no loss
     scale) at the weights ``params_f64`` (name -> tensor of the declared shape; values are used as
     given, so pass the low-precision model weights as float64 to mirror a half-precision forward).

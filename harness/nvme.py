@@ -37,10 +37,6 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 DEFAULT_AIO_BLOCK_SIZE = 1048576  # swap_tensor/constants.py AIO_BLOCK_SIZE_DEFAULT
 
 
-def _is_muon(p: ParamShape) -> bool:
-    return len(p.shape) >= 2 and not any(k in p.name.lower() for k in ("embed", "lm_head"))
-
-
 def min_swap_bytes(case: Case) -> int:
     block = int(case.config.get("aio", {}).get("block_size", DEFAULT_AIO_BLOCK_SIZE))
     return max(MIN_AIO_BYTES, block)
@@ -70,8 +66,8 @@ def predict_swapped_subgroups(case: Case, model_order: list[str] | None = None) 
     threshold = min_swap_bytes(case)
     by_name = {p.name: p for p in case.params}
     order = model_order or _model_order(case)
-    muon = sorted((by_name[n] for n in order if _is_muon(by_name[n])), key=lambda p: tuple(p.shape), reverse=True)
-    adam = [by_name[n] for n in order if not _is_muon(by_name[n])]
+    muon = sorted((by_name[n] for n in order if by_name[n].uses_muon), key=lambda p: tuple(p.shape), reverse=True)
+    adam = [by_name[n] for n in order if not by_name[n].uses_muon]
     out = []
     for label, group in (("muon", muon), ("adam", adam)):
         if not group:

@@ -50,28 +50,3 @@ def exit(case: Case) -> None:  # noqa: A001 - the name ds_run expects
         errors.append(RuntimeError(f"patches.exit({case.name!r}) but the innermost entered case is {name!r}"))
     if errors:
         raise errors[0]
-
-
-# ------------------------------------------------------------------------------------------------
-# rank-side probe (a pool entry: ``PoolManager().run(case, entry="harness.patches:run_case_listing_swap_files")``)
-
-
-def run_case_listing_swap_files(case: Case, rank: int, world_size: int, workdir):
-    """Run the case as ``harness.ds_run`` does (the engine is destroyed at its end), then, once every
-    rank is done, list the NVMe swap files left under the case's folder into the trajectory's notes
-    (``"swap files after destroy: [...]"``): what DSM-011 leaves behind."""
-    import os
-    from pathlib import Path
-
-    import torch.distributed as tdist
-
-    from harness.ds_run import run_case_on_rank
-
-    traj = run_case_on_rank(case, rank, world_size, workdir)
-    tdist.barrier()
-    if rank == 0:
-        left = sorted(str(p.relative_to(workdir)) + f" ({os.path.getsize(p)} bytes)"
-                      for p in Path(workdir).rglob("*.swp"))
-        traj.notes.append("swap files after destroy: " + repr(left))
-    tdist.barrier()
-    return traj

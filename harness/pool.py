@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
 import shutil
@@ -29,126 +30,41 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from harness import buildenv
+from harness.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case import Case
+from harness.launcher import (  # noqa: F401 - re-exported: callers catch these from harness.pool
+    DEFAULT_ENTRY,
+    CaseFailure,
+    CaseOutcome,
+    CaseTimeout,
+    RankDied,
+    RankFailed,
+)
 
 POOL_MARKER = "MUON_HARNESS_POOL"
 STARTUP_TIMEOUT_S = float(os.environ.get("MUON_HARNESS_STARTUP_TIMEOUT", "600"))
 STACK_DUMP_GRACE_S = 3.0
-DEFAULT_ENTRY = "harness.ds_run:run_case_on_rank"
-
-
-class CaseFailure(Exception):
-    """A case did not produce a result; carries what a user needs to see why."""
-
-    def __init__(self, case_name: str, message: str, details: str = ""):
-        self.case_name = case_name
-        self.details = details
-        super().__init__(f"case {case_name!r}: {message}" + (f"\n{details}" if details else ""))
-
-
-class RankFailed(CaseFailure):
-    def __init__(self, case_name: str, rank: int, tb: str):
-        self.rank = rank
-        super().__init__(case_name, f"rank {rank} raised", tb)
-
-
-class RankDied(CaseFailure):
-    def __init__(self, case_name: str, rank: int, exitcode, log_tail: str):
-        self.rank = rank
-        self.exitcode = exitcode
-        super().__init__(case_name, f"rank {rank} died with exit code {exitcode}", log_tail)
-
-
-class CaseTimeout(CaseFailure):
-    def __init__(self, case_name: str, timeout_s: float, stacks: dict[int, str]):
-        self.stacks = stacks
-        body = "\n".join(f"--- rank {r} stack ---\n{s or '(no stack dumped)'}" for r, s in sorted(stacks.items()))
-        super().__init__(case_name, f"timed out after {timeout_s:.0f}s; ranks killed", body)
-
-
-@dataclass
-class CaseOutcome:
-    result: object  # rank 0's return value (a Trajectory for real cases)
-    seconds: float  # wall time seen by the parent, shipping included
-    rank_seconds: list[float]  # time inside the case function, per rank
 
 
 # --------------------------------------------------------------------------------------------------
 # rank side
 
 
-def _set_parent_death_signal() -> None:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _redirect_output(log_path: Path) -> None:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def _apply_fault(case: Case, rank: int) -> None:
-    """Test-only fault injection (``Case.fault``): lets the suite prove crash and hang handling."""
-    if not case.fault:
-        return
-    kind, _, which = case.fault.partition(":")
-    if which and int(which) != rank:
-        return
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank}")
-    if kind == "exit":
-        os._exit(17)
-    if kind == "hang":
-        while True:
-            time.sleep(1)
-    if kind == "spawn-child":
-        # A grandchild that would outlive a careless kill; the session kill must take it.
-        import subprocess
-
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-        while True:
-            time.sleep(1)
-    raise ValueError(f"unknown fault {case.fault!r}")
-
-
 def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env: dict) -> None:
     os.setsid()
-    _set_parent_death_signal()
+    set_parent_death_signal()
     os.environ.update(env)
     pool = Path(pool_dir)
-    _redirect_output(pool / f"rank{rank}.log")
+    redirect_output(pool / f"rank{rank}.log")
     stack_file = open(pool / f"rank{rank}.stack", "w")
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
     try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        from harness import runtime_state
-
-        runtime_state.install_process_caches()
-        dist.init_process_group("gloo", init_method=f"file://{pool / 'rendezvous'}", rank=rank,
-                                world_size=world_size)
-        import importlib
-
-        importlib.import_module("harness.ds_run")  # imports deepspeed once per rank
-        runtime_state.preload_built_ops()  # no case ever takes a JIT-build lock a kill could orphan
-
+        bootstrap_rank(rank, world_size, init_method=f"file://{pool / 'rendezvous'}")
         conn.send(("ready", os.getpid()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -166,7 +82,7 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
         _, case, workdir, entry = msg
         t0 = time.perf_counter()
         try:
-            _apply_fault(case, rank)
+            apply_fault(case, rank)
             module_name, _, func_name = entry.partition(":")
             func = getattr(importlib.import_module(module_name), func_name)
             result = func(case, rank, world_size, Path(workdir))

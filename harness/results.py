@@ -132,7 +132,8 @@ class ResultStore:
 
     def add(self, rec: CaseRecord, maps: dict[str, np.ndarray] | None = None) -> None:
         if maps:
-            np.savez_compressed(self.root / "maps" / f"{rec.key}.npz", **{k.replace("/", "_"): v for k, v in maps.items()})
+            arrays = {k.replace("/", "_"): v for k, v in maps.items()}
+            np.savez_compressed(self.root / "maps" / f"{rec.key}.npz", **arrays)
         line = json.dumps(asdict(rec), sort_keys=True)
         with open(self.root / f"results-{self.writer}.jsonl", "a") as f:
             f.write(line + "\n")

@@ -11,22 +11,16 @@ from harness import buildenv
 
 
 def install_process_caches() -> None:
-    try:
-        import cpuinfo
-    except ImportError:
-        return
+    import cpuinfo
+    import cpuinfo.cpuinfo as inner
+
     path = buildenv.cpuinfo_cache()
     if path.exists():
         info = json.loads(path.read_text())
     else:
         info = cpuinfo.get_cpu_info()
     cpuinfo.get_cpu_info = lambda: info
-    try:
-        import cpuinfo.cpuinfo as inner
-
-        inner.get_cpu_info = cpuinfo.get_cpu_info
-    except ImportError:
-        pass
+    inner.get_cpu_info = cpuinfo.get_cpu_info
 
 
 PRELOAD_BUILDERS = ("PinMemoryBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder",
@@ -67,7 +61,7 @@ def preload_built_ops() -> list[str]:
         if name == "PinMemoryBuilder":
             # What DeepSpeed's own pin_memory loader does (op_builder/pin_memory_load.py): publish the
             # module process-wide and re-open it RTLD_GLOBAL so async_io resolves its symbols.
-            setattr(sys, "_deepspeed_pin_memory_op_module", module)
+            sys._deepspeed_pin_memory_op_module = module
             ctypes.CDLL(module.__file__, mode=ctypes.RTLD_GLOBAL)
         loaded.append(builder.NAME)
     return loaded

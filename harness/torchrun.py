@@ -70,8 +70,9 @@ import uuid
 from pathlib import Path
 
 from harness import buildenv
+from harness.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case import Case
-from harness.pool import CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed, _apply_fault
+from harness.launcher import DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed
 
 ENTRY_MODULE = "harness.torchrun"
 MARKER = "MUON_HARNESS_TORCHRUN"  # in every rank's environment: lets tests prove nothing is left behind
@@ -146,25 +147,6 @@ def read_case_file(path: Path) -> tuple[list[Case], bool]:
 # rank side
 
 
-def _set_parent_death_signal() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _redirect_output(log_path: Path):
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    return open(log_path, "a")  # for faulthandler, which needs a file object that stays open
-
-
 def _batches_on_device(device) -> None:
     """Non-CPU accelerators: ``harness.model.batch_data`` builds CPU tensors; the engine's module is
     on ``device``. Wrap it in this rank process only (the parent's oracle keeps the CPU version)."""
@@ -220,8 +202,8 @@ def rank_main(argv=None) -> int:
     os.environ.update(launch_env(accel))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
-    _set_parent_death_signal()
-    logf = sys.stderr if args.no_redirect else _redirect_output(log_dir / f"rank{rank}.log")
+    set_parent_death_signal()
+    logf = sys.stderr if args.no_redirect else redirect_output(log_dir / f"rank{rank}.log")
     faulthandler.enable(file=logf, all_threads=True)
     case_name = "<start-up>"
     try:
@@ -229,17 +211,12 @@ def rank_main(argv=None) -> int:
         import torch
         import torch.distributed as dist
 
-        if accel == "cpu":
-            torch.set_num_threads(1)
-        from harness import runtime_state
-
-        runtime_state.install_process_caches()
         device = None
         if accel == "cuda":
             torch.cuda.set_device(local_rank)
             device = torch.device("cuda", local_rank)
         _log(f"rank {rank}/{world} (local {local_rank}) accelerator {accel}, backend {backend_for(accel)}")
-        dist.init_process_group(backend_for(accel), init_method="env://", rank=rank, world_size=world)
+        bootstrap_rank(rank, world, backend=backend_for(accel), init_method="env://", cpu=accel == "cpu")
         from harness import ds_run
 
         if device is not None:
@@ -253,7 +230,7 @@ def rank_main(argv=None) -> int:
             _log(f"case {i + 1}/{len(cases)} {case.name} start")
             faulthandler.dump_traceback_later(case.timeout_s, repeat=False, file=logf, exit=True)
             t0 = time.perf_counter()
-            _apply_fault(case, rank)  # test-only fault injection, the pool's semantics
+            apply_fault(case, rank)  # test-only fault injection, the pool's semantics
             traj = ds_run.run_case_on_rank(case, rank, world, workdir / f"case{i}")
             faulthandler.cancel_dump_traceback_later()
             _log(f"case {i + 1}/{len(cases)} {case.name} done in {time.perf_counter() - t0:.2f}s")
@@ -463,15 +440,15 @@ def run_with_torchrun(case: Case, nproc: int | None = None, **kw):
 
 
 class TorchrunManager:
-    """``PoolManager``'s ``run(case) -> CaseOutcome`` / ``close()`` over torchrun launches, so
-    ``harness.gate.evaluate`` runs a case through torchrun unchanged. One launch per case."""
+    """A ``harness.launcher.Launcher`` over torchrun launches, so ``harness.gate.evaluate`` runs a case
+    through torchrun unchanged. One launch per case."""
 
     def __init__(self, accelerator: str = "cpu", root: Path | None = None):
         self.accelerator = resolve_accelerator(accelerator)
         self.root = root
 
     def run(self, case: Case, entry: str | None = None) -> CaseOutcome:
-        if entry not in (None, "harness.ds_run:run_case_on_rank"):
+        if entry not in (None, DEFAULT_ENTRY):
             raise ValueError("the torchrun launch mode runs harness.ds_run:run_case_on_rank only")
         t0 = time.perf_counter()
         traj = run_with_torchrun(case, case.world_size, accelerator=self.accelerator, root=self.root)

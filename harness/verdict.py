@@ -28,9 +28,6 @@ from harness.case import Case
 from harness.compare import Allowed, Check, LayoutView, compare_arrays, describe, first_divergence
 from harness.trajectory import Trajectory
 
-QUANTITIES = ("grad", "momentum", "update", "master", "model", "loss_scale", "skipped", "global_norm",
-              "muon_calls")
-
 # Oracle-side hooks for the detection self-test: name -> function(StepConfig) -> StepConfig.
 # Only tests install these (never DeepSpeed): they prove a wrong oracle-relevant behaviour is caught.
 ORACLE_HOOKS: dict[str, object] = {}
@@ -49,7 +46,7 @@ def comparison_mode(case: Case) -> str:
 
 
 def step_config(case: Case) -> oracles.StepConfig:
-    """The oracle's reading of the case's DeepSpeed config (semantics doc 1.2 for the lr routing)."""
+    """The oracle's reading of the case's DeepSpeed config (docs/deepspeed-0.19.8.md section 2 for the lr routing)."""
     cfg = case.config
     opt = cfg.get("optimizer", {}).get("params", {})
     shared_lr = opt.get("lr")
@@ -194,7 +191,6 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     ns_mode = "emulated" if mode == "emulated" else "exact"
     spec = {p.name: p for p in sc.params}
     W, GAS = case.world_size, case.grad_accum
-    lp_dtype = oracles.MODEL_DTYPES[case.dtype]
     # Where DeepSpeed stores the Muon input: fp32 on the Z1/2 offload paths, the model dtype elsewhere.
     grad_store = "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
     state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
@@ -250,8 +246,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         add("<step>", "loss_scale", s, [rec.loss_scale], [orec.loss_scale_used], exact)
         add("<step>", "loss_scale_after", s, [rec.loss_scale_after], [orec.loss_scale_after], exact)
         if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
-            a = oracles.allowances(mode, model_dtype=case.dtype, shape=max((p.shape for p in sc.params if p.use_muon),
-                                                                           key=lambda sh: math.prod(sh), default=(1, 1)),
+            widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
+            a = oracles.allowances(mode, model_dtype=case.dtype, shape=widest,
                                    world_size=W, gas=GAS, ns_method=sc.ns_method, grad_dtype=grad_store,
                                    momentum_dtype="fp32")
             add("<step>", "global_norm", s, [rec.global_norm], [orec.global_norm], a.norm)
@@ -266,7 +262,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             # Downstream of the gradient the oracle was fed DeepSpeed's own averaged gradient, converted
             # exactly (a power-of-two unscale), so no gradient error enters: grad_dtype="fp64". What
             # remains is fp32 storage of the momentum and masters, and Newton-Schulz.
-            a = oracles.allowances(mode, model_dtype=case.dtype, shape=p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape),
+            shape = p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape)
+            a = oracles.allowances(mode, model_dtype=case.dtype, shape=shape,
                                    world_size=W, gas=GAS, ns_method=sc.ns_method, grad_dtype="fp64",
                                    momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
@@ -277,7 +274,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             direction = oracles.Allowance(a.direction.atol, a.direction.rtol + 2.0 * u_store,
                                           a.direction.derivation + f" + 2 u_store ({grad_store})", a.direction.cap)
             if p.use_muon and ps.momentum is not None:
-                add(n, "momentum", s, _t(ps.momentum).numpy() / float(ps.momentum_scale), o.momentum.numpy(), a.momentum)
+                mom = _t(ps.momentum).numpy() / float(ps.momentum_scale)
+                add(n, "momentum", s, mom, o.momentum.numpy(), a.momentum)
             if p.use_muon and ps.update is not None and o.direction is not None:
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
             add(n, "master", s, ps.master, o.master.numpy(), a.master)

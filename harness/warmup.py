@@ -28,11 +28,18 @@ def fill_cpuinfo_cache() -> dict:
     return info
 
 
-def build_ops(names=OPS) -> dict[str, float]:
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def build_ops(names=OPS, say=_say) -> dict[str, float]:
+    """Build (or load from the cache) each op in turn, saying which one before it starts and how long
+    it took when done: a cold build is minutes of silence otherwise."""
     from deepspeed.accelerator import get_accelerator
 
     seconds = {}
     for name in names:
+        say(f"warmup: op {name} ...")
         t0 = time.perf_counter()
         builder = get_accelerator().create_op_builder(name)
         if builder is None:
@@ -42,12 +49,12 @@ def build_ops(names=OPS) -> dict[str, float]:
             raise RuntimeError(f"op {builder.NAME} is not compatible with this machine{hint}")
         builder.load(verbose=False)
         seconds[builder.NAME] = time.perf_counter() - t0
+        say(f"warmup: op {builder.NAME} ready in {seconds[builder.NAME]:.1f}s")
     return seconds
 
 
 def fill_compile_cache() -> float:
     """Compile muon_update once so the compiled subset of cases reads inductor's on-disk cache."""
-    import torch
 
     from harness import compiled
 
@@ -60,6 +67,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-compile", action="store_true", help="do not fill the torch.compile cache")
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     buildenv.apply_base_env({"TORCHDYNAMO_DISABLE": "0"})
     # A lock is stale once it is older than any build here takes (cold async_io: ~7 min wall on 2
     # cores); a younger one may belong to a live build or load in another process, and removing it
@@ -68,10 +76,11 @@ def main(argv=None) -> int:
     for lock in removed:
         print(f"warmup: removed stale build lock {lock}")
     fill_cpuinfo_cache()
-    for name, s in build_ops().items():
-        print(f"warmup: op {name} ready in {s:.1f}s")
+    ops = build_ops()
     if not args.skip_compile:
-        print(f"warmup: torch.compile cache for muon_update filled in {fill_compile_cache():.1f}s")
+        _say("warmup: torch.compile cache for muon_update ...")
+        _say(f"warmup: torch.compile cache for muon_update filled in {fill_compile_cache():.1f}s")
+    _say(f"warmup: done in {time.perf_counter() - t0:.1f}s ({len(ops)} ops: {sum(ops.values()):.1f}s)")
     return 0
 
 

@@ -13,7 +13,7 @@ norm exactly equal to ``c`` is still (barely) clipped by ``1 + 1e-6/c``; the ora
 
 Which vectors enter the norm is a convention (``oracles.step.Conventions.clip_norm_source``): DeepSpeed
 deliberately takes Muon parameters' *update* ``O`` (not their gradient) and Adam parameters'
-gradient (semantics doc section 4.4).
+gradient (docs/deepspeed-0.19.8.md section 7).
 """
 from __future__ import annotations
 

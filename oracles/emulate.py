@@ -5,7 +5,7 @@ Why this exists
 DeepSpeed 0.19.8 always runs Newton-Schulz in 16 bit (``original_muon.py`` ``ns_compute_dtype``:
 fp16 for ``ns_method="gram"``, bf16 for ``"standard"``, whenever the accelerator supports them, which
 CUDA sm>=80 and the CPU accelerator do). Against a float64 oracle that costs 1e-2 .. 1 relative
-error in the Muon direction (semantics doc section 8), far too coarse to see a bug elsewhere. This
+error in the Muon direction (docs/deepspeed-0.19.8.md section 12), far too coarse to see a bug elsewhere. This
 module evaluates the same mathematics as :mod:`oracles.newton_schulz` in the same 16-bit dtypes, with
 every intermediate rounded where DeepSpeed's *eager* code rounds it. Given bit-identical inputs on
 the same device it reproduces DeepSpeed's eager ``muon_update`` bit for bit (verified on CPU in

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 REGIONS = ("interior", "boundary", "padded_tail")
 
@@ -65,6 +65,36 @@ def _as_layout_param(p) -> LayoutParam:
     if isinstance(shape, int):
         shape = (shape,)
     return LayoutParam(name, tuple(shape))
+
+
+# Name parts that keep a matrix on the auxiliary Adam (``deepspeed/__init__.py:369``).
+ADAM_NAME_PARTS = ("embed", "lm_head")
+
+
+def deepspeed_uses_muon(name: str, shape: Sequence[int]) -> bool:
+    """DeepSpeed's automatic Muon tag (``deepspeed/__init__.py:357`` ``set_optimizer_flags``, the test at
+    :369): Muon iff the parameter has two or more dims and its lower-cased name contains none of
+    ``ADAM_NAME_PARTS``. The one home of the rule: the oracle's ``ParamSpec``, ``ParamShape`` and
+    every bug/mutant trigger ask this function."""
+    low = name.lower()
+    return len(tuple(shape)) >= 2 and not any(k in low for k in ADAM_NAME_PARTS)
+
+
+def zero3_padded_tail(numel: int, world_size: int) -> Optional[tuple[int, int]]:
+    """The elements ``[lo, hi)`` of a ZeRO-3 parameter that share a rank's partition with padding,
+    or None when no rank holds data and padding together.
+
+    DeepSpeed pads the parameter to ``W * q`` with ``q = ceil(numel / W)`` (``partition_parameters.py``
+    ``_padding_size`` :1693, ``_partition_param`` :1816-1878): rank ``r`` holds ``[r q, (r+1) q)``, the
+    part past ``numel`` being zeros. The rank whose slice is cut short by ``numel`` holds the tail
+    ``[floor(numel / q) q, numel)``. That rank need not be the last one: for 5 elements on 4 ranks
+    (q = 2) it is rank 2 (``[4, 5)`` and one zero), and rank 3 holds padding only.
+    """
+    if world_size < 1 or numel < 1:
+        raise ValueError(f"need numel >= 1 and world_size >= 1, got {numel}, {world_size}")
+    q = -(-numel // world_size)
+    lo = (numel // q) * q
+    return (lo, numel) if lo < numel else None
 
 
 def ds_param_groups(specs: Sequence) -> list[list]:

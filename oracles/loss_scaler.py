@@ -2,7 +2,7 @@
 
 Specifies DeepSpeed 0.19.8 ``runtime/fp16/loss_scaler.py`` ``DynamicLossScaler.update_scale`` (and the
 static ``LossScaler``; selection in ``CreateLossScaler``), with the config defaults of
-``runtime/precision_config.py`` (semantics doc section 5). Every rule of the scaler is deliberate
+``runtime/precision_config.py`` (docs/deepspeed-0.19.8.md section 9). Every rule of the scaler is deliberate
 design, so the oracle follows it exactly; only *when* the new scale is applied relative to unscaling
 is an accident, and that lives in ``oracles.step.Conventions.scale_update_before_unscale``.
 

@@ -5,7 +5,7 @@ DeepSpeed 0.19.8 ``runtime/zero/muon/original_muon.py`` ``muon_update`` writes b
 these are the two convex combinations below; what the oracle fixes on top of DeepSpeed is *where*
 they are evaluated: in float64 (or at least fp32) on the true, unscaled gradient. DeepSpeed's
 non-offload paths instead keep the momentum in loss-scaled units and, for fp16/bf16 models, in the
-model dtype (semantics doc sections 4.2, 10.5, 10.6); those are accidents the oracle offers only as
+model dtype (docs/deepspeed-0.19.8.md sections 5, 11); those are accidents the oracle offers only as
 opt-in conventions (``oracles.step.Conventions.momentum_units`` / ``momentum_dtype``).
 
 Nesterov is always on in DeepSpeed (not configurable), so the blend is always applied.

@@ -241,7 +241,7 @@ def muon_direction(U: torch.Tensor, ns_method: str = "gram", num_heads: Optional
       scale from the last two dims. DeepSpeed gives a 3-D non-expert tensor the same result.
     * 4-D conv kernel ``(out, in, kh, kw)``: DeepSpeed 0.19.8 crashes on these
       (``original_muon.py`` ``muon_update``: the final ``torch.where`` broadcasts the 2-D update
-      against the 4-D grad; semantics doc section 2.6). The *intended* semantics, Keller Jordan's,
+      against the 4-D grad; docs/deepspeed-0.19.8.md section 3). The *intended* semantics, Keller Jordan's,
       orthogonalise the reshaped matrix ``(out, in*kh*kw)``. Choice made here
       (``conv_aspect="reshaped"``, the default): the aspect scale is that of the matrix actually
       orthogonalised, ``aspect_scale(out, in*kh*kw)``, and the result is reshaped back to

@@ -58,6 +58,7 @@ import torch
 from . import emulate
 from .adam import adam_step
 from .clipping import clip_coefficient, global_norm
+from .layout import deepspeed_uses_muon
 from .loss_scaler import LossScalerConfig, LossScalerState, initial_state as scaler_initial_state, update_scale
 from .momentum import muon_momentum, round_to
 from .newton_schulz import NS_STEPS, muon_direction
@@ -80,10 +81,8 @@ class ParamSpec:
 
     @staticmethod
     def deepspeed_tagged(name: str, shape: Sequence[int], num_heads: Optional[int] = None) -> "ParamSpec":
-        """DeepSpeed's automatic tag (``deepspeed/__init__.py`` ``set_optimizer_flags``): Muon iff the
-        parameter has >= 2 dims and its name contains neither "embed" nor "lm_head"."""
-        low = name.lower()
-        use = len(shape) >= 2 and "embed" not in low and "lm_head" not in low
+        """DeepSpeed's automatic tag (``oracles.layout.deepspeed_uses_muon``)."""
+        use = deepspeed_uses_muon(name, shape)
         return ParamSpec(name, tuple(shape), use, num_heads if use else None)
 
 
@@ -203,7 +202,8 @@ class Conventions:
 
 def deepspeed_conventions(stage: int, offload: bool, model_dtype: str, *,
                           parameter_alignment: bool = False) -> Conventions:
-    """The conventions DeepSpeed 0.19.8 actually implements on a path (semantics doc sections 4, 10).
+    """The conventions DeepSpeed 0.19.8 actually implements on a path
+    (docs/deepspeed-0.19.8.md sections 5-8, 13).
 
     Not modelled: ZeRO-3 offload's fp16 ``g/S`` underflow and ``S*O`` overflow (doc 10.3), ZeRO-3's
     momentum commit on an invalid-norm skip (doc 10.4), the BF16_Optimizer path (bf16 +

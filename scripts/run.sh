@@ -34,6 +34,8 @@ fi
 
 case "$what" in
   main) exec .venv/bin/python -m harness gate --report reports/gate.html "$@" ;;
-  test) exec .venv/bin/python -m pytest -n 2 "$@" ;;
+  test)
+    .venv/bin/ruff check .   # lint first (under a second); a finding fails the run
+    exec .venv/bin/python -m pytest -n 2 "$@" ;;
   *) echo "usage: bash scripts/run.sh main|test [args]" >&2; exit 2 ;;
 esac

@@ -26,12 +26,6 @@ def run_cli(*args, timeout: float = 600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def patched_available() -> bool:
-    from harness.gate import patched_available as available
-
-    return available()
-
-
 # ------------------------------------------------------------------------------------------------
 # bad input: exit 2, a clear message, no rank started
 
@@ -102,13 +96,6 @@ def test_bad_input_json_mode_prints_one_object(tmp_path):
     assert out["verdict"] == "bad_input" and "invalid JSON" in out["message"]
 
 
-def test_patched_without_the_runtime_is_bad_input(tmp_path):
-    if patched_available():
-        pytest.skip("harness.patched_runtime is installed")
-    err = _bad(tmp_path, _example("zero1_fp32.json"), "--patched")
-    assert "--patched" in err and "not installed" in err
-
-
 # ------------------------------------------------------------------------------------------------
 # the shipped examples
 
@@ -129,12 +116,7 @@ def test_example_zero1_fp32_passes_via_torchrun_with_json_and_report(tmp_path):
     assert any("scheduler WarmupLR removed" in n for n in out["rewrites"])
     # train_batch_size 64 (for 8 ranks) -> micro 8 x accumulation 1 x 2 ranks
     assert json.loads(out["reproduce"].split("--case ", 1)[1].strip("'"))["ds_config"]["train_batch_size"] == 16
-    try:
-        import harness.report  # noqa: F401
-    except ImportError:
-        assert out["report"] is None and "unavailable" in out["report_note"]
-    else:
-        assert out["report"] == str(report) and report.exists()
+    assert out["report"] == str(report) and report.exists()
     assert "per quantity" in r.stderr and "step 2:" in r.stderr  # human progress went to stderr
 
 
@@ -169,8 +151,6 @@ def test_example_zero3_fp16_nvme_clip_hits_dsm001():
 
 @pytest.mark.pipeline
 def test_example_zero3_fp16_nvme_clip_patched():
-    if not patched_available():
-        pytest.skip("harness.patched_runtime is not installed (covered by the bad-input test)")
     r = run_cli("--ds-config", EXAMPLES / "zero3_fp16_nvme_clip.json", *SMALL, "--world-size", "1", "--no-report",
                 "--patched", "--json")
     out = json.loads(r.stdout)

@@ -7,15 +7,18 @@ import re
 
 import pytest
 
-from harness import check
-from harness.check import BadInput, padded_ranks, parse_shapes, scale_shapes
+from harness import check_config, check_plan, check_shapes
+from harness.check_config import BadInput
+from harness.check_shapes import padded_ranks, parse_shapes, scale_shapes
 
 WORLD_SIZES = range(1, 9)
 
 
 def _random_models(seed: int, n: int):
     rnd = random.Random(seed)
-    dims = lambda: rnd.choice([rnd.randint(1, 24), rnd.randint(25, 6000), rnd.choice([4096, 4097, 1023, 11008, 128256])])
+    def dims():
+        return rnd.choice([rnd.randint(1, 24), rnd.randint(25, 6000), rnd.choice([4096, 4097, 1023, 11008, 128256])])
+
     for _ in range(n):
         W = rnd.choice(list(WORLD_SIZES))
         model = [tuple(dims() for _ in range(rnd.choice([1, 2, 2, 2, 3]))) for _ in range(rnd.randint(1, 5))]
@@ -35,9 +38,9 @@ def test_llama_like_shapes_scale_as_documented():
     (a, b), f = scale_shapes([(4096, 4096), (11008, 4096)], 2)
     assert (a, b) == ((156, 156), (420, 156))
     # the largest tensor binds here: f = MAX_TENSOR_NUMEL / (11008 * 4096)
-    assert f == pytest.approx(min(check.MAX_TENSOR_NUMEL / (11008 * 4096),
-                                  check.MAX_TOTAL_NUMEL / (4096 * 4096 + 11008 * 4096)))
-    assert f == pytest.approx(check.MAX_TENSOR_NUMEL / (11008 * 4096))
+    assert f == pytest.approx(min(check_shapes.MAX_TENSOR_NUMEL / (11008 * 4096),
+                                  check_shapes.MAX_TOTAL_NUMEL / (4096 * 4096 + 11008 * 4096)))
+    assert f == pytest.approx(check_shapes.MAX_TENSOR_NUMEL / (11008 * 4096))
 
 
 def test_small_models_are_not_scaled():
@@ -60,16 +63,16 @@ def test_scale_rule_invariants():
             assert (na % W == 0) == (nb % W == 0)  # divisible by the world size stays divisible
             assert padded_ranks(na, W) == padded_ranks(nb, W), (a, b, W)  # which partition is padded
             assert all(1 <= y <= x for x, y in zip(a, b))
-            assert all(y == x for x, y in zip(a, b) if x <= check.MIN_DIM)
+            assert all(y == x for x, y in zip(a, b) if x <= check_shapes.MIN_DIM)
             if len(a) == 2 and min(b) >= 64:
                 # aspect ratio within one 2W step per dimension
                 tol = (1 + 2 * W / b[0]) * (1 + 2 * W / b[1]) * 1.01
                 ratio = (a[0] / a[1]) / (b[0] / b[1])
                 assert 1 / tol <= ratio <= tol, (a, b, W)
         # The element budget holds up to rounding, and the floors of tiny tensors.
-        floor = sum(max(W * W + 2 * W, check.MIN_DIM ** 2) for _ in model)
-        assert sum(math.prod(s) for s in scaled) <= 1.3 * check.MAX_TOTAL_NUMEL + floor
-        assert max(math.prod(s) for s in scaled) <= 1.3 * check.MAX_TENSOR_NUMEL + floor
+        floor = sum(max(W * W + 2 * W, check_shapes.MIN_DIM ** 2) for _ in model)
+        assert sum(math.prod(s) for s in scaled) <= 1.3 * check_shapes.MAX_TOTAL_NUMEL + floor
+        assert max(math.prod(s) for s in scaled) <= 1.3 * check_shapes.MAX_TENSOR_NUMEL + floor
 
 
 def test_group_residue_with_biases_is_kept():
@@ -78,9 +81,9 @@ def test_group_residue_with_biases_is_kept():
     for W, model in _random_models(seed=1, n=400):
         scaled, _ = scale_shapes(model, W)
         for group in ("muon", "adam"):
-            def total(shapes):
-                params = check.build_params(shapes)
-                return sum(p.numel for p in params if (len(p.shape) >= 2) == (group == "muon"))
+            def total(shapes, group=group):
+                params = check_shapes.build_params(shapes)
+                return sum(p.numel for p in params if p.uses_muon == (group == "muon"))
             assert total(model) % (2 * W) == total(scaled) % (2 * W)
 
 
@@ -92,7 +95,7 @@ def test_padded_ranks():
 
 
 def test_build_params_adds_biases():
-    params = check.build_params([(8, 4), (5,), (3, 2, 2)])
+    params = check_shapes.build_params([(8, 4), (5,), (3, 2, 2)])
     assert [(p.name, p.shape) for p in params] == [
         ("layers.0.weight", (8, 4)), ("layers.0.bias", (8,)), ("layers.1.scale", (5,)),
         ("layers.2.weight", (3, 2, 2)), ("layers.2.bias", (3,))]
@@ -113,9 +116,10 @@ def _cfg(**top):
 ])
 def test_batch_sizes_rewritten_for_the_world_size(given, W, expect):
     notes: list[str] = []
-    out = check._rewrite(_cfg(**given), W, 1.0, notes)
+    out = check_plan._rewrite(_cfg(**given), W, 1.0, notes)
     mb, gas, tb = expect
-    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == expect
+    got = (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"])
+    assert got == expect
     assert tb == mb * gas * W
     assert any("batch sizes rewritten" in n and f"world size {W}" in n for n in notes)
 
@@ -126,7 +130,7 @@ def test_rewrite_strips_scheduler_monitors_and_sets_nvme_placeholder():
                                   "offload_optimizer": {"device": "nvme", "nvme_path": "/somewhere"}})
     cfg["optimizer"]["params"]["per_head_muon"] = True
     notes: list[str] = []
-    out = check._rewrite(cfg, 2, 0.01, notes, total_numel=10**6)
+    out = check_plan._rewrite(cfg, 2, 0.01, notes, total_numel=10**6)
     assert "scheduler" not in out and out["tensorboard"]["enabled"] is False
     assert "per_head_muon" not in out["optimizer"]["params"]
     assert out["zero_optimization"]["offload_optimizer"]["nvme_path"] == "@NVME@"
@@ -152,29 +156,29 @@ def test_config_checks_without_deepspeed(mutate, message):
     cfg = _cfg()
     mutate(cfg)
     with pytest.raises(BadInput, match=re.escape(message)):
-        check.check_optimizer(cfg)
-        check.check_zero(cfg)
-        check.check_no_auto(cfg)
+        check_config.check_optimizer(cfg)
+        check_config.check_zero(cfg)
+        check_config.check_no_auto(cfg)
 
 
 def test_load_config_reports_line_and_column(tmp_path):
     p = tmp_path / "c.json"
     p.write_text('{\n  "a": 1,\n  "b": }\n')
     with pytest.raises(BadInput, match="line 3, column 8"):
-        check.load_config(str(p))
+        check_config.load_config(str(p))
     p.write_text('{"a": 1, "a": 2}')
     with pytest.raises(BadInput, match="duplicate key 'a'"):
-        check.load_config(str(p))
+        check_config.load_config(str(p))
     with pytest.raises(BadInput, match="no such file"):
-        check.load_config(str(tmp_path / "missing.json"))
+        check_config.load_config(str(tmp_path / "missing.json"))
 
 
 def test_writable_dir(tmp_path):
-    assert check.check_writable_dir("k", str(tmp_path)) == tmp_path
+    assert check_config.check_writable_dir("k", str(tmp_path)) == tmp_path
     assert list(tmp_path.iterdir()) == []  # the probe cleans up
     with pytest.raises(BadInput, match="does not exist"):
-        check.check_writable_dir("k", str(tmp_path / "nope"))
+        check_config.check_writable_dir("k", str(tmp_path / "nope"))
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(BadInput, match="not a directory"):
-        check.check_writable_dir("k", str(f))
+        check_config.check_writable_dir("k", str(f))

@@ -62,11 +62,15 @@ def test_fuzz_muon_zero(case, pool_manager):
 FUZZ_001 = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_config": {"fp16": {"enabled": true, '
             '"hysteresis": 2, "initial_scale_power": 16, "loss_scale_window": 1000, "min_loss_scale": 1}, '
             '"gradient_accumulation_steps": 1, "gradient_clipping": 0.0, "optimizer": {"params": {"adam_lr": 0.001, '
-            '"lr": 0.02, "momentum": 0.95, "muon_lr": 0.02, "ns_method": "gram", "weight_decay": 0.0}, "type": "Muon"}, '
-            '"steps_per_print": 1000000000, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, '
-            '"wall_clock_breakdown": false, "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "stage": 1}}, '
+            '"lr": 0.02, "momentum": 0.95, "muon_lr": 0.02, "ns_method": "gram", "weight_decay": 0.0}, '
+            '"type": "Muon"}, '
+            '"steps_per_print": 1000000000, "train_batch_size": 1, '
+            '"train_micro_batch_size_per_gpu": 1, '
+            '"wall_clock_breakdown": false, "zero_optimization": {"offload_optimizer": {"device": "cpu"}, '
+            '"stage": 1}}, '
             '"fault": null, "mutant": null, "name": "fuzz-z1-cpu-fp16-ws1-m1v0-natural", "ns_dtype": null, '
-            '"overflows": [], "params": [{"name": "m0.weight0", "num_heads": null, "shape": [1, 1]}], "patched": false, '
+            '"overflows": [], "params": [{"name": "m0.weight0", "num_heads": null, "shape": [1, 1]}], '
+            '"patched": false, '
             '"seed": 0, "steps": 2, "timeout_s": 120.0, "world_size": 1}')
 
 

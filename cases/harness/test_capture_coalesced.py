@@ -111,7 +111,8 @@ def test_coalesced_capture_equals_public_helper_capture(pool_manager, case):
     ref = pool_manager.run(case, REFERENCE_ENTRY).result
     assert got.steps and all(s.params for s in got.steps)
     diffs = compare_trajectories(got, ref)
-    assert not diffs, f"{case.name}: coalesced capture differs from the public-helper capture:\n" + "\n".join(diffs[:40])
+    assert not diffs, (f"{case.name}: coalesced capture differs from the public-helper capture:\n"
+                       + "\n".join(diffs[:40]))
 
 
 def test_comparison_sees_a_single_flipped_bit(pool_manager):

@@ -2,7 +2,7 @@
 float64 computation of that step, to fp32 round-off.
 
 The expected values use only ``harness.model.local_gradients`` (exact float64 gradients of the
-synthetic loss) and the step as the semantics doc describes it (section 0): DP/GAS-averaged
+synthetic loss) and the step as docs/deepspeed-0.19.8.md describes it (section 1): DP/GAS-averaged
 gradient; Muon with nesterov momentum, quintic Newton-Schulz (3.4445, -4.7750, 2.0315; 5 steps;
 F-norm + 1e-7 normalisation), aspect scale sqrt(max(1, rows/cols)); bias-corrected AdamW with
 DeepSpeed's Muon-side defaults (betas 0.9/0.95, eps 1e-10). Newton-Schulz is computed here in float64,
@@ -19,12 +19,6 @@ ZeRO-3, world size 2 with gradient accumulation) because it costs a second or so
 from __future__ import annotations
 
 import math
-import os
-import pickle
-import tempfile
-import time
-import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,59 +28,6 @@ from harness.case import Case, ParamShape, ds_config
 from harness.model import local_gradients
 
 pytestmark = pytest.mark.pipeline
-
-# ------------------------------------------------------------------------------------------------
-# spawner (self-contained on purpose: independent of harness.pool)
-
-
-def _rank_worker(rank: int, world_size: int, tmp: str, cases: list) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(20000 + (os.getppid() * 11 + world_size) % 40000))
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    from harness import runtime_state
-
-    runtime_state.install_process_caches()
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
-    from harness.ds_run import run_case_on_rank
-
-    out = []
-    try:
-        for i, case in enumerate(cases):
-            out.append(run_case_on_rank(case, rank, world_size, Path(tmp) / f"case{i}"))
-    except BaseException:
-        Path(tmp, f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    if rank == 0:
-        with open(Path(tmp) / "result.pkl", "wb") as f:
-            pickle.dump(out, f)
-    dist.destroy_process_group()
-
-
-def spawn_cases(cases: list[Case], world_size: int, timeout_s: float = 240):
-    import torch.multiprocessing as mp
-
-    from harness import buildenv
-
-    buildenv.apply_base_env()
-    with tempfile.TemporaryDirectory(prefix="capture-oracle-") as tmp:
-        ctx = mp.start_processes(_rank_worker, args=(world_size, tmp, cases), nprocs=world_size, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks still running after {timeout_s}s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        with open(Path(tmp) / "result.pkl", "rb") as f:
-            return pickle.load(f)
-
 
 # ------------------------------------------------------------------------------------------------
 # float64 reference
@@ -213,13 +154,13 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def ws1_results():
-    return CASES[1], spawn_cases(CASES[1], 1)
+def ws1_results(pool_manager):
+    return CASES[1], [pool_manager.run(c).result for c in CASES[1]]
 
 
 @pytest.fixture(scope="module")
-def ws2_results():
-    return CASES[2], spawn_cases(CASES[2], 2)
+def ws2_results(pool_manager):
+    return CASES[2], [pool_manager.run(c).result for c in CASES[2]]
 
 
 def test_zero1_ws1_step_matches_float64(ws1_results):

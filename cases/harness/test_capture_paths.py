@@ -7,18 +7,12 @@ capture would look like here: a missing or non-finite quantity, a shape that is 
 documented count, an NVMe case that never reached the swap folder, or two paths that end a fp32 step
 at different weights (a wrongly assembled partition).
 
-The ranks come from a small spawner of this file's own (``torch.multiprocessing`` + ``file://``
-rendezvous), independent of ``harness.pool``.
+The ranks are the suite's rank pool (``pool_manager``), so each world size's nine cases run in the
+same two processes.
 """
 from __future__ import annotations
 
 import math
-import os
-import pickle
-import tempfile
-import time
-import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,63 +22,17 @@ from harness.nvme import MIN_AIO_BYTES, expects_swap, nvme_matrix
 
 pytestmark = pytest.mark.pipeline
 
-SPAWN_TIMEOUT_S = 240
-
 # ------------------------------------------------------------------------------------------------
-# spawner
+# running
 
 
-def _rank_worker(rank: int, world_size: int, tmp: str, cases: list) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(20000 + (os.getppid() * 7 + world_size) % 40000))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    from harness import runtime_state
-
-    runtime_state.install_process_caches()
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
-    from harness.ds_run import run_case_on_rank
-
+def run_in_order(manager, cases: list[Case]) -> list[tuple]:
+    """Run ``cases`` in order on the pool; [(Trajectory, seconds inside rank 0's case)]."""
     out = []
-    try:
-        for i, case in enumerate(cases):
-            t0 = time.perf_counter()
-            traj = run_case_on_rank(case, rank, world_size, Path(tmp) / f"case{i}")
-            out.append((traj, time.perf_counter() - t0))
-    except BaseException:
-        Path(tmp, f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    if rank == 0:
-        with open(Path(tmp) / "result.pkl", "wb") as f:
-            pickle.dump(out, f)
-    dist.destroy_process_group()
-
-
-def spawn_cases(cases: list[Case], world_size: int, timeout_s: float = SPAWN_TIMEOUT_S):
-    """Run ``cases`` in order on ``world_size`` fresh ranks; [(Trajectory, seconds)] from rank 0."""
-    import torch.multiprocessing as mp
-
-    from harness import buildenv
-
-    buildenv.apply_base_env()
-    with tempfile.TemporaryDirectory(prefix="capture-spawn-") as tmp:
-        ctx = mp.start_processes(_rank_worker, args=(world_size, tmp, cases), nprocs=world_size, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks still running after {timeout_s}s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        with open(Path(tmp) / "result.pkl", "rb") as f:
-            return pickle.load(f)
+    for case in cases:
+        o = manager.run(case)
+        out.append((o.result, o.rank_seconds[0]))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,7 +58,7 @@ def _case(stage: int, offload: str, ws: int) -> Case:
 def expected_muon_calls(stage: int, offload: str, ws: int, case: Case) -> list[int] | None:
     """Per rank, the number of muon_update calls per step the path is documented to make
     (harness/capture.py). None where it depends on the partition layout (z1/2 without offload)."""
-    n = sum(1 for p in case.params if len(p.shape) >= 2)
+    n = sum(1 for p in case.params if p.uses_muon)
     if offload != "none":
         return [n] * ws  # every rank orthogonalises every matrix
     if stage == 3:
@@ -119,21 +67,21 @@ def expected_muon_calls(stage: int, offload: str, ws: int, case: Case) -> list[i
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"ws{w}")
-def matrix_results(request):
+def matrix_results(request, pool_manager):
     ws = request.param
     cases = [_case(stage, off, ws) for stage, off in PIPELINES]
-    results = spawn_cases(cases, ws)
+    results = run_in_order(pool_manager, cases)
     return ws, cases, results
 
 
 def test_every_path_captures_everything(matrix_results):
     ws, cases, results = matrix_results
     problems = []
-    for case, (traj, secs) in zip(cases, results):
+    for case, (traj, _) in zip(cases, results):
         stage, off = case.stage, case.offload
         assert traj is not None and traj.case_name == case.name
         assert set(traj.initial) == {p.name for p in case.params}
-        assert set(traj.muon_params) == {p.name for p in case.params if len(p.shape) >= 2}
+        assert set(traj.muon_params) == {p.name for p in case.params if p.uses_muon}
         assert len(traj.steps) == case.steps
         for s in traj.steps:
             where = f"{case.name} step {s.step}"
@@ -184,7 +132,7 @@ def test_paths_agree_on_fp32_weights(matrix_results):
     by_off: dict[str, list] = {}
     for case, (traj, _) in zip(cases, results):
         by_off.setdefault(case.offload, []).append((case, traj))
-    for off, group in by_off.items():
+    for group in by_off.values():
         ref_case, ref = group[0]
         for case, traj in group[1:]:
             for s_ref, s in zip(ref.steps, traj.steps):
@@ -210,6 +158,6 @@ def test_nvme_threshold_matches_deepspeed():
 
 def test_timings_are_reported(matrix_results, record_property):
     ws, cases, results = matrix_results
-    for case, (traj, secs) in zip(cases, results):
+    for case, (_, secs) in zip(cases, results):
         record_property(f"seconds/{case.name}", round(secs, 3))
     print({case.name: round(secs, 2) for case, (_, secs) in zip(cases, results)})

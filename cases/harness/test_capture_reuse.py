@@ -12,12 +12,6 @@ nothing, poison that reaches the wrong rank or step.
 from __future__ import annotations
 
 import hashlib
-import os
-import pickle
-import tempfile
-import time
-import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,69 +22,11 @@ from harness.nvme import nvme_matrix
 pytestmark = pytest.mark.pipeline
 
 # ------------------------------------------------------------------------------------------------
-# spawner (self-contained on purpose: independent of harness.pool)
+# running: on the pool, through a probe that also counts what of the case outlived it
 
 
-def _rank_worker(rank: int, world_size: int, tmp: str, cases: list) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(20000 + (os.getppid() * 13 + world_size) % 40000))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    from harness import runtime_state
-
-    runtime_state.install_process_caches()
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size)
-    from harness.ds_run import run_case_on_rank
-
-    import gc
-
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    from harness.model import SyntheticModel
-
-    out = []
-    try:
-        for i, case in enumerate(cases):
-            traj = run_case_on_rank(case, rank, world_size, Path(tmp) / f"case{i}")
-            # Anything of the case still alive now would be frozen (never collected) by the next
-            # case's gc.freeze(): the runner must have released it all.
-            alive = sum(isinstance(o, (DeepSpeedEngine, SyntheticModel)) for o in gc.get_objects())
-            if traj is not None:
-                traj.notes.append(f"engines+models alive after the case: {alive}")
-            out.append(traj)
-    except BaseException:
-        Path(tmp, f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    if rank == 0:
-        with open(Path(tmp) / "result.pkl", "wb") as f:
-            pickle.dump(out, f)
-    dist.destroy_process_group()
-
-
-def spawn_cases(cases: list[Case], world_size: int, timeout_s: float = 240):
-    import torch.multiprocessing as mp
-
-    from harness import buildenv
-
-    buildenv.apply_base_env()
-    with tempfile.TemporaryDirectory(prefix="capture-reuse-") as tmp:
-        ctx = mp.start_processes(_rank_worker, args=(world_size, tmp, cases), nprocs=world_size, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks still running after {timeout_s}s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        with open(Path(tmp) / "result.pkl", "rb") as f:
-            return pickle.load(f)
+def run_in_order(manager, cases: list[Case]) -> list:
+    return [manager.run(c, entry="harness.probes:run_case_counting_survivors").result for c in cases]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,10 +66,10 @@ def differences(a, b, names=None) -> list[str]:
 # process reuse
 
 
-def test_same_case_same_bits_whatever_ran_before():
+def test_same_case_same_bits_whatever_ran_before(pool_manager):
     a = mk(2)
     seq = [a, mk(3), a, a.replace(name="a-ns64", ns_dtype="float64"), mk(3, "nvme", checkpoint_at=1), mk(1, "cpu"), a]
-    trajs = spawn_cases(seq, 1)
+    trajs = run_in_order(pool_manager, seq)
     ref = digest(trajs[0])
     assert digest(trajs[2]) == ref, "a ZeRO-3 case changed what the next ZeRO-2 case computes"
     assert digest(trajs[6]) == ref, "ns_dtype / nvme / checkpoint / offload cases leaked into a later case"
@@ -161,12 +97,12 @@ OVERFLOW_CASES = [
 
 
 @pytest.fixture(scope="module")
-def ws2_results():
+def ws2_results(pool_manager):
     cases = []
     for stage, off in CKPT_PATHS:
         cases += [mk(stage, off, 2), mk(stage, off, 2, checkpoint_at=1)]
     cases += OVERFLOW_CASES
-    trajs = spawn_cases(cases, 2)
+    trajs = run_in_order(pool_manager, cases)
     return dict(zip((c.name for c in cases), zip(cases, trajs)))
 
 

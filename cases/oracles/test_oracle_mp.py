@@ -12,17 +12,10 @@ import mpmath
 import pytest
 import torch
 
+from cases.oracles._matrices import with_singular_values as _with_singular_values
 from oracles import mp, muon_momentum, normalised_sigma_lo, ns_gram, ns_relative_error, ns_standard
 
 U64 = 2.0 ** -53
-
-
-def _with_singular_values(m, n, svals, seed):
-    gen = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    Q1, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
-    Q2, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
-    return Q1 @ torch.diag(torch.as_tensor(svals, dtype=torch.float64)) @ Q2.T
 
 
 def _matrices():

@@ -17,15 +17,9 @@ from oracles import (NS_EPS, adam_step, aspect_scale, band_entry_threshold, muon
                      quintic_band)
 from oracles.newton_schulz import NS_A, NS_B, NS_C, quintic_derivative
 
+from cases.oracles._matrices import with_singular_values as _with_svals
+
 U64 = 2.0 ** -53
-
-
-def _with_svals(m, n, svals, seed):
-    gen = torch.Generator().manual_seed(seed)
-    k = min(m, n)
-    Q1, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
-    Q2, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
-    return Q1 @ torch.diag(torch.as_tensor(svals, dtype=torch.float64)) @ Q2.T
 
 
 def _bound(G):

@@ -189,7 +189,7 @@ def test_storage_rounding_conventions():
     cfg = _cfg(model_dtype="bf16")
     st, rec = oracle_step(initial_state(cfg, _weights()), _grads(1, 1), cfg,
                           Conventions(momentum_dtype="model", grad_dtype="model"))
-    for n, r in rec.params.items():
+    for r in rec.params.values():
         assert torch.equal(r.model, round_to(r.model, torch.bfloat16))
         assert torch.equal(r.master, round_to(r.master, torch.float32))
         if r.momentum is not None:

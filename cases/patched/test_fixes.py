@@ -90,7 +90,7 @@ def _swap_files(traj) -> list[str]:
 
 def test_nvme_swap_files_removed_by_destroy(pool_manager):
     c = pipeline_case(3, "nvme", "fp32", 1, steps=1)
-    entry = "harness.patches:run_case_listing_swap_files"
+    entry = "harness.probes:run_case_listing_swap_files"
     stock = _swap_files(pool_manager.run(c, entry=entry).result)
     assert any("/optimizer/rank0/" in f and ".tensor.swp" in f for f in stock), stock
     patched = _swap_files(pool_manager.run(c.replace(patched=True), entry=entry).result)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import known_bugs, patched_runtime
+from harness import kill_matrix, known_bugs, patched_runtime
 
 
 def _snapshot():
@@ -55,7 +55,7 @@ def test_unknown_mutant_is_an_error():
 @pytest.mark.pipeline
 @pytest.mark.mutate
 def test_kill_matrix_kills_every_mutant_where_predicted(pool_manager):
-    km = known_bugs.kill_matrix(known_bugs.default_kill_cases(), manager=pool_manager)
+    km = kill_matrix.kill_matrix(kill_matrix.default_kill_cases(), manager=pool_manager)
     assert all(km.baseline.values()), km.table()
     assert km.kill_rate == 1.0, km.table()
     assert not km.surprises(), km.table()

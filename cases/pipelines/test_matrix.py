@@ -12,6 +12,7 @@ import pytest
 from harness import matrix
 from harness.bugs import bugs_for
 from harness.gate import columns, evaluate, record
+from harness.pytest_plugin import RESULT_STORE_KEY
 
 pytestmark = pytest.mark.pipeline
 
@@ -47,7 +48,7 @@ def _suite(factory):
 
 def _run(case, column, pool_manager, seed, request):
     o = evaluate(case.replace(seed=seed), column, pool_manager)
-    store = request.config.stash.get(RESULT_STORE_KEY, None) if RESULT_STORE_KEY else None
+    store = request.config.stash.get(RESULT_STORE_KEY, None)
     if store is not None:
         record(store, o)
     if o.status in ("error", "failed"):
@@ -55,12 +56,6 @@ def _run(case, column, pool_manager, seed, request):
     if o.status == "xfailed":
         raise KnownBugDivergence(o.message)
     return o  # passed, or xpassed (strict xfail turns that into a failure)
-
-
-try:
-    from harness.pytest_plugin import RESULT_STORE_KEY
-except ImportError:  # the report plugin is optional for running the matrix
-    RESULT_STORE_KEY = None
 
 
 @pytest.mark.parametrize("case,column", _suite(matrix.base_cases))

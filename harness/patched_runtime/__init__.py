@@ -24,7 +24,7 @@ from harness.patched_runtime._registry import (ACTIVE, EXPECTED_DEEPSPEED, Fix, 
                                                check_version, install_target, installed_keys, source_hash,
                                                uninstall_target, verify)
 
-__all__ = ["apply", "remove", "applied", "fix_names", "FIXES", "Fix", "PatchedRuntimeError", "describe",
+__all__ = ["apply", "remove", "applied", "fix_names", "fixes_for", "FIXES", "Fix", "PatchedRuntimeError", "describe",
            "EXPECTED_DEEPSPEED", "source_hash"]
 
 _ORDER = z12.FIXES + z3.FIXES + scaler.FIXES + ckpt.FIXES + muon.FIXES
@@ -33,6 +33,23 @@ FIXES: dict[str, Fix] = {f.name: f for f in _ORDER}
 
 def fix_names() -> list[str]:
     return list(FIXES)
+
+
+_STAGE_MODULES = {"deepspeed.runtime.zero.stage_1_and_2": (1, 2), "deepspeed.runtime.zero.stage3": (3,)}
+
+
+def fixes_for(bug_id: str, stage: int | None = None) -> list[str]:
+    """The fixes that remove ``bug_id`` (as its main bug or one it also fixes), restricted to those
+    that act on ZeRO ``stage`` when given: a fix whose every target lives in one stage's module does
+    nothing for the other stages (DSM-001 has a ZeRO-1/2 and a ZeRO-3 fix)."""
+    out = []
+    for f in _ORDER:
+        if bug_id != f.bug_id and bug_id not in f.also_fixes:
+            continue
+        stages = {s for t in f.targets for s in _STAGE_MODULES.get(t.module, (1, 2, 3))}
+        if stage is None or stage in stages:
+            out.append(f.name)
+    return out
 
 
 def applied() -> list[str]:

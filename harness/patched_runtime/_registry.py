@@ -109,7 +109,8 @@ def _innermost(fn, name: str):
         code = getattr(cur, "__code__", None)
         if code is not None and code.co_name != name and cur.__closure__:
             inner = [c.cell_contents for c in cur.__closure__
-                     if callable(getattr(c, "cell_contents", None)) and getattr(c.cell_contents, "__name__", "") == name]
+                     if callable(getattr(c, "cell_contents", None))
+                     and getattr(c.cell_contents, "__name__", "") == name]
             if inner:
                 cur = inner[0]
                 continue

@@ -18,9 +18,9 @@ the module attribute reaches all of them.
 from __future__ import annotations
 
 from harness.patched_runtime._registry import MUON_INPUT_SCALE, Fix, Target, active
+from harness.patched_runtime.units import UNITS
 
 CONV = "muon-conv-kernels"
-UNITS = "muon-momentum-scale-units"  # scaler.UNITS (not imported: scaler imports this module)
 
 
 def make_muon_update(orig):

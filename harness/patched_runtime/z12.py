@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 
 from harness.patched_runtime._registry import Fix, Target, active, muon_input_scale
+from harness.patched_runtime.units import UNITS, sync_z12_group
 
 FP32 = "z12-fp32-muon-state"
 HEADS = "z12-per-head-with-alignment"
 NVME_REFUSE = "z12-nvme-refuse"
 NVME_REFUSAL = ("ZeRO stage 1/2 do not implement NVMe optimizer offload: DeepSpeed 0.19.8 would silently run "
                 "CPU offload instead (bug DSM-002). Use offload_optimizer.device 'cpu', or ZeRO stage 3 for NVMe.")
-UNITS = "muon-momentum-scale-units"  # harness.patched_runtime.scaler.UNITS
 
 MOD = "deepspeed.runtime.zero.stage_1_and_2"
 
@@ -114,8 +114,6 @@ def make_get_flat_partition(orig):
 
 def _get_flat_partition(self, orig, fp32, heads, tensor_list, first_offset, partition_size, dtype, device,
                         param_group_idx, return_tensor_list):
-    from harness.patched_runtime.scaler import sync_z12_group
-
     sync_z12_group(self, param_group_idx)  # momentum into this step's loss-scale units (UNITS only)
     if fp32:
         grads = self.all_grad_tensors.get(param_group_idx)

@@ -29,10 +29,10 @@ import math
 import torch
 
 from harness.patched_runtime._registry import Fix, Target, active, muon_input_scale
+from harness.patched_runtime.units import UNITS
 
 FP32 = "z3-fp32-muon-state"
 NS = "z3-per-group-ns-method"
-UNITS = "muon-momentum-scale-units"  # harness.patched_runtime.scaler.UNITS
 MOD = "deepspeed.runtime.zero.stage3"
 CLS = "DeepSpeedZeroOptimizer_Stage3"
 

@@ -1,0 +1,173 @@
+"""Small user-facing promises: warm-up says what it builds, bad case JSON is exit 2 with a message,
+``check`` names the fix for the case's own stage, and the gate's parent does not hold on to outcomes."""
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import types
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import gate, warmup
+from harness.case import Case
+from harness.scenarios import pipeline_case
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------------
+# warm-up
+
+
+def test_warmup_says_each_op_before_building_it_then_its_time(monkeypatch):
+    events = []
+
+    class Builder:
+        def __init__(self, name):
+            self.NAME = name.replace("Builder", "").lower()
+
+        def is_compatible(self, verbose=True):
+            return True
+
+        def load(self, verbose=False):
+            events.append(("load", self.NAME))
+
+    accel = types.SimpleNamespace(create_op_builder=Builder)
+    import deepspeed.accelerator
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accel)
+    secs = warmup.build_ops(("CPUAdamBuilder", "AsyncIOBuilder"), say=lambda m: events.append(("say", m)))
+    assert set(secs) == {"cpuadam", "asyncio"}
+    kinds = [k if k == "load" else ("start" if m.endswith("...") else "ready") for k, m in events]
+    assert kinds == ["start", "load", "ready", "start", "load", "ready"], events
+    assert "CPUAdamBuilder" in events[0][1] and "ready in" in events[2][1]
+
+
+def test_warmup_prints_a_total(monkeypatch, capsys):
+    monkeypatch.setattr(warmup.buildenv, "clear_stale_locks", lambda max_age_s: [])
+    monkeypatch.setattr(warmup.buildenv, "apply_base_env", lambda extra=None: None)
+    monkeypatch.setattr(warmup, "fill_cpuinfo_cache", lambda: {})
+    monkeypatch.setattr(warmup, "build_ops", lambda: {"a": 1.0, "b": 2.0})
+    assert warmup.main(["--skip-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "warmup: done in" in out and "2 ops: 3.0s" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# bad case JSON: exit 2 and a message naming the cause
+
+
+def _case_json(change: dict) -> str:
+    """A valid case's JSON with ``change`` applied (a None value deletes the key)."""
+    d = json.loads(pipeline_case(1, "none", "fp32", 1).to_json())
+    for k, v in change.items():
+        if v is None:
+            del d[k]
+        else:
+            d[k] = v
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"world_size": 0}, "world_size 0"),
+    ({"steps": -1}, "steps -1"),
+    ({"params": None}, "params"),
+    ({"bogus": 1}, "unknown field(s) bogus"),
+])
+def test_from_json_names_what_is_wrong(change, says):
+    with pytest.raises(ValueError) as e:
+        Case.from_json(_case_json(change))
+    assert says in str(e.value)
+
+
+def test_from_json_names_a_parameter_without_shape():
+    d = json.loads(_case_json({}))
+    d["params"][1] = {"name": "x"}
+    with pytest.raises(ValueError, match=r"params\[1\] lacks shape"):
+        Case.from_json(json.dumps(d))
+
+
+def test_from_json_round_trips():
+    c = pipeline_case(3, "cpu", "bf16", 2)
+    assert Case.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize("change, says", [({"world_size": 0}, "world_size 0"),
+                                          ({"params": None}, "missing field(s) params")])
+def test_run_with_a_bad_case_exits_2_without_a_traceback(change, says):
+    r = subprocess.run([sys.executable, "-m", "harness", "run", "--case", _case_json(change)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_mutate_takes_its_own_options():
+    """``python -m harness mutate --only X --mutant M`` reaches the kill matrix (no case matches here,
+    so nothing runs; the table still prints)."""
+    r = subprocess.run([sys.executable, "-m", "harness", "mutate", "--only", "no-such-case", "--mutant",
+                        "fp16-momentum"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "unrecognized arguments" not in r.stderr, r.stderr
+    assert "kill rate: 0/1" in r.stdout and "(0 cases" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# check names the fix for the case's stage
+
+
+@pytest.mark.parametrize("stage, fix", [(1, "z12-fp32-muon-state"), (2, "z12-fp32-muon-state"),
+                                        (3, "z3-fp32-muon-state")])
+def test_check_names_the_dsm001_fix_of_the_stage(stage, fix):
+    from harness.check import known_bug_info
+
+    info = {b["id"]: b for b in known_bug_info(pipeline_case(stage, "none", "bf16", 2))}
+    assert info["DSM-001"]["fix"] == fix and info["DSM-001"]["fixed_by_patched"] is True
+
+
+def test_fixes_for_filters_by_stage():
+    from harness import patched_runtime
+
+    assert set(patched_runtime.fixes_for("DSM-001")) == {"z12-fp32-muon-state", "z3-fp32-muon-state"}
+    assert patched_runtime.fixes_for("DSM-009", 3) == ["z3-fp32-muon-state"]  # an also_fixes entry
+    assert patched_runtime.fixes_for("DSM-009", 1) == []
+    assert patched_runtime.fixes_for("DSM-003", 1) == patched_runtime.fixes_for("DSM-003", 3) != []
+
+
+# ------------------------------------------------------------------------------------------------
+# the gate's parent keeps no failing outcome
+
+
+def test_run_gate_drops_each_outcome_before_the_next(monkeypatch, tmp_path):
+    """Every case fails with a 'trajectory' of 8 MB; by the time the next case is evaluated the
+    previous outcome (and with it the trajectory) must be gone: only its message is kept."""
+    cases = [pipeline_case(1, "none", "fp32", 1).replace(name=f"c{i}") for i in range(12)]
+    alive: list[weakref.ref] = []
+    leaked = []
+
+    class Blob:  # weakref-able stand-in for a trajectory
+        def __init__(self):
+            self.data = np.ones(1 << 20)
+
+    def fake_evaluate(case, column, manager):
+        gc.collect()
+        leaked.append(sum(r() is not None for r in alive))
+        blob = Blob()
+        alive.append(weakref.ref(blob))
+        return gate.Outcome(case=case, column=column, status="failed", bug_ids=[], message=f"{case.name} diverged",
+                            seconds=0.0, trajectory=blob)
+
+    monkeypatch.setattr(gate, "evaluate", fake_evaluate)
+    monkeypatch.setattr("harness.matrix.gate_cases", lambda full: cases)
+    monkeypatch.setattr(gate, "PoolManager", lambda: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(gate, "_render", lambda *a, **k: None)
+    rc = gate.run_gate(report=str(tmp_path / "gate.html"), quiet=True, mutate=False)
+    assert rc == 1
+    assert len(leaked) == 2 * len(cases)
+    assert max(leaked) == 0, leaked
+    from harness import results
+
+    assert len(results.load_records(tmp_path / "gate-results")) == 2 * len(cases)  # all on disk

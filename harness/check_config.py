@@ -1,0 +1,223 @@
+"""The config file of ``python -m harness check``: reading it and every refusal that needs no rank
+(``BadInput``, exit 2), DeepSpeed's own validation included."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+NS_METHODS = ("gram", "standard")  # deepspeed/runtime/zero/muon/original_muon.py NS_METHODS
+NUMERIC_OPT_KEYS = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "eps")
+
+# pydantic model of DeepSpeed's config -> the key it validates (for "which key" in messages)
+_MODEL_KEYS = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+    "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedBF16Config": "bf16",
+    "CompileConfig": "compile",
+    "HybridEngineConfig": "hybrid_engine",
+    "TensorBoardConfig": "tensorboard",
+    "WandbConfig": "wandb",
+    "CSVConfig": "csv_monitor",
+    "CometConfig": "comet",
+    "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+    "DeepSpeedCommsConfig": "comms_logger",
+    "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing",
+}
+
+
+class BadInput(Exception):
+    """Input the check refuses, with a message that says what and where."""
+
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise BadInput(f"duplicate key {k!r} (DeepSpeed rejects duplicate keys too)")
+        d[k] = v
+    return d
+
+
+def load_config(path: str) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: cannot read it: {exc}") from None
+    try:
+        cfg = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except BadInput as exc:
+        raise BadInput(f"{path}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise BadInput(f"{path}: the DeepSpeed config must be a JSON object, not {type(cfg).__name__}")
+    return cfg
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _pos_int_or_none(cfg: dict, key: str):
+    v = cfg.get(key)
+    if v is None or v == "auto":
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise BadInput(f"{key}: {v!r} is not a positive integer (DeepSpeed would reject it)")
+    return v
+
+
+def check_optimizer(cfg: dict) -> None:
+    opt = cfg.get("optimizer")
+    if opt is None:
+        raise BadInput("no 'optimizer' section: this harness checks the Muon optimizer "
+                       "(\"optimizer\": {\"type\": \"Muon\", ...})")
+    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
+        raise BadInput("optimizer.type is missing: expected \"Muon\"")
+    if opt["type"].lower() != "muon":
+        raise BadInput(f"optimizer.type is {opt['type']!r}, not Muon: this harness checks the Muon optimizer "
+                       "(MuonWithAuxAdam) only")
+    params = opt.get("params", {})
+    if not isinstance(params, dict):
+        raise BadInput("optimizer.params must be an object")
+    if "max_grad_norm" in params:
+        raise BadInput("optimizer.params.max_grad_norm: DeepSpeed rejects it (use the top-level "
+                       "gradient_clipping)")
+    ns = params.get("ns_method", "gram")
+    if ns not in NS_METHODS:
+        raise BadInput(f"optimizer.params.ns_method: {ns!r} is not one of {list(NS_METHODS)} "
+                       "(MuonWithAuxAdam asserts this in deepspeed.initialize)")
+    for k in NUMERIC_OPT_KEYS:
+        if k in params and not _is_num(params[k]):
+            raise BadInput(f"optimizer.params.{k}: {params[k]!r} is not a number")
+    if "betas" in params:
+        b = params["betas"]
+        if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_num(x) for x in b)):
+            raise BadInput(f"optimizer.params.betas: {b!r} is not two numbers")
+
+
+def check_zero(cfg: dict) -> int:
+    zero = cfg.get("zero_optimization")
+    if zero is None:
+        raise BadInput("no 'zero_optimization' section: the harness checks ZeRO stages 1-3")
+    if not isinstance(zero, dict):
+        raise BadInput("zero_optimization must be an object")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        return -1  # DeepSpeed's own validation names it
+    if stage == 0:
+        raise BadInput("zero_optimization.stage is 0: the harness checks ZeRO stages 1, 2 and 3")
+    if stage == 3 and zero.get("reduce_scatter", True) is not False:
+        raise BadInput("zero_optimization.reduce_scatter must be false at stage 3 with Muon: DeepSpeed 0.19.8 "
+                       "raises 'Muon and reduce scatter cannot be used together' in deepspeed.initialize "
+                       "(reduce_scatter defaults to true)")
+    gc = cfg.get("gradient_clipping", 0.0)
+    if not _is_num(gc) or gc < 0:
+        raise BadInput(f"gradient_clipping: {gc!r} is not a non-negative number")
+    return stage
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def check_no_auto(cfg: dict) -> None:
+    """``"auto"`` is the Hugging Face Trainer's placeholder; DeepSpeed itself does not fill it in (and
+    some of its models even accept the string, e.g. ``fp16.enabled``, and fail later)."""
+    found = []
+
+    def walk(obj, path):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, path + (str(k),))
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                walk(v, path + (str(i),))
+        elif obj == "auto" and path not in {(k,) for k in BATCH_KEYS}:
+            found.append(".".join(path))
+
+    walk(cfg, ())
+    if found:
+        raise BadInput(f"{', '.join(found)}: \"auto\" is filled in by the Hugging Face Trainer, not by DeepSpeed; "
+                       "put the concrete value(s) your run uses")
+
+
+def check_writable_dir(key: str, path) -> Path:
+    if not isinstance(path, str) or not path:
+        raise BadInput(f"{key}: {path!r} is not a path")
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"{key}: {path} does not exist (leave nvme_path out to let the check use a private "
+                       "swap folder)")
+    if not p.is_dir():
+        raise BadInput(f"{key}: {path} is not a directory")
+    try:
+        probe = tempfile.mkdtemp(prefix=".muon-harness-probe-", dir=p)
+        with open(os.path.join(probe, "probe"), "wb") as f:
+            f.write(b"x")
+        shutil.rmtree(probe, ignore_errors=True)
+    except OSError as exc:
+        raise BadInput(f"{key}: {path} is not writable ({exc.strerror or exc})") from None
+    return p
+
+
+def _nvme_sections(cfg: dict):
+    zero = cfg.get("zero_optimization", {})
+    for sec in ("offload_optimizer", "offload_param"):
+        off = zero.get(sec)
+        if isinstance(off, dict) and off.get("device") == "nvme":
+            yield f"zero_optimization.{sec}", off
+
+
+def _key_of_error(cfg: dict, title: str, loc: tuple) -> str:
+    loc = tuple(str(x) for x in loc)
+    if title in _MODEL_KEYS:
+        return ".".join((_MODEL_KEYS[title],) + loc)
+    hits = []
+
+    def walk(obj, path):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                p = path + (str(k),)
+                if p[-len(loc):] == loc:
+                    hits.append(p)
+                walk(v, p)
+
+    walk(cfg, ())
+    if len(hits) == 1:
+        return ".".join(hits[0])
+    return f"{title}: " + ".".join(loc)
+
+
+def deepspeed_validate(cfg: dict) -> None:
+    """DeepSpeed's own config classes on ``cfg`` (batch sizes made consistent for the world size of 1
+    DeepSpeedConfig assumes without a process group)."""
+    import pydantic
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = json.loads(json.dumps(cfg))
+    probe["train_batch_size"] = probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"]
+    hint = ""
+    if "auto" in json.dumps(cfg):
+        hint = " ('auto' values are filled in by the Hugging Face Trainer; DeepSpeed itself needs concrete values)"
+    try:
+        DeepSpeedConfig(probe)
+    except pydantic.ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = _key_of_error(cfg, exc.title, err.get("loc", ()))
+            lines.append(f"{key}: {err.get('msg')} (got {err.get('input')!r})")
+        raise BadInput(f"DeepSpeed rejects the config ({exc.title}):\n  " + "\n  ".join(lines) + hint) from None
+    except (AssertionError, ValueError, TypeError, KeyError) as exc:
+        raise BadInput(f"DeepSpeed rejects the config: {type(exc).__name__}: {exc}{hint}") from None
+
+

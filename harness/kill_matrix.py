@@ -1,0 +1,178 @@
+"""The mutation kill matrix (parent side): run the kill cases unmutated, then under every mutant of
+``harness.known_bugs``, and tabulate which case killed which mutant against the mutants' predictions.
+
+Kept apart from ``harness.known_bugs`` because the mutants are installed inside the ranks while this
+driver starts and drives them (through a launcher); one module doing both made an import cycle
+(``ds_run -> patches -> known_bugs -> pool -> ds_run``).
+
+Usage: ``python -m harness mutate [--mutant NAME] [--only SUBSTR] [--stock] [-v]``.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from harness.case import Case, ParamShape
+from harness.known_bugs import MUTANTS
+from harness.known_bugs import _wd as case_weight_decay  # the mutants' own reading of a case
+from harness.launcher import CaseFailure, Launcher
+
+
+def default_kill_cases() -> list[Case]:
+    """Six small cases (world size 1-2) that together kill every mutant."""
+    from harness.scenarios import TINY_PARAMS, pipeline_case
+
+    heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
+    cases = [
+        pipeline_case(1, "none", "fp16", 1, steps=3, clip=0.05, params=heads),
+        pipeline_case(2, "none", "fp32", 2, steps=3),
+        pipeline_case(3, "none", "fp32", 2, steps=3, grad_accum=2),
+        pipeline_case(2, "cpu", "fp16", 2, steps=3),
+        pipeline_case(3, "cpu", "bf16", 2, steps=3),
+        pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
+    ]
+    out = []
+    for c in cases:
+        extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
+                ("-wd" if case_weight_decay(c) else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
+        out.append(c.replace(name=c.name + extra))
+    return out
+
+
+@dataclass
+class KillRow:
+    mutant: str
+    case: str
+    killed: bool | None  # None: baseline failed, not counted
+    expected: bool
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class KillMatrix:
+    cases: list[str]
+    mutants: list[str]
+    baseline: dict[str, bool] = field(default_factory=dict)  # case -> passes unmutated (patched)
+    rows: list[KillRow] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def killed_by(self, mutant: str) -> list[str]:
+        return [r.case for r in self.rows if r.mutant == mutant and r.killed]
+
+    @property
+    def kill_rate(self) -> float:
+        return sum(bool(self.killed_by(m)) for m in self.mutants) / max(1, len(self.mutants))
+
+    def surprises(self) -> list[KillRow]:
+        """Cells where a kill was expected and not seen, or seen and not expected."""
+        return [r for r in self.rows if r.killed is not None and r.killed != r.expected]
+
+    def table(self) -> str:
+        short = [f"c{i + 1}" for i in range(len(self.cases))]
+        width = max(len(m) for m in self.mutants) if self.mutants else 10
+        lines = ["cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
+                 "baseline (patched, unmutated): " + " ".join(
+                     f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
+                 "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
+                 "predicted, - baseline failed",
+                 f"{'mutant':<{width}} " + " ".join(f"{s:>3}" for s in short) + "  killed"]
+        cell = {(r.mutant, r.case): r for r in self.rows}
+        for m in self.mutants:
+            marks = []
+            for n in self.cases:
+                r = cell.get((m, n))
+                if r is None or r.killed is None:
+                    marks.append("-")
+                elif r.killed:
+                    marks.append("K" if r.expected else "k")
+                else:
+                    marks.append("!" if r.expected else ".")
+            lines.append(f"{m:<{width}} " + " ".join(f"{x:>3}" for x in marks)
+                         + f"  {'yes' if self.killed_by(m) else 'NO'}")
+        n_killed = sum(bool(self.killed_by(m)) for m in self.mutants)
+        lines.append(f"kill rate: {n_killed}/{len(self.mutants)} = {100 * self.kill_rate:.0f}% "
+                     f"({len(self.cases)} cases, {self.seconds:.0f} s)")
+        s = self.surprises()
+        if s:
+            lines.append("expectation mismatches: " + ", ".join(f"{r.mutant}@{r.case}" for r in s))
+        return "\n".join(lines)
+
+
+def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched: bool = True,
+                progress=None) -> KillMatrix:
+    """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
+    when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
+    patched runtime so the baseline is clean. ``manager``: a launcher (a ``PoolManager`` is made and closed
+    if None)."""
+    from harness.pool import PoolManager
+    from harness.verdict import judge
+
+    names = list(mutants) if mutants is not None else list(MUTANTS)
+    own = manager is None
+    manager = manager or PoolManager()
+    km = KillMatrix(cases=[c.name for c in cases], mutants=names)
+    t_all = time.perf_counter()
+    try:
+        for c in cases:
+            base = c.replace(patched=patched, mutant=None)
+            try:
+                v = judge(base, manager.run(base).result)
+                km.baseline[c.name] = v.passed
+            except CaseFailure as e:
+                km.baseline[c.name] = False
+                if progress:
+                    progress(f"baseline {c.name}: error {str(e)[:200]}")
+            if progress:
+                progress(f"baseline {c.name}: {'pass' if km.baseline[c.name] else 'FAIL'}")
+        for m in names:
+            mut = MUTANTS[m]
+            for c in cases:
+                expected = mut.expected(c)
+                if not km.baseline.get(c.name):
+                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
+                    continue
+                run = c.replace(patched=patched, mutant=m)
+                t0 = time.perf_counter()
+                try:
+                    v = judge(run, manager.run(run).result)
+                    killed = not v.passed
+                    first = v.first
+                    detail = (f"{first.param}.{first.quantity}@{first.step} x{first.worst_ratio:.3g}"
+                              if first is not None else "")
+                except CaseFailure as e:
+                    killed, detail = True, "crashed: " + str(e).splitlines()[0][:160]
+                km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
+                if progress:
+                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} {detail}")
+    finally:
+        km.seconds = time.perf_counter() - t_all
+        if own:
+            manager.close()
+    return km
+
+
+def main(argv=None) -> int:
+    """Run the default kill set against every mutant; print the table and the kill rate.
+    Returns 0 when every mutant is killed and every prediction held."""
+    import argparse
+
+    from harness import buildenv
+
+    ap = argparse.ArgumentParser(prog="harness mutate", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
+    ap.add_argument("--only", default=None, help="substring filter on case names")
+    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed instead of the patched runtime")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    buildenv.apply_base_env()
+    cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
+    km = kill_matrix(cases, args.mutant, patched=not args.stock,
+                     progress=(lambda s: print(s, flush=True)) if args.verbose else None)
+    print(km.table())
+    return 0 if km.kill_rate == 1.0 and not km.surprises() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
