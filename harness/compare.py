@@ -63,10 +63,11 @@ class Check:
     region: str | None = None
     region_counts: dict[str, int] = field(default_factory=dict)  # bad elements per region
     error_map: np.ndarray | None = None  # |err|/allowance per element (kept for the report)
+    problem: str | None = None  # a check that had no data to compare (see ``missing``): always a failure
 
     @property
     def passed(self) -> bool:
-        return self.n_bad == 0
+        return self.n_bad == 0 and self.problem is None
 
 
 def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expected, allowed: Allowed,
@@ -105,6 +106,14 @@ def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expe
                  error_map=ratio.astype(np.float32) if keep_map else None)
 
 
+def missing(case: str, param: str, quantity: str, step: int, why: str) -> Check:
+    """A check that could not be made (a quantity not captured, ranks that disagreed): a failure with
+    its own message, never a skipped comparison."""
+    return Check(case=case, param=param, quantity=quantity, step=step, worst_ratio=float("inf"), worst_index=0,
+                 worst_error=float("nan"), worst_allowance=0.0, actual=float("nan"), expected=float("nan"),
+                 n_bad=1, numel=0, problem=why)
+
+
 def compare_scalar(case: str, name: str, step: int, actual: float, expected: float, allowed: Allowed) -> Check:
     return compare_arrays(case, "<step>", name, step, [actual], [expected], allowed, keep_map=False)
 
@@ -118,6 +127,9 @@ def first_divergence(checks: list[Check]) -> Check | None:
 
 
 def describe(check: Check, reproduce: str, first: Check | None = None) -> str:
+    if check.problem is not None:
+        return (f"{check.case}: {check.param} {check.quantity} at step {check.step}: no data to check: "
+                f"{check.problem}\n  reproduce: {reproduce}")
     where = ""
     if check.rank is not None:
         where = f", rank {check.rank} partition, {check.region}"

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.bugs import bugs_for, refusals_for
+from harness.bugs import NUMERIC, bugs_for, refusals_for
 from harness.case import Case
-from harness.pool import CaseFailure, PoolManager
-from harness.verdict import Verdict, judge, reproduce_command
+from harness.pool import CaseFailure, PoolManager, RankFailed
+from harness.verdict import Verdict, bug_model, judge, reproduce_command
 
 
 @dataclass
@@ -37,6 +37,12 @@ class Outcome:
     swapped_bytes: int | None = None
     trajectory: object = None
     refused: bool = False  # the patched runtime refused the case, as its fix for a bug says it must
+    # How strongly the case was judged: "full" (no excuse, or every excuse matched its bug model),
+    # "excused" (a bug without a model excused quantities by name), "crash" / "refusal" (an exact
+    # exception was the expected result), None (no verdict: error).
+    strength: str | None = "full"
+    intended: Verdict | None = None  # the intended-oracle verdict where ``verdict`` is the bug model's
+    model_verdict: Verdict | None = None  # the bug model's verdict of an xfailed case
 
 
 def patched_available() -> bool:
@@ -51,13 +57,47 @@ def columns() -> list[str]:
     return ["stock", "patched"] if patched_available() else ["stock"]
 
 
+def _problems(c: Case, verdict: Verdict, traj) -> tuple[list[tuple[str, str]], list[str]]:
+    """(param, quantity) of every failed check, plus an NVMe case that never swapped."""
+    problems = [(f.param, f.quantity) for f in verdict.failures]
+    msgs = []
+    if c.offload == "nvme" and traj.swapped_bytes <= 0:
+        problems.append(("<case>", "swap"))
+        msgs.append(f"{c.name}: claims NVMe offload but wrote and read 0 bytes in the swap folder "
+                    f"(a case that never swapped is not an NVMe check)\n  reproduce: {reproduce_command(c)}")
+    return problems, msgs
+
+
+def model_changes(case: Case, bugs) -> dict:
+    """The merged oracle switches of the modelled bugs a case triggers (``Bug.model``)."""
+    changes: dict = {}
+    for b in bugs:
+        if b.model is None:
+            continue
+        for k, v in b.model(case).items():
+            if k in changes and changes[k] != v:
+                raise ValueError(f"{case.name}: bug models disagree on Conventions.{k}: {changes[k]!r} vs {v!r}")
+            changes[k] = v
+    return changes
+
+
 def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
+    """Run one case on one column and decide its status.
+
+    A case a registered bug triggers is judged twice: (a) against the intended oracle, where it must
+    diverge in the bug's quantities (else the registry is stale: xpassed), and (b) against the oracle
+    with the bugs' models switched on (``Bug.model`` -> ``oracles.Conventions``), at the same
+    tolerances as any passing case: any divergence there fails the case. Only non-numerical
+    quantities a modelled bug names ("swap") are excused in (b). A bug without a model (checkpoint
+    state losses) still excuses its quantities by name; such a case is not judged at full strength
+    (``Outcome.strength``). A crash bug is accepted only for its exact exception, message and frame.
+    """
     patched = column == "patched"
     c = case.replace(patched=patched)
     bugs = bugs_for(c, patched=patched)
     ids = [b.id for b in bugs]
-    explained = set().union(*(b.quantities for b in bugs)) if bugs else set()
     refusals = refusals_for(c) if patched else []
+    crashes = [b for b in bugs if b.crash is not None]
     t0 = time.perf_counter()
     try:
         out = manager.run(c)
@@ -67,8 +107,13 @@ def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
             names = ", ".join(b.id for b in refusals)
             why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
             return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "
-                           f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True)
-        return Outcome(c, column, "error", ids, text, time.perf_counter() - t0)
+                           f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True,
+                           strength="refusal")
+        if crashes and isinstance(exc, RankFailed) and any(b.crash_matches(exc.details) for b in crashes):
+            hit = [b.id for b in crashes if b.crash_matches(exc.details)]
+            return Outcome(c, column, "xfailed", hit, f"{c.name}: crashed exactly as {', '.join(hit)} predicts\n"
+                           + text[-1500:], time.perf_counter() - t0, strength="crash")
+        return Outcome(c, column, "error", ids, text, time.perf_counter() - t0, strength=None)
     if refusals:
         return Outcome(c, column, "failed", ids,
                        f"{c.name}: the patched runtime should have refused this case "
@@ -76,32 +121,68 @@ def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
                        time.perf_counter() - t0, trajectory=out.result)
     traj = out.result
     verdict = judge(c, traj)
+    problems, extra_msgs = _problems(c, verdict, traj)
     seconds = time.perf_counter() - t0
-    problems = [(f.param, f.quantity) for f in verdict.failures]
-    extra_msgs = []
-    swapped = None
-    if c.offload == "nvme":
-        swapped = traj.swapped_bytes
-        if swapped <= 0:
-            problems.append(("<case>", "swap"))
-            extra_msgs.append(f"{c.name}: claims NVMe offload but wrote and read 0 bytes in the swap folder "
-                              f"(a case that never swapped is not an NVMe check)\n  reproduce: {reproduce_command(c)}")
-    unexplained = [p for p in problems if p[1] not in explained]
-    message = "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs)
-    if unexplained:
-        status = "failed"
-        if ids:
-            message = (f"divergences not explained by expected bug(s) {', '.join(ids)}: "
-                       f"{sorted(set(unexplained))}\n" + message)
-    elif problems:
-        status = "xfailed" if ids else "failed"
-    else:
-        status = "xpassed" if ids else "passed"
-        if ids:
-            message = f"expected bug(s) {', '.join(ids)} did not show: the bug registry is stale for {c.name}"
-        else:
-            message = verdict.message()
-    return Outcome(c, column, status, ids, message, seconds, verdict, unexplained, swapped, traj)
+    if crashes:
+        return Outcome(c, column, "xpassed" if not problems else "failed", ids,
+                       f"{c.name}: expected the crash of {', '.join(b.id for b in crashes)}, but the case ran\n"
+                       + "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs),
+                       seconds, verdict, problems, traj.swapped_bytes if c.offload == "nvme" else None, traj)
+    swapped = traj.swapped_bytes if c.offload == "nvme" else None
+    if not bugs:
+        status = "failed" if problems else "passed"
+        message = "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs) or verdict.message()
+        return Outcome(c, column, status, ids, message, seconds, verdict, problems, swapped, traj)
+
+    modelled = [b for b in bugs if b.model is not None]
+    unmodelled = [b for b in bugs if b.model is None]
+    named = set().union(*(b.quantities for b in bugs))
+    # (a) the bugs must show against the intended oracle, in the quantities they name
+    if not any(q in named for _, q in problems):
+        message = (f"expected bug(s) {', '.join(ids)} did not show: the bug registry is stale for {c.name}"
+                   + ("" if not problems else "\n" + verdict.message()))
+        return Outcome(c, column, "xpassed", ids, message, seconds, verdict, problems, swapped, traj)
+    # (b) DeepSpeed must match the bug models at full strength
+    changes = model_changes(c, modelled)
+    mverdict = verdict if not changes else judge(c, traj, conventions=bug_model(changes))
+    seconds = time.perf_counter() - t0
+    mproblems, mmsgs = _problems(c, mverdict, traj)
+    excused = set().union(*(b.quantities - NUMERIC for b in modelled), *(b.quantities for b in unmodelled))
+    residual = [p for p in mproblems if p[1] not in excused]
+    model_txt = ", ".join(f"{b.id}: {b.model(c) or 'numbers unchanged'}" for b in modelled)
+    if residual:
+        message = (f"{c.name}: stock DeepSpeed does not match the model of {', '.join(b.id for b in modelled)} "
+                   f"({model_txt}); divergences the bug(s) do not predict: {sorted(set(residual))}\n"
+                   + "\n".join(([] if mverdict.passed else [mverdict.message()]) + mmsgs))
+        return Outcome(c, column, "failed", ids, message, seconds, mverdict, residual, swapped, traj,
+                       intended=verdict)
+    strength = "full" if not unmodelled else "excused"
+    message = (f"{c.name}: diverges from the intended oracle as {', '.join(ids)} predicts and matches the bug "
+               f"model(s) ({model_txt or 'none'}) within the usual tolerances"
+               + (f"; not modelled, excused by quantity: {', '.join(b.id for b in unmodelled)}" if unmodelled else "")
+               + "\n" + "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs))
+    return Outcome(c, column, "xfailed", ids, message, seconds, verdict, [], swapped, traj, strength=strength,
+                   model_verdict=mverdict)
+
+
+def strength_line(summary: dict[str, tuple[int, int]]) -> str:
+    parts = [f"{col} {k}/{n} = {100.0 * k / n:.0f}%" for col, (k, n) in summary.items() if n]
+    return ("judged at full strength (no excuse, or an excuse that matched its bug model; crash/refusal "
+            "cases left out): " + ", ".join(parts)) if parts else "judged at full strength: no cases"
+
+
+def strength_summary(outcomes) -> dict[str, tuple[int, int]]:
+    """Per column: (cases judged at full strength, cases that could be) -- crash and refusal cases are
+    not numerical checks and are left out of both counts."""
+    out: dict[str, list[int]] = {}
+    for o in outcomes:
+        col, strength = o if isinstance(o, tuple) else (o.column, o.strength)
+        if strength in ("crash", "refusal"):
+            continue
+        tally = out.setdefault(col, [0, 0])
+        tally[1] += 1
+        tally[0] += strength == "full"
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def environment() -> dict:
@@ -161,6 +242,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     store = results.ResultStore(results_dir, writer="gate")
     manager = PoolManager()
     counts: dict[str, int] = {}
+    strengths: list[tuple[str, str | None]] = []
     bad = []
     t0 = time.perf_counter()
     try:
@@ -172,6 +254,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 o = evaluate(case, col, manager)
                 record(store, o)
                 counts[o.status] = counts.get(o.status, 0) + 1
+                strengths.append((o.column, o.strength))
                 if o.status in ("failed", "error", "xpassed"):
                     bad.append(o)
                 if not quiet:
@@ -191,12 +274,14 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     elapsed = time.perf_counter() - t0
     env = environment()
     env["seed"] = seed
-    extra = {"environment": env, "elapsed_s": elapsed}
+    strength = strength_summary(strengths)
+    extra = {"environment": env, "elapsed_s": elapsed, "full_strength": {k: list(v) for k, v in strength.items()}}
     if km is not None:
         extra.update(mutation_extra(km))
     rendered = _render(results_dir, report_path, extra)
     print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    print(strength_line(strength))
     for o in bad:
         print("\n" + o.message)
     print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))

@@ -27,7 +27,17 @@ Unit round-offs ``u``: fp64 2^-53, fp32 2^-24, fp16 2^-11, bf16 2^-8. ``W`` rank
 * grad (averaged accumulated gradient): a sum of ``n`` terms and one scaling, each rounded in the
   storage dtype: ``rtol = (n + 1) u_g`` (+ ``backward_rel_err`` if the oracle's per-micro gradients are
   not DeepSpeed's own). A sum with cancellation has an absolute error relative to its terms: pass
-  ``grad_term_scale`` (max |per-micro gradient|) to add ``atol = (n + 1) u_g * grad_term_scale``.
+  ``grad_term_scale`` to add ``atol = (n + 1) u_g * grad_term_scale``. The term scale is *that
+  parameter's own* (:func:`grad_term_scale`): ``max over ranks r, micro-batches mu and elements of
+  |g[r][mu][p]|``, the largest addend that reaches this parameter's reduction. Each partial sum of the
+  reduction (``n - 1`` of them, pre-divided by ``W`` and ``GAS``) and the final storage round once, at
+  most ``u_g`` of a value no larger than that addend, hence ``(n + 1) u_g`` times it. One global maximum
+  over all parameters would let a parameter whose gradients are small next to another's (the large
+  NVMe matrix next to a bias: its per-element gradient is ~1/numel of the loss) absorb a whole missing
+  rank, a wrong ``1/W`` or a lost micro-batch inside an allowance sized for a different tensor.
+  Such an error is ``|G|/n`` or more of the parameter's own average, far above ``(n + 1) u_g`` of its
+  own addends for every storage dtype (bf16 included: ``1/n >> (n + 1) 2^-8`` for ``n <= 8``), which
+  ``cases/oracles/test_oracle_tolerance.py`` checks on each dtype and layout.
 * momentum: each step adds ``(1-beta)`` times the gradient error and two lerp roundings ``2 u_m``;
   older errors decay by ``beta``: ``rtol = ((1-beta) rtol_g rho + 2 u_m) (1-beta^T)/(1-beta)`` where
   ``rho = max|G| / max|M|`` (default ``1/(1-beta)``, the first-step worst case).
@@ -146,6 +156,18 @@ class Allowance:
     def scaled(self, factor: float) -> "Allowance":
         return Allowance(self.atol * factor, self.rtol * factor, self.derivation + f" (x{factor:g})",
                          self.cap * factor if math.isfinite(self.cap) else self.cap)
+
+
+def grad_term_scale(terms) -> float:
+    """The largest finite ``|g|`` over one parameter's per-(rank, micro-batch) gradients: the addend
+    scale of its reduction (module docstring, "grad"). ``terms``: an iterable of tensors of that one
+    parameter; non-finite terms (an injected overflow) are left out, 0 when none is finite."""
+    scale = 0.0
+    for g in terms:
+        t = torch.as_tensor(g, dtype=torch.float64)
+        if t.numel() and bool(torch.isfinite(t).all()):
+            scale = max(scale, float(t.abs().max()))
+    return scale
 
 
 def _numel(x) -> int:
