@@ -584,6 +584,85 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
 )}
 
 
+# -- stock-column mutants (issue 11). Re-introduced into STOCK DeepSpeed, each must fail every stock
+# case whose path it reaches, the cases a registered bug makes xfail included: a known bug excuses only
+# what its model predicts. ``stock_kill_matrix`` runs them through the gate's own decision.
+
+
+def _m_beta_offset_small(inner, a):
+    return inner(**dict(a, beta=a["beta"] - 1e-3))
+
+
+def _install_rank_contribution_dropped():
+    """The last data-parallel rank's gradient never reaches the reduction (its loss is multiplied by 0
+    before the backward), on every path: the average is over W ranks of which one contributes nothing."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["backward"]
+
+    def backward(self, loss, *args, **kwargs):
+        W = dist.get_world_size()
+        if W > 1 and dist.get_rank() == W - 1:
+            loss = loss * 0.0
+        return cur(self, loss, *args, **kwargs)
+
+    return _setattr(DeepSpeedEngine, "backward", backward)[1]
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("momentum-beta-offset-1e-3",
+           "The Muon momentum uses beta - 1e-3 instead of the configured beta (a 2% change of 1 - beta).",
+           _wrap_muon_update(_m_beta_offset_small),
+           lambda c: bool(_muon(c)),
+           "plausible: a rounded or defaulted beta"),
+    Mutant("rank-contribution-dropped",
+           "One data-parallel rank's gradient is left out of the average (it still divides by W).",
+           _install_rank_contribution_dropped,
+           lambda c: c.world_size > 1,
+           "plausible: a reduction that skips a rank / a wrong process group"),
+)})
+
+STOCK_KILL_MUTANTS = ("nesterov-dropped", "momentum-beta-offset-1e-3", "rank-contribution-dropped")
+
+
+def stock_kill_matrix(cases, mutants=STOCK_KILL_MUTANTS, manager=None, progress=None) -> KillMatrix:
+    """The kill matrix on the stock column, with the gate's decision (``harness.gate.evaluate``): the
+    baseline of a case is good when it passes or is an xfail whose divergence matched its bug model;
+    a mutant kills a case when the case then fails (or errors, or the expected bug no longer shows)."""
+    from harness.gate import evaluate
+    from harness.pool import PoolManager
+
+    own = manager is None
+    manager = manager or PoolManager()
+    km = KillMatrix(cases=[c.name for c in cases], mutants=list(mutants))
+    t_all = time.perf_counter()
+    try:
+        for c in cases:
+            o = evaluate(c.replace(mutant=None), "stock", manager)
+            km.baseline[c.name] = o.status in ("passed", "xfailed")
+            if progress:
+                progress(f"baseline {c.name}: {o.status}")
+        for m in mutants:
+            for c in cases:
+                expected = MUTANTS[m].expected(c)
+                if not km.baseline.get(c.name):
+                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
+                    continue
+                t0 = time.perf_counter()
+                o = evaluate(c.replace(mutant=m), "stock", manager)
+                killed = o.status in ("failed", "error", "xpassed")
+                detail = o.status + (": " + o.message.splitlines()[0][:160] if o.message else "")
+                km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
+                if progress:
+                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} ({detail})")
+    finally:
+        km.seconds = time.perf_counter() - t_all
+        if own:
+            manager.close()
+    return km
+
+
 def install(name: str) -> Callable[[], None]:
     """Install mutant ``name``; returns the callable that undoes it."""
     if name not in MUTANTS:
@@ -649,7 +728,7 @@ class KillMatrix:
         short = [f"c{i + 1}" for i in range(len(self.cases))]
         width = max(len(m) for m in self.mutants) if self.mutants else 10
         lines = [f"cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
-                 "baseline (patched, unmutated): " + " ".join(
+                 "baseline (unmutated): " + " ".join(
                      f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
                  "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
                  "predicted, - baseline failed",
@@ -738,13 +817,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="harness.known_bugs", description=main.__doc__.splitlines()[0])
     ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
     ap.add_argument("--only", default=None, help="substring filter on case names")
-    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed instead of the patched runtime")
+    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed with the gate's decision (bug-affected "
+                    "cases must still match their bug models); default mutants: STOCK_KILL_MUTANTS")
+    ap.add_argument("--case", action="append", default=None,
+                    help="gate case names to use instead of the default kill set (repeatable)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     buildenv.apply_base_env()
-    cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
-    km = kill_matrix(cases, args.mutant, patched=not args.stock,
-                     progress=(lambda s: print(s, flush=True)) if args.verbose else None)
+    if args.case:
+        from harness.matrix import gate_cases
+
+        by_name = {c.name: c for c in gate_cases()}
+        unknown = [n for n in args.case if n not in by_name]
+        if unknown:
+            ap.error(f"unknown gate case(s): {unknown}")
+        cases = [by_name[n] for n in args.case]
+    else:
+        cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
+    progress = (lambda s: print(s, flush=True)) if args.verbose else None
+    if args.stock:
+        km = stock_kill_matrix(cases, args.mutant or STOCK_KILL_MUTANTS, progress=progress)
+    else:
+        km = kill_matrix(cases, args.mutant, patched=True, progress=progress)
     print(km.table())
     return 0 if km.kill_rate == 1.0 and not km.surprises() else 1
 

@@ -189,6 +189,27 @@ class _OracleLayout(LayoutView):
         return self._ranges[name]
 
 
+def grad_store_dtype(case: Case) -> str:
+    """Where DeepSpeed stores the Muon input: fp32 on the Z1/2 offload paths, the model dtype elsewhere."""
+    return "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
+
+
+def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: str) -> oracles.Allowance:
+    """The allowance of the averaged gradient of parameter ``name`` (``grads[rank][micro][name]``: the
+    float64 per-micro gradients), from that parameter's own addends (``oracles.tolerance``, "grad")."""
+    spec = sc.spec(name)
+    grad_store = grad_store_dtype(case)
+    term = oracles.grad_term_scale(g[name] for per_rank in grads for g in per_rank)
+    a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec.shape, world_size=case.world_size,
+                           gas=case.grad_accum, grad_dtype=grad_store if spec.use_muon else case.dtype,
+                           # The model-dtype backward rounds each of the ~4 intermediate results of the
+                           # loss term once (prediction, residual, product, output) before the sum: 4 u_lp
+                           # of the term scale, doubled for the two terms of a matrix loss.
+                           grad_term_scale=term, backward_term_err=8.0 * oracles.unit_roundoff(case.dtype),
+                           ns_method=sc.ns_method)
+    return a.grad
+
+
 def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | None = None,
           mode: str | None = None, keep_maps: bool = True) -> Verdict:
     mode = mode or comparison_mode(case)
@@ -203,8 +224,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     spec = {p.name: p for p in sc.params}
     W, GAS = case.world_size, case.grad_accum
     lp_dtype = oracles.MODEL_DTYPES[case.dtype]
-    # Where DeepSpeed stores the Muon input: fp32 on the Z1/2 offload paths, the model dtype elsewhere.
-    grad_store = "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
+    grad_store = grad_store_dtype(case)
     state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
     n_muon_calls = expected_muon_calls(case, sc, layout)
 
@@ -241,18 +261,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         # Judge DeepSpeed's gradient against the float64 one (only on steps it was finite).
         for n in spec:
             if n in forced and bool(torch.isfinite(true_G[n]).all()):
-                # this parameter's own addends (oracles.tolerance, "grad"), not a maximum over all of them
-                term = oracles.grad_term_scale(g[n] for per_rank in grads for g in per_rank)
-                a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec[n].shape, world_size=W, gas=GAS,
-                                       grad_dtype=grad_store if spec[n].use_muon else case.dtype,
-                                       # The half-precision backward rounds each of the ~4 intermediate
-                                       # results of the loss term once (prediction, residual, product,
-                                       # output) before the sum: 4 u_lp of the term scale, doubled for
-                                       # the two terms of a matrix loss.
-                                       grad_term_scale=term * (1.0 + 8.0 * oracles.unit_roundoff(case.dtype)
-                                                               / max(oracles.unit_roundoff(grad_store), 1e-300)),
-                                       ns_method=sc.ns_method)
-                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a.grad)
+                a = grad_allowance(case, sc, n, grads, mode)
+                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a)
 
         new_state, orec = oracles.oracle_step(state, feed_grads, sc, conv, ns_mode=ns_mode)
 
