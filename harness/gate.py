@@ -165,26 +165,6 @@ def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
                    model_verdict=mverdict)
 
 
-def strength_line(summary: dict[str, tuple[int, int]]) -> str:
-    parts = [f"{col} {k}/{n} = {100.0 * k / n:.0f}%" for col, (k, n) in summary.items() if n]
-    return ("judged at full strength (no excuse, or an excuse that matched its bug model; crash/refusal "
-            "cases left out): " + ", ".join(parts)) if parts else "judged at full strength: no cases"
-
-
-def strength_summary(outcomes) -> dict[str, tuple[int, int]]:
-    """Per column: (cases judged at full strength, cases that could be) -- crash and refusal cases are
-    not numerical checks and are left out of both counts."""
-    out: dict[str, list[int]] = {}
-    for o in outcomes:
-        col, strength = o if isinstance(o, tuple) else (o.column, o.strength)
-        if strength in ("crash", "refusal"):
-            continue
-        tally = out.setdefault(col, [0, 0])
-        tally[1] += 1
-        tally[0] += strength == "full"
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
 def environment() -> dict:
     import deepspeed
     import torch
@@ -198,10 +178,11 @@ def record(store, o: Outcome) -> None:
 
     if o.verdict is None:
         store.add(results.error_record(o.case, column=o.column, message=o.message, seconds=o.seconds,
-                                       bug_ids=o.bug_ids, status=o.status))
+                                       bug_ids=o.bug_ids, status=o.status, strength=o.strength))
         return
     rec, maps = results.from_verdict(o.verdict, column=o.column, status=o.status, bug_ids=o.bug_ids,
-                                     seconds=o.seconds, message=o.message, swapped_bytes=o.swapped_bytes)
+                                     seconds=o.seconds, message=o.message, swapped_bytes=o.swapped_bytes,
+                                     strength=o.strength)
     store.add(rec, maps)
 
 
@@ -274,8 +255,10 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     elapsed = time.perf_counter() - t0
     env = environment()
     env["seed"] = seed
+    from harness.results import strength_line, strength_summary
+
     strength = strength_summary(strengths)
-    extra = {"environment": env, "elapsed_s": elapsed, "full_strength": {k: list(v) for k, v in strength.items()}}
+    extra = {"environment": env, "elapsed_s": elapsed}
     if km is not None:
         extra.update(mutation_extra(km))
     rendered = _render(results_dir, report_path, extra)

@@ -30,7 +30,7 @@ import torch
 import oracles
 from harness import model as model_mod
 from harness.case import Case
-from harness.compare import Allowed, Check, LayoutView, compare_arrays, describe, first_divergence, missing
+from harness.compare import Check, LayoutView, compare_arrays, describe, first_divergence, missing
 from harness.trajectory import Trajectory
 
 QUANTITIES = ("grad", "momentum", "update", "master", "model", "loss_scale", "skipped", "global_norm",
@@ -229,7 +229,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     n_muon_calls = expected_muon_calls(case, sc, layout)
 
     def add(param, quantity, step, actual, expected, allowance):
-        verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, Allowed.of(allowance),
+        verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, allowance,
                                              view if param in spec else None, keep_map=keep_maps))
 
     for rec in traj.steps:

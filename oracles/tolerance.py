@@ -122,40 +122,114 @@ def unit_roundoff(dtype) -> float:
 
 
 @dataclass(frozen=True)
-class Check:
-    ok: bool
-    error: float     # max |actual - expected|
-    bound: float     # the allowed error for this reference
-    ratio: float     # error / bound (inf when bound is 0 and error is not)
+class Divergence:
+    """The one record of a comparison (the verdict's, the assertion message's, the stored results' and
+    the report's), in the spirit of ``torch.testing.assert_close``: which allowance and why, the worst
+    element as a per-dimension index, its absolute and relative error, and the share of elements out
+    of tolerance. Plain floats and tuples only, so it serialises as it is."""
+    atol: float
+    rtol: float
+    derivation: str
+    bound: float               # min(atol + rtol * max|finite expected|, cap)
+    ratio: float               # worst |actual - expected| / bound (inf when bound is 0 and the error is not)
+    index: tuple[int, ...]     # per-dimension index of the worst element
+    flat_index: int            # the same, flat (row-major): what the ZeRO layout locates
+    abs_error: float           # |actual - expected| there
+    rel_error: float           # the greatest |actual - expected| / |expected| over nonzero expected entries
+    rel_index: tuple[int, ...]  # where that greatest relative error is
+    actual: float              # the worst element's values
+    expected: float
+    n_bad: int                 # elements out of tolerance
+    numel: int
+
+    @property
+    def ok(self) -> bool:
+        return self.n_bad == 0
+
+    @property
+    def share_bad(self) -> float:
+        return self.n_bad / self.numel if self.numel else 0.0
+
+    # the names the earlier two-field result used (``error``: the worst absolute error)
+    @property
+    def error(self) -> float:
+        return self.abs_error
+
+    def lines(self) -> list[str]:
+        """assert_close-style text, one fact per line."""
+        return [f"mismatched elements: {self.n_bad} / {self.numel} ({100.0 * self.share_bad:.1f}%)",
+                f"greatest absolute difference: {self.abs_error:.3g} at index {self.index} "
+                f"(actual {self.actual:.9g}, oracle {self.expected:.9g}; up to {self.bound:.3g} allowed, "
+                f"{self.ratio:.3g}x)",
+                f"greatest relative difference: {self.rel_error:.3g} at index {self.rel_index}",
+                f"allowance: atol {self.atol:.3g} + rtol {self.rtol:.3g} * max|oracle|: {self.derivation}"]
+
+
+def _as_array(x):
+    import numpy as np
+
+    if torch.is_tensor(x):
+        x = x.detach().to(torch.float64).cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def compare(actual, expected, allowance: "Allowance", *, keep_map: bool = False):
+    """Compare element-wise under ``allowance``; returns ``(Divergence, ratio map or None)``.
+
+    Identical non-finite entries (the same inf, NaN against NaN) match; any other non-finite entry is
+    an infinite error. The bound is taken over the finite entries of ``expected``."""
+    import numpy as np
+
+    a, e = _as_array(actual), _as_array(expected)
+    if a.shape != e.shape:
+        raise ValueError(f"shape mismatch {a.shape} vs {e.shape}")
+    shape = a.shape
+    a, e = a.reshape(-1), e.reshape(-1)
+    bound = allowance.bound(e)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(a - e)
+    same_nonfinite = ~np.isfinite(a) & ~np.isfinite(e) & ((a == e) | (np.isnan(a) & np.isnan(e)))
+    err = np.where(same_nonfinite, 0.0, err)
+    err = np.where(np.isnan(err), np.inf, err)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = err / bound if bound > 0 else np.where(err > 0, np.inf, 0.0)
+        rel = np.where((e != 0) & np.isfinite(e), err / np.abs(e), np.where(err > 0, np.inf, 0.0))
+    n = int(a.size)
+    worst = int(np.argmax(ratio)) if n else 0
+    wrel = int(np.argmax(rel)) if n else 0
+    unravel = (lambda i: tuple(int(k) for k in np.unravel_index(i, shape)) if shape else ()) if n else (lambda i: ())
+    div = Divergence(atol=float(allowance.atol), rtol=float(allowance.rtol), derivation=allowance.derivation,
+                     bound=float(bound), ratio=float(ratio[worst]) if n else 0.0, index=unravel(worst),
+                     flat_index=worst, abs_error=float(err[worst]) if n else 0.0,
+                     rel_error=float(rel[wrel]) if n else 0.0, rel_index=unravel(wrel),
+                     actual=float(a[worst]) if n else 0.0, expected=float(e[worst]) if n else 0.0,
+                     n_bad=int((ratio > 1.0).sum()), numel=n)
+    return div, (ratio.astype(np.float32) if keep_map else None)
+
+
+Check = Divergence  # the earlier name of the result of ``Allowance.check``
 
 
 @dataclass(frozen=True)
 class Allowance:
+    """The one allowance type: ``max|actual - expected| <= min(atol + rtol * max|expected|, cap)``
+    (module docstring, "Metric"). ``derivation`` says where the numbers come from."""
     atol: float
     rtol: float
     derivation: str
     cap: float = math.inf
 
     def bound(self, expected) -> float:
-        scale = float(torch.as_tensor(expected, dtype=torch.float64).abs().max()) if _numel(expected) else 0.0
+        """The allowed error for this reference, from its finite entries."""
+        import numpy as np
+
+        e = _as_array(expected)
+        finite = e[np.isfinite(e)]
+        scale = float(np.abs(finite).max()) if finite.size else 0.0
         return min(self.atol + self.rtol * scale, self.cap)
 
-    def check(self, actual, expected) -> Check:
-        """Compare; identical non-finite entries (same inf, or NaN vs NaN) match, any other
-        non-finite mismatch is an infinite error."""
-        a = torch.as_tensor(actual, dtype=torch.float64)
-        e = torch.as_tensor(expected, dtype=torch.float64)
-        if a.shape != e.shape:
-            raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(e.shape)}")
-        finite = torch.isfinite(a) & torch.isfinite(e)
-        same_nonfinite = (a == e) | (torch.isnan(a) & torch.isnan(e))
-        if bool((~finite & ~same_nonfinite).any()):
-            err = math.inf
-        else:
-            err = float((a - e)[finite].abs().max()) if bool(finite.any()) else 0.0
-        b = self.bound(e[finite])
-        ratio = err / b if b > 0 else (0.0 if err == 0 else math.inf)
-        return Check(err <= b, err, b, ratio)
+    def check(self, actual, expected) -> Divergence:
+        return compare(actual, expected, self)[0]
 
     def scaled(self, factor: float) -> "Allowance":
         return Allowance(self.atol * factor, self.rtol * factor, self.derivation + f" (x{factor:g})",
@@ -172,10 +246,6 @@ def grad_term_scale(terms) -> float:
         if t.numel() and bool(torch.isfinite(t).all()):
             scale = max(scale, float(t.abs().max()))
     return scale
-
-
-def _numel(x) -> int:
-    return torch.as_tensor(x).numel()
 
 
 @dataclass(frozen=True)
