@@ -4,11 +4,14 @@ The decision is shared by the pytest suite and ``python -m harness gate``, so th
 disagree about what passed:
 
 * passed   -- every quantity within tolerance (and an NVMe case really swapped);
-* xfailed  -- stock DeepSpeed diverged, and every divergence is explained by a registered bug the
-              case triggers (``harness.bugs``); carries the bug ids;
-* xpassed  -- a bug was expected and nothing diverged: the registry is stale (a failure);
-* failed   -- a divergence no registered bug explains;
+* xfailed  -- stock DeepSpeed diverged from the intended oracle as a registered bug the case triggers
+              predicts (``harness.bugs``), and matches the oracle with that bug's model switched on at
+              the usual tolerances (or crashed exactly as a crash bug says); carries the bug ids;
+* xpassed  -- a bug was expected and did not show: the registry is stale (a failure);
+* failed   -- a divergence no bug model explains (the usual localised message);
 * error    -- the case produced no trajectory (a rank raised, died or hung).
+
+``Outcome.strength`` says how strongly the case was judged (``harness.results.strength_summary``).
 """
 from __future__ import annotations
 
@@ -186,16 +189,21 @@ def record(store, o: Outcome) -> None:
     store.add(rec, maps)
 
 
-def mutation_extra(km) -> dict:
-    """The kill matrix in the report's ``extra`` format."""
+def mutation_extra(km, stock_km=None) -> dict:
+    """The kill matrix in the report's ``extra`` format; ``stock_km``: the stock-column rows, shown as
+    "<mutant> (stock)" over their own cases."""
     from harness import known_bugs
 
     rows = []
-    for m in km.mutants:
-        cells = {r.case: r.killed for r in km.rows if r.mutant == m}
-        rows.append({"mutant": m, "description": known_bugs.MUTANTS[m].description, "killed": cells,
-                     "killed_by": km.killed_by(m)})
-    return {"mutations": rows, "mutation_cases": list(km.cases)}
+    for matrix, tag in ((km, ""), (stock_km, " (stock)")):
+        if matrix is None:
+            continue
+        for m in matrix.mutants:
+            cells = {r.case: r.killed for r in matrix.rows if r.mutant == m}
+            rows.append({"mutant": m + tag, "description": known_bugs.MUTANTS[m].description, "killed": cells,
+                         "killed_by": matrix.killed_by(m)})
+    cases = list(km.cases) + [c for c in (stock_km.cases if stock_km else []) if c not in km.cases]
+    return {"mutations": rows, "mutation_cases": cases}
 
 
 def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
@@ -241,7 +249,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 if not quiet:
                     tag = o.status.upper() + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else "")
                     print(f"[{n}/{total}] {col:7s} {case.name:55s} {tag} ({o.seconds:.1f}s)", flush=True)
-        km = None
+        km = skm = None
         if mutate and patched_available() and not only:
             from harness import known_bugs
 
@@ -249,6 +257,13 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
             km = known_bugs.kill_matrix(known_bugs.default_kill_cases(), manager=manager)
             print(km.table(), flush=True)
             if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
+                counts["mutation-check-failed"] = 1
+            print("\nmutation self-check (STOCK DeepSpeed, gate decision: bug-affected cases must still fail):",
+                  flush=True)
+            skm = known_bugs.stock_kill_matrix([c.replace(seed=seed) for c in known_bugs.stock_kill_cases()],
+                                               manager=manager)
+            print(skm.table(), flush=True)
+            if skm.kill_rate < 1.0 or skm.surprises() or not all(skm.baseline.values()):
                 counts["mutation-check-failed"] = 1
     finally:
         manager.close()
@@ -260,7 +275,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     strength = strength_summary(strengths)
     extra = {"environment": env, "elapsed_s": elapsed}
     if km is not None:
-        extra.update(mutation_extra(km))
+        extra.update(mutation_extra(km, skm))
     rendered = _render(results_dir, report_path, extra)
     print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
