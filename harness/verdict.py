@@ -252,6 +252,14 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         for n, ps in rec.params.items():
             if ps.grad is not None:
                 forced[n] = _t(ps.grad) / float(ps.grad_scale)
+        if conv.clip_norm_source == "gradient" and sc.gradient_clipping > 0:
+            # Clip before Muon (the BF16_Optimizer route, DSM-013's model): what muon_update received is
+            # the clipped gradient G/k. Teacher forcing undoes DeepSpeed's own k (from the norm it
+            # reports, itself checked against the oracle's below), so the gradient check and the replay
+            # start from the averaged gradient, as on every other path.
+            if rec.global_norm is not None and math.isfinite(rec.global_norm):
+                k_ds = oracles.clip_coefficient(float(rec.global_norm), sc.gradient_clipping)
+                forced = {n: (g * k_ds if spec[n].use_muon else g) for n, g in forced.items()}
         feed = {n: forced.get(n, true_G[n]) for n in true_G}
         feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``
 
