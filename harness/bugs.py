@@ -1,9 +1,12 @@
 """Stock DeepSpeed 0.19.8 bugs the harness has confirmed, each with the cases it affects.
 
 A pipeline case on stock DeepSpeed that a bug's ``trigger`` selects is a strict xfail carrying the
-bug id -- but only for divergences in the quantities the bug explains (``quantities``): any other
-divergence in the same case is a plain failure. A bug whose trigger selects a case that then
-passes is an XPASS, which strict mode turns into a failure: the registry must stay exact.
+bug id only when (a) it diverges from the intended oracle in the quantities the bug names
+(``quantities``) and (b) it matches the oracle with the bug's ``model`` switched on (changes to
+``oracles.Conventions``) at the same tolerances as any passing case; any other divergence in the same
+case is a plain failure (``harness.gate.evaluate``). A bug whose trigger selects a case that then shows
+nothing is an XPASS, which strict mode turns into a failure: the registry must stay exact. A crash bug
+(``crash``) is accepted only for its exact exception type, message fragment and frame.
 
 ``fix`` names the entry of ``harness.patched_runtime`` that removes the bug (None: no fix yet).
 
