@@ -60,6 +60,14 @@ class Bug:
             return "refusal"
         return "no"
 
+    def refusal_matches(self, traceback: str) -> bool:
+        """Is a rank's traceback the patched runtime's refusal for this bug: a ``ValueError`` whose
+        message carries ``refused_when_patched``?"""
+        if self.refused_when_patched is None:
+            return False
+        return any(line.startswith("ValueError:") and self.refused_when_patched in line
+                   for line in traceback.splitlines())
+
     def crash_matches(self, traceback: str) -> bool:
         """Does a rank's traceback show exactly this bug's crash (type, message, call path)?"""
         if self.crash is None:

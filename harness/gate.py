@@ -106,7 +106,7 @@ def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
         out = manager.run(c)
     except CaseFailure as exc:
         text = str(exc)
-        if refusals and all(b.refused_when_patched in text for b in refusals):
+        if refusals and isinstance(exc, RankFailed) and all(b.refusal_matches(exc.details) for b in refusals):
             names = ", ".join(b.id for b in refusals)
             why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
             return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "

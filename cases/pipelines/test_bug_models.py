@@ -110,3 +110,11 @@ def test_capture_holes_fail_with_their_own_message(pool_manager):
     assert {("layer0.weight", "momentum", 2), ("layer0.weight", "update", 2), ("layer0.weight", "grad", 2),
             ("<step>", "capture", 2), ("<step>", "global_norm", 3)} <= problems, v.message()
     assert "not fully covered" in v.message(limit=20)
+
+
+def test_refusal_is_accepted_only_as_a_value_error_carrying_the_fix_text():
+    bug = BY_ID["DSM-002"]
+    line = f"ValueError: {bug.refused_when_patched}: DeepSpeed 0.19.8 would ..."
+    assert bug.refusal_matches("Traceback ...\n" + line)
+    assert not bug.refusal_matches("Traceback ...\n" + line.replace("ValueError", "RuntimeError"))
+    assert not bug.refusal_matches("Traceback ...\nValueError: something else")
