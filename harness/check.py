@@ -130,6 +130,24 @@ class _Out:
         print(msg, file=self.stream, flush=True)
 
 
+def _record_json(check) -> dict | None:
+    """The one divergence record (``oracles.Divergence``) as JSON (non-finite numbers as strings)."""
+    from dataclasses import asdict
+
+    if check.record is None:
+        return None
+    return {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(check.record).items()}
+
+
+def _record_json(check) -> dict | None:
+    """The one divergence record (``oracles.Divergence``) as JSON (non-finite numbers as strings)."""
+    from dataclasses import asdict
+
+    if check.record is None:
+        return None
+    return {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(check.record).items()}
+
+
 def _finite(x):
     if x is None:
         return None
@@ -505,7 +523,8 @@ class CheckResult:
             "worst_ratio": {q: _finite(v) for q, v in worst.items()},
             "first_divergence": None if first is None else {
                 "param": first.param, "quantity": first.quantity, "step": first.step,
-                "ratio": _finite(first.worst_ratio), "rank": first.rank, "region": first.region},
+                "ratio": _finite(first.worst_ratio), "rank": first.rank, "region": first.region,
+                "record": _record_json(first), "problem": first.problem},
             "bug_ids": list(decisive.bug_ids) if decisive.status in ("xfailed", "failed", "xpassed") else [],
             "known_bugs": [{k: b.get(k) for k in ("id", "title", "fix", "fixed_by_patched",
                                                    "observed_fixed_by_patched")} for b in self.bugs],

@@ -6,7 +6,10 @@ was, what was allowed, and how to rerun exactly this case.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import numpy as np
+
+from oracles.tolerance import Allowance, Divergence, compare
 
 class LayoutView:
     """What the comparison needs to know about ZeRO's flat layout: who owns an element, and the
@@ -20,89 +23,88 @@ class LayoutView:
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
-class Allowed:
-    """Normwise max-norm allowance, the same metric as ``oracles.tolerance.Allowance``: a tensor
-    passes when max|actual - expected| <= min(atol + rtol * max|expected|, cap). Errors are bounds on
-    whole-tensor perturbations, so an entry that is small through cancellation is judged against the
-    tensor's scale, not its own."""
-
-    atol: float
-    rtol: float
-    why: str = ""
-    cap: float = float("inf")
-
-    @classmethod
-    def of(cls, allowance) -> "Allowed":
-        return cls(allowance.atol, allowance.rtol, getattr(allowance, "derivation", ""),
-                   getattr(allowance, "cap", float("inf")))
-
-    def bound(self, expected: np.ndarray) -> float:
-        finite = expected[np.isfinite(expected)]
-        scale = float(np.abs(finite).max()) if finite.size else 0.0
-        return min(self.atol + self.rtol * scale, self.cap)
-
-
 @dataclass
 class Check:
-    """One quantity of one parameter at one step, compared."""
+    """One quantity of one parameter at one step, compared: where (case, parameter, quantity, step,
+    rank partition, region) around the one divergence record ``oracles.Divergence`` (what). The
+    ``worst_*`` names read that record; nothing is copied out of it."""
 
     case: str
     param: str
     quantity: str
     step: int
-    worst_ratio: float  # max over elements of |actual - expected| / allowance; <= 1 passes
-    worst_index: int  # flat index of that element
-    worst_error: float
-    worst_allowance: float
-    actual: float
-    expected: float
-    n_bad: int
-    numel: int
+    record: Divergence | None  # None only when there was nothing to compare (``problem``)
     rank: int | None = None
     region: str | None = None
     region_counts: dict[str, int] = field(default_factory=dict)  # bad elements per region
     error_map: np.ndarray | None = None  # |err|/allowance per element (kept for the report)
+    problem: str | None = None  # a check that had no data to compare (see ``missing``): always a failure
 
     @property
     def passed(self) -> bool:
-        return self.n_bad == 0
+        return self.problem is None and self.record is not None and self.record.ok
+
+    @property
+    def worst_ratio(self) -> float:
+        return self.record.ratio if self.record is not None else float("inf")
+
+    @property
+    def worst_index(self) -> int:
+        return self.record.flat_index if self.record is not None else 0
+
+    @property
+    def worst_error(self) -> float:
+        return self.record.abs_error if self.record is not None else float("nan")
+
+    @property
+    def worst_allowance(self) -> float:
+        return self.record.bound if self.record is not None else 0.0
+
+    @property
+    def actual(self) -> float:
+        return self.record.actual if self.record is not None else float("nan")
+
+    @property
+    def expected(self) -> float:
+        return self.record.expected if self.record is not None else float("nan")
+
+    @property
+    def n_bad(self) -> int:
+        return self.record.n_bad if self.record is not None else 1
+
+    @property
+    def numel(self) -> int:
+        return self.record.numel if self.record is not None else 0
 
 
-def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expected, allowed: Allowed,
+def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expected, allowance: Allowance,
                    layout: LayoutView | None = None, keep_map: bool = True) -> Check:
-    a = np.asarray(actual, dtype=np.float64).reshape(-1)
-    e = np.asarray(expected, dtype=np.float64).reshape(-1)
-    if a.shape != e.shape:
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    if a.size != e.size:
         raise ValueError(f"{case}: {param}.{quantity} step {step}: shape {a.shape} vs oracle {e.shape}")
-    bound = np.full(e.shape, allowed.bound(e))
-    err = np.abs(a - e)
-    # A non-finite value where the oracle is finite (or vice versa) is infinitely wrong.
-    both_nonfinite_equal = ~np.isfinite(a) & ~np.isfinite(e) & (np.isnan(a) == np.isnan(e)) & (
-        np.nan_to_num(a) == np.nan_to_num(e))
-    err = np.where(both_nonfinite_equal, 0.0, err)
-    err = np.where(np.isnan(err), np.inf, err)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(bound > 0, err / bound, np.where(err > 0, np.inf, 0.0))
-    bad = ratio > 1.0
-    worst = int(np.argmax(ratio)) if ratio.size else 0
+    if a.shape != e.shape:
+        a = a.reshape(e.shape)
+    rec, ratio = compare(a, e, allowance, keep_map=True)
     rank = region = None
     counts: dict[str, int] = {}
-    if layout is not None and ratio.size:
-        rank, region = layout.locate(param, worst)
-        if bad.any():
+    if layout is not None and rec.numel:
+        rank, region = layout.locate(param, rec.flat_index)
+        if rec.n_bad:
+            bad = ratio.reshape(-1) > 1.0
             csum = np.concatenate([[0], np.cumsum(bad)])
             for reg, spans in layout.ranges(param).items():
-                n = int(sum(csum[b] - csum[a] for a, b in spans))
+                n = int(sum(csum[hi] - csum[lo] for lo, hi in spans))
                 if n:
                     counts[reg] = n
-    return Check(case=case, param=param, quantity=quantity, step=step,
-                 worst_ratio=float(ratio[worst]) if ratio.size else 0.0, worst_index=worst,
-                 worst_error=float(err[worst]) if ratio.size else 0.0,
-                 worst_allowance=float(bound[worst]) if ratio.size else 0.0,
-                 actual=float(a[worst]) if ratio.size else 0.0, expected=float(e[worst]) if ratio.size else 0.0,
-                 n_bad=int(bad.sum()), numel=int(a.size), rank=rank, region=region, region_counts=counts,
-                 error_map=ratio.astype(np.float32) if keep_map else None)
+    return Check(case=case, param=param, quantity=quantity, step=step, record=rec, rank=rank, region=region,
+                 region_counts=counts, error_map=ratio.reshape(-1) if keep_map else None)
+
+
+def missing(case: str, param: str, quantity: str, step: int, why: str) -> Check:
+    """A check that could not be made (a quantity not captured, ranks that disagreed): a failure with
+    its own message, never a skipped comparison."""
+    return Check(case=case, param=param, quantity=quantity, step=step, record=None, problem=why)
 
 
 def first_divergence(checks: list[Check]) -> Check | None:
@@ -114,16 +116,22 @@ def first_divergence(checks: list[Check]) -> Check | None:
 
 
 def describe(check: Check, reproduce: str, first: Check | None = None) -> str:
+    if check.problem is not None:
+        return (f"{check.case}: {check.param} {check.quantity} at step {check.step}: no data to check: "
+                f"{check.problem}\n  reproduce: {reproduce}")
     where = ""
     if check.rank is not None:
         where = f", rank {check.rank} partition, {check.region}"
+    rec = check.record
     lines = [
         f"{check.case}: {check.param} {check.quantity} diverged at step {check.step} "
-        f"(element {check.worst_index}{where})",
-        f"  actual {check.actual:.9g}, oracle {check.expected:.9g}: error {check.worst_error:.3g} "
-        f"> allowed {check.worst_allowance:.3g} ({check.worst_ratio:.3g}x)",
-        f"  {check.n_bad} of {check.numel} elements out of tolerance"
+        f"(element {rec.index}, flat {rec.flat_index}{where})",
+        f"  actual {rec.actual:.9g}, oracle {rec.expected:.9g}: error {rec.abs_error:.3g} "
+        f"> allowed {rec.bound:.3g} ({rec.ratio:.3g}x); greatest relative difference {rec.rel_error:.3g} "
+        f"at {rec.rel_index}",
+        f"  {rec.n_bad} of {rec.numel} elements out of tolerance ({100.0 * rec.share_bad:.1f}%)"
         + (f"; by region: {check.region_counts}" if check.region_counts else ""),
+        f"  allowance: {rec.derivation}",
     ]
     if first is not None and (first.step, first.param, first.quantity) != (check.step, check.param, check.quantity):
         lines.append(f"  first divergence: {first.param} {first.quantity} at step {first.step}")

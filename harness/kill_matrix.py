@@ -73,7 +73,7 @@ class KillMatrix:
         short = [f"c{i + 1}" for i in range(len(self.cases))]
         width = max(len(m) for m in self.mutants) if self.mutants else 10
         lines = ["cases: " + "; ".join(f"{s}={n}" for s, n in zip(short, self.cases)),
-                 "baseline (patched, unmutated): " + " ".join(
+                 "baseline (unmutated): " + " ".join(
                      f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
                  "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
                  "predicted, - baseline failed",
@@ -153,6 +153,58 @@ def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched
     return km
 
 
+STOCK_KILL_MUTANTS = ("nesterov-dropped", "momentum-beta-offset-1e-3", "rank-contribution-dropped")
+# Stock xfail cases of the CI gate, one per bug model combination that is cheap to run (world size 2,
+# so a dropped rank reaches each): DSM-001 on ZeRO-1 and on ZeRO-3 offload, DSM-001+004 across an
+# overflow, DSM-003 across a growth step on offload.
+STOCK_KILL_CASES = ("z1-none-bf16-ws2-ga2-clip0.05-standard", "z3-cpu-bf16-ws2-heads", "z1-none-fp16-ws2-overflow",
+                    "z1-cpu-fp16-ws2-growth")
+
+
+def stock_kill_cases() -> list[Case]:
+    from harness.matrix import gate_cases
+
+    by_name = {c.name: c for c in gate_cases()}
+    return [by_name[n] for n in STOCK_KILL_CASES]
+
+
+def stock_kill_matrix(cases, mutants=STOCK_KILL_MUTANTS, manager=None, progress=None) -> KillMatrix:
+    """The kill matrix on the stock column, with the gate's decision (``harness.gate.evaluate``): the
+    baseline of a case is good when it passes or is an xfail whose divergence matched its bug model;
+    a mutant kills a case when the case then fails (or errors, or the expected bug no longer shows)."""
+    from harness.gate import evaluate
+    from harness.pool import PoolManager
+
+    own = manager is None
+    manager = manager or PoolManager()
+    km = KillMatrix(cases=[c.name for c in cases], mutants=list(mutants))
+    t_all = time.perf_counter()
+    try:
+        for c in cases:
+            o = evaluate(c.replace(mutant=None), "stock", manager)
+            km.baseline[c.name] = o.status in ("passed", "xfailed")
+            if progress:
+                progress(f"baseline {c.name}: {o.status}")
+        for m in mutants:
+            for c in cases:
+                expected = MUTANTS[m].expected(c)
+                if not km.baseline.get(c.name):
+                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
+                    continue
+                t0 = time.perf_counter()
+                o = evaluate(c.replace(mutant=m), "stock", manager)
+                killed = o.status in ("failed", "error", "xpassed")
+                detail = o.status + (": " + o.message.splitlines()[0][:160] if o.message else "")
+                km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
+                if progress:
+                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} ({detail})")
+    finally:
+        km.seconds = time.perf_counter() - t_all
+        if own:
+            manager.close()
+    return km
+
+
 def main(argv=None) -> int:
     """Run the default kill set against every mutant; print the table and the kill rate.
     Returns 0 when every mutant is killed and every prediction held."""
@@ -163,13 +215,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="harness mutate", description=main.__doc__.splitlines()[0])
     ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
     ap.add_argument("--only", default=None, help="substring filter on case names")
-    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed instead of the patched runtime")
+    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed with the gate's decision (bug-affected "
+                    "cases must still match their bug models); default mutants: STOCK_KILL_MUTANTS")
+    ap.add_argument("--case", action="append", default=None,
+                    help="gate case names to use instead of the default kill set (repeatable)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     buildenv.apply_base_env()
-    cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
-    km = kill_matrix(cases, args.mutant, patched=not args.stock,
-                     progress=(lambda s: print(s, flush=True)) if args.verbose else None)
+    if args.case:
+        from harness.matrix import gate_cases
+
+        by_name = {c.name: c for c in gate_cases()}
+        unknown = [n for n in args.case if n not in by_name]
+        if unknown:
+            ap.error(f"unknown gate case(s): {unknown}")
+        cases = [by_name[n] for n in args.case]
+    elif args.stock:
+        cases = [c for c in stock_kill_cases() if not args.only or args.only in c.name]
+    else:
+        cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
+    progress = (lambda s: print(s, flush=True)) if args.verbose else None
+    if args.stock:
+        km = stock_kill_matrix(cases, args.mutant or STOCK_KILL_MUTANTS, progress=progress)
+    else:
+        km = kill_matrix(cases, args.mutant, patched=True, progress=progress)
     print(km.table())
     return 0 if km.kill_rate == 1.0 and not km.surprises() else 1
 

@@ -567,6 +567,45 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
 )}
 
 
+# -- stock-column mutants (issue 11). Re-introduced into STOCK DeepSpeed, each must fail every stock
+# case whose path it reaches, the cases a registered bug makes xfail included: a known bug excuses only
+# what its model predicts. ``stock_kill_matrix`` runs them through the gate's own decision.
+
+
+def _m_beta_offset_small(inner, a):
+    return inner(**dict(a, beta=a["beta"] - 1e-3))
+
+
+def _install_rank_contribution_dropped():
+    """The last data-parallel rank's gradient never reaches the reduction (its loss is multiplied by 0
+    before the backward), on every path: the average is over W ranks of which one contributes nothing."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["backward"]
+
+    def backward(self, loss, *args, **kwargs):
+        W = dist.get_world_size()
+        if W > 1 and dist.get_rank() == W - 1:
+            loss = loss * 0.0
+        return cur(self, loss, *args, **kwargs)
+
+    return _setattr(DeepSpeedEngine, "backward", backward)[1]
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("momentum-beta-offset-1e-3",
+           "The Muon momentum uses beta - 1e-3 instead of the configured beta (a 2% change of 1 - beta).",
+           _wrap_muon_update(_m_beta_offset_small),
+           lambda c: bool(_muon(c)),
+           "plausible: a rounded or defaulted beta"),
+    Mutant("rank-contribution-dropped",
+           "One data-parallel rank's gradient is left out of the average (it still divides by W).",
+           _install_rank_contribution_dropped,
+           lambda c: c.world_size > 1,
+           "plausible: a reduction that skips a rank / a wrong process group"),
+)})
+
 def install(name: str) -> Callable[[], None]:
     """Install mutant ``name``; returns the callable that undoes it."""
     if name not in MUTANTS:

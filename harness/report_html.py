@@ -17,7 +17,7 @@ from typing import Iterable
 import numpy as np
 
 from harness.report_plots import HUGE, MAX_CELLS, _finite, heatmap_svg, steps_svg
-from harness.results import CaseRecord, CheckRow
+from harness.results import CaseRecord, CheckRow, strength_line, strength_summary
 
 DETAIL_STATUSES = ("failed", "xpassed", "error", "xfailed")  # statuses that get a details section
 BAD_STATUSES = ("failed", "xpassed", "error")  # statuses that make the verdict FAIL
@@ -158,6 +158,8 @@ def _counts_block(main) -> str:
                         f"<td class='symptom'>{_e(b.symptom) if b else ''}</td></tr>")
         bugs = ("<table class='bugs'><thead><tr><th>bug</th><th>xfail</th><th>title</th><th>symptom</th></tr></thead>"
                 "<tbody>" + "".join(rows) + "</tbody></table>")
+    strength = strength_line(strength_summary((r.column, r.strength) for r in main))
+    bugs = f"<p class='strength'>{_e(strength)}</p>" + bugs
     cols = sorted({r.column for r in main}, key=_col_order)
     per_col = ""
     if len(cols) > 1:
@@ -507,7 +509,8 @@ def _checks_table(checks: list[CheckRow]) -> str:
         rows.append(
             f"<tr class='{cls}'><td>{_e(param)}</td><td>{_e(quantity)}</td><td>{_e(steps) if bad else 'ok'}</td>"
             f"<td class='num ratio'>{_ratio_txt(worst.worst_ratio)}</td><td class='num'>{_num(worst.error)}</td>"
-            f"<td class='num'>{_num(worst.allowance)}</td><td class='num'>{worst.step}</td><td>{_e(where)}</td>"
+            f"<td class='num' title='{_e(worst.derivation or '')}'>{_num(worst.allowance)}</td>"
+            f"<td class='num'>{worst.step}</td><td>{_e(where)}</td>"
             f"<td class='num'>{worst.n_bad}/{worst.numel}</td>"
             f"<td>{_e(', '.join(f'{k} {v}' for k, v in sorted(regions.items())))}</td>"
             f"<td class='num'>{_num(worst.actual)}</td><td class='num'>{_num(worst.expected)}</td></tr>")

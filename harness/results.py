@@ -24,19 +24,58 @@ STATUSES = ("passed", "failed", "xfailed", "xpassed", "error", "skipped")
 
 @dataclass
 class CheckRow:
+    """A check as stored: where it was (parameter, quantity, step, rank partition, region) and the one
+    divergence record (``oracles.Divergence``, as a dict) or the reason there was nothing to compare.
+    The properties are the names the report reads; they all come from ``record``."""
     param: str
     quantity: str
     step: int
-    worst_ratio: float
-    error: float
-    allowance: float
-    actual: float
-    expected: float
-    n_bad: int
-    numel: int
     rank: int | None
     region: str | None
     region_counts: dict
+    record: dict | None  # dataclasses.asdict(oracles.Divergence)
+    problem: str | None = None
+
+    def _get(self, key: str, missing: float):
+        return missing if self.record is None else self.record[key]
+
+    @property
+    def worst_ratio(self) -> float:
+        return self._get("ratio", 1e308)
+
+    @property
+    def error(self) -> float:
+        return self._get("abs_error", float("nan"))
+
+    @property
+    def allowance(self) -> float:
+        return self._get("bound", 0.0)
+
+    @property
+    def actual(self) -> float:
+        return self._get("actual", float("nan"))
+
+    @property
+    def expected(self) -> float:
+        return self._get("expected", float("nan"))
+
+    @property
+    def n_bad(self) -> int:
+        return self._get("n_bad", 1)
+
+    @property
+    def numel(self) -> int:
+        return self._get("numel", 0)
+
+    @property
+    def derivation(self) -> str:
+        return self.problem if self.record is None else self.record["derivation"]
+
+
+def _record_dict(rec) -> dict | None:
+    if rec is None:
+        return None
+    return {k: (_f(v) if isinstance(v, float) else v) for k, v in asdict(rec).items()}
 
 
 @dataclass
@@ -57,6 +96,29 @@ class CaseRecord:
     swapped_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
     time: float = field(default_factory=time.time)
+    # "full" (no excuse, or every excuse matched its bug model), "excused" (a bug without a model excused
+    # quantities by name), "crash" / "refusal" (an exact exception was the expected result), None
+    strength: str | None = None
+
+
+def strength_line(summary: dict[str, tuple[int, int]]) -> str:
+    parts = [f"{col} {k}/{n} = {100.0 * k / n:.0f}%" for col, (k, n) in summary.items() if n]
+    return ("judged at full strength (no excuse, or an excuse that matched its bug model; crash/refusal "
+            "cases left out): " + ", ".join(parts)) if parts else "judged at full strength: no cases"
+
+
+def strength_summary(outcomes) -> dict[str, tuple[int, int]]:
+    """Per column: (cases judged at full strength, cases that could be) -- crash and refusal cases are
+    not numerical checks and are left out of both counts."""
+    out: dict[str, list[int]] = {}
+    for o in outcomes:
+        col, strength = o if isinstance(o, tuple) else (o.column, o.strength)
+        if strength in ("crash", "refusal"):
+            continue
+        tally = out.setdefault(col, [0, 0])
+        tally[1] += 1
+        tally[0] += strength == "full"
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def record_key(case: Case, column: str) -> str:
@@ -81,7 +143,8 @@ def layout_summary(verdict) -> dict:
 
 
 def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, message: str | None = None,
-                 swapped_bytes: int | None = None, notes=()) -> tuple[CaseRecord, dict[str, np.ndarray]]:
+                 swapped_bytes: int | None = None, notes=(), strength: str | None = None
+                 ) -> tuple[CaseRecord, dict[str, np.ndarray]]:
     from harness.verdict import reproduce_command
 
     rows, maps = [], {}
@@ -101,23 +164,22 @@ def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, 
         bug_ids=list(bug_ids), mode=verdict.mode, message=message if message is not None else verdict.message(),
         reproduce=reproduce_command(verdict.case), case_json=verdict.case.to_json(), seconds=seconds,
         worst_ratio=verdict.worst_ratio if verdict.checks else 0.0,
-        checks=[CheckRow(c.param, c.quantity, c.step, _f(c.worst_ratio), _f(c.worst_error), _f(c.worst_allowance),
-                         _f(c.actual), _f(c.expected), c.n_bad, c.numel, c.rank, c.region, dict(c.region_counts))
-                for c in rows],
+        checks=[CheckRow(c.param, c.quantity, c.step, c.rank, c.region, dict(c.region_counts), _record_dict(c.record),
+                         c.problem) for c in rows],
         layout=layout_summary(verdict) if maps else {},
-        swapped_bytes=swapped_bytes, notes=list(notes))
+        swapped_bytes=swapped_bytes, notes=list(notes), strength=strength)
     return rec, maps
 
 
 def error_record(case: Case, *, column: str, message: str, seconds: float, bug_ids=(),
-                 status: str = "error") -> CaseRecord:
+                 status: str = "error", strength: str | None = None) -> CaseRecord:
     """A record for an outcome without a verdict: an error, or a case the patched runtime refused."""
     from harness.verdict import reproduce_command
 
     return CaseRecord(key=record_key(case, column), case_name=case.name, column=column, status=status,
                       bug_ids=list(bug_ids), mode="-", message=message, reproduce=reproduce_command(case),
                       case_json=case.to_json(), seconds=seconds,
-                      worst_ratio=float("inf") if status == "error" else 0.0)
+                      worst_ratio=float("inf") if status == "error" else 0.0, strength=strength)
 
 
 def _f(x: float) -> float:

@@ -8,9 +8,15 @@ weights. Every quantity of every parameter is compared under the tolerance model
 (``oracles.tolerance``); a failure names case, parameter, quantity, step, rank partition and region,
 and the command that reruns exactly this case.
 
-Which oracle: ``Conventions()`` -- the intended mathematics, with DeepSpeed's one deliberate
+Which oracle: ``INTENDED`` -- the intended mathematics, with DeepSpeed's one deliberate
 convention (the clip norm is taken over the Muon update) -- so that DeepSpeed's accidents show up as
-divergences. ``conventions=deepspeed_conventions(...)`` is available for attribution.
+divergences. ``conventions=bug_model(...)`` judges the same case against the oracle with a registered
+bug's switches on (``harness.bugs.Bug.model``), at the same tolerances: that is how the gate decides
+that a stock divergence is the bug and nothing else.
+
+Nothing is skipped silently: a quantity the capture did not record where the oracle has one, and every
+capture note of the step (ranks that disagree, momentum not covered by the gathered pieces, a matrix
+orthogonalised twice by one rank) is a failed check of its own.
 """
 from __future__ import annotations
 
@@ -25,12 +31,24 @@ import oracles
 from harness import device
 from harness import model as model_mod
 from harness.case import Case
-from harness.compare import Allowed, Check, LayoutView, compare_arrays, describe, first_divergence
+from harness.compare import Check, LayoutView, compare_arrays, describe, first_divergence, missing
 from harness.trajectory import Trajectory
 
 # Oracle-side hooks for the detection self-test: name -> function(StepConfig) -> StepConfig.
 # Only tests install these (never DeepSpeed): they prove a wrong oracle-relevant behaviour is caught.
 ORACLE_HOOKS: dict[str, object] = {}
+
+
+# The intended design keeps the Muon momentum (and what it is blended with) in fp32; the oracle
+# stores it there too, so that in emulated mode a correct implementation feeds Newton-Schulz
+# bit-identical input (a float64 momentum would differ from any fp32 one in the last bit, and one
+# flipped 16-bit rounding cascades through the iteration).
+INTENDED = oracles.Conventions(momentum_dtype="fp32")
+
+
+def bug_model(changes: dict) -> oracles.Conventions:
+    """The oracle with a bug model's switches on (``changes``: merged ``Bug.model(case)`` dicts)."""
+    return replace(INTENDED, **changes)
 
 
 def reproduce_command(case: Case) -> str:
@@ -171,19 +189,33 @@ class _OracleLayout(LayoutView):
         return self._ranges[name]
 
 
-def _grad_term_scale(grads) -> float:
-    return max((float(g.abs().max()) for per_rank in grads for per_micro in per_rank for g in per_micro.values()
-                if bool(torch.isfinite(g).all())), default=0.0)
+def grad_store_dtype(case: Case) -> str:
+    """Where DeepSpeed stores the Muon input: fp32 on the Z1/2 offload paths, the model dtype elsewhere."""
+    return "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
+
+
+def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: str) -> oracles.Allowance:
+    """The allowance of the averaged gradient of parameter ``name`` (``grads[rank][micro][name]``: the
+    float64 per-micro gradients), from that parameter's own addends (``oracles.tolerance``, "grad")."""
+    spec = sc.spec(name)
+    grad_store = grad_store_dtype(case)
+    term = oracles.grad_term_scale(g[name] for per_rank in grads for g in per_rank)
+    a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec.shape, world_size=case.world_size,
+                           gas=case.grad_accum, grad_dtype=grad_store if spec.use_muon else case.dtype,
+                           # The model-dtype backward rounds each of the ~4 intermediate results of the
+                           # loss term once (prediction, residual, product, output) before the sum: 4 u_lp
+                           # of the term scale, doubled for the two terms of a matrix loss.
+                           grad_term_scale=term, backward_term_err=8.0 * oracles.unit_roundoff(case.dtype),
+                           ns_method=sc.ns_method)
+    return a.grad
 
 
 def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | None = None,
           mode: str | None = None, keep_maps: bool = True) -> Verdict:
     mode = mode or comparison_mode(case)
-    # The intended design keeps the Muon momentum (and what it is blended with) in fp32; the oracle
-    # stores it there too, so that in emulated mode a correct implementation feeds Newton-Schulz
-    # bit-identical input (a float64 momentum would differ from any fp32 one in the last bit, and one
-    # flipped 16-bit rounding cascades through the iteration).
-    conv = conventions or oracles.Conventions(momentum_dtype="fp32")
+    conv = conventions or INTENDED
+    # Momentum in loss-scaled units (DSM-004's model): the oracle's state holds DeepSpeed's raw buffer.
+    scaled_momentum = conv.momentum_units == "scaled"
     sc = step_config(case)
     layout = layout_for(case, sc)
     view = _OracleLayout(layout)
@@ -191,13 +223,12 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     ns_mode = "emulated" if mode == "emulated" else "exact"
     spec = {p.name: p for p in sc.params}
     W, GAS = case.world_size, case.grad_accum
-    # Where DeepSpeed stores the Muon input: fp32 on the Z1/2 offload paths, the model dtype elsewhere.
-    grad_store = "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
+    grad_store = grad_store_dtype(case)
     state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
     n_muon_calls = expected_muon_calls(case, sc, layout)
 
     def add(param, quantity, step, actual, expected, allowance):
-        verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, Allowed.of(allowance),
+        verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, allowance,
                                              view if param in spec else None, keep_map=keep_maps))
 
     for rec in traj.steps:
@@ -214,29 +245,31 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                     if model_mod.backward_overflows(lp, case, r, s, mu, S):
                         grads[r][mu] = {n: torch.full_like(g, math.inf) for n, g in grads[r][mu].items()}
         true_G = oracles.accumulate(grads, sc)
-        term = _grad_term_scale(grads)
 
         # DeepSpeed's own averaged gradient, in true units, where it captured one (teacher forcing).
         forced = {}
         for n, ps in rec.params.items():
             if ps.grad is not None:
                 forced[n] = _t(ps.grad) / float(ps.grad_scale)
+        if conv.clip_norm_source == "gradient" and sc.gradient_clipping > 0:
+            # Clip before Muon (the BF16_Optimizer route, DSM-013's model): what muon_update received is
+            # the clipped gradient G/k. Teacher forcing undoes DeepSpeed's own k (from the norm it
+            # reports, itself checked against the oracle's below), so the gradient check and the replay
+            # start from the averaged gradient, as on every other path.
+            if rec.global_norm is not None and math.isfinite(rec.global_norm):
+                k_ds = oracles.clip_coefficient(float(rec.global_norm), sc.gradient_clipping)
+                forced = {n: (g * k_ds if spec[n].use_muon else g) for n, g in forced.items()}
         feed = {n: forced.get(n, true_G[n]) for n in true_G}
         feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``
+
+        for note in rec.notes:
+            verdict.checks.append(missing(case.name, "<step>", "capture", s, f"capture note: {note}"))
 
         # Judge DeepSpeed's gradient against the float64 one (only on steps it was finite).
         for n in spec:
             if n in forced and bool(torch.isfinite(true_G[n]).all()):
-                a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec[n].shape, world_size=W, gas=GAS,
-                                       grad_dtype=grad_store if spec[n].use_muon else case.dtype,
-                                       # The half-precision backward rounds each of the ~4 intermediate
-                                       # results of the loss term once (prediction, residual, product,
-                                       # output) before the sum: 4 u_lp of the term scale, doubled for
-                                       # the two terms of a matrix loss.
-                                       grad_term_scale=term * (1.0 + 8.0 * oracles.unit_roundoff(case.dtype)
-                                                               / max(oracles.unit_roundoff(grad_store), 1e-300)),
-                                       ns_method=sc.ns_method)
-                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a.grad)
+                a = grad_allowance(case, sc, n, grads, mode)
+                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a)
 
         new_state, orec = oracles.oracle_step(state, feed_grads, sc, conv, ns_mode=ns_mode)
 
@@ -245,12 +278,19 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         add("<step>", "skipped", s, [float(rec.skipped)], [float(orec.skipped)], exact)
         add("<step>", "loss_scale", s, [rec.loss_scale], [orec.loss_scale_used], exact)
         add("<step>", "loss_scale_after", s, [rec.loss_scale_after], [orec.loss_scale_after], exact)
+        for n in spec:
+            if n not in forced and not orec.skipped:
+                verdict.checks.append(missing(case.name, n, "grad", s, "the gradient the optimizer read was not "
+                                              "captured, but the oracle applied this step"))
+        if not orec.skipped and rec.global_norm is None:
+            verdict.checks.append(missing(case.name, "<step>", "global_norm", s, "get_global_grad_norm() gave "
+                                          "nothing, but the oracle applied this step"))
         if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
             widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=widest,
                                    world_size=W, gas=GAS, ns_method=sc.ns_method, grad_dtype=grad_store,
                                    momentum_dtype="fp32")
-            add("<step>", "global_norm", s, [rec.global_norm], [orec.global_norm], a.norm)
+            add("<step>", "global_norm", s, [rec.global_norm], [orec.reported_norm], a.norm)
         if not orec.skipped:
             add("<step>", "muon_calls", s, [rec.muon_calls], [n_muon_calls], exact)
 
@@ -273,17 +313,22 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             u_store = oracles.unit_roundoff(grad_store)
             direction = oracles.Allowance(a.direction.atol, a.direction.rtol + 2.0 * u_store,
                                           a.direction.derivation + f" + 2 u_store ({grad_store})", a.direction.cap)
-            if p.use_muon and ps.momentum is not None:
-                mom = _t(ps.momentum).numpy() / float(ps.momentum_scale)
-                add(n, "momentum", s, mom, o.momentum.numpy(), a.momentum)
-            if p.use_muon and ps.update is not None and o.direction is not None:
+            if p.use_muon and ps.momentum is None:
+                verdict.checks.append(missing(case.name, n, "momentum", s, "the Muon momentum was not captured"))
+            elif p.use_muon:
+                o_mom = o.momentum / (orec.loss_scale_used if scaled_momentum else 1.0)
+                add(n, "momentum", s, _t(ps.momentum).numpy() / float(ps.momentum_scale), o_mom.numpy(), a.momentum)
+            if p.use_muon and o.direction is not None and ps.update is None:
+                verdict.checks.append(missing(case.name, n, "update", s, "muon_update's result was not captured, "
+                                              "but the oracle applied this step"))
+            elif p.use_muon and o.direction is not None:
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
             add(n, "master", s, ps.master, o.master.numpy(), a.master)
             add(n, "model", s, ps.model, o.model.numpy(), a.model)
 
         # Teacher forcing: the next step starts from DeepSpeed's masters and momentum.
         masters = {n: _t(ps.master) for n, ps in rec.params.items()}
-        moms = {n: _t(ps.momentum) / float(ps.momentum_scale) for n, ps in rec.params.items()
-                if spec[n].use_muon and ps.momentum is not None}
+        moms = {n: _t(ps.momentum) / (1.0 if scaled_momentum else float(ps.momentum_scale))
+                for n, ps in rec.params.items() if spec[n].use_muon and ps.momentum is not None}
         state = replace(new_state, master={**new_state.master, **masters}, momentum={**new_state.momentum, **moms})
     return verdict

@@ -27,7 +27,9 @@ from .newton_schulz import (NS_A, NS_B, NS_C, NS_COEFFICIENTS, NS_EPS, NS_STEPS,
 from .step import (MODEL_DTYPES, Conventions, OracleState, ParamRecord, ParamSpec, StepConfig, StepRecord, accumulate,
                    deepspeed_conventions, fp16_overflow, initial_state, run)
 from .step import step as oracle_step  # the function; ``oracles.step`` stays the module
-from .tolerance import (MODES, UNIT_ROUNDOFF, Allowance, Allowances, Check, allowances, normalised_sigma_lo, ns_gains,
+from .tolerance import (MODES, UNIT_ROUNDOFF, Allowance, Allowances, Check, Divergence, allowances, compare,
+                        grad_term_scale,
+                        normalised_sigma_lo, ns_gains,
                         ns_relative_error, unit_roundoff)
 
 import types as _types

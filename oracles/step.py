@@ -178,6 +178,19 @@ class Conventions:
         ``parameter_alignment``; ``muon_optimizer.py`` without ZeRO; ``bf16_optimizer.py``).
     conv_aspect: 4-D kernels: ``"reshaped"`` (default, the aspect scale of the orthogonalised
         ``(out, in*kh*kw)`` matrix) or ``"last_two_dims"`` (Keller's inherited ``s(kh, kw)``).
+    reported_norm: what ``get_global_grad_norm()`` returns: ``"norm"`` (default, the norm in true units)
+        or ``"clip_norm"`` (accident of ``stage3.py`` ``step``: the norm divided by the scale *after*
+        ``update_scale``, so halved on a growth step; DSM-003).
+    scaled_update_dtype: where the offload paths form the loss-scaled Muon update ``S*O`` before
+        unscaling: ``"float64"`` (default: exact) or ``"model"`` (accident of ZeRO-3 cpu/nvme offload,
+        ``stage3.py`` ``_apply_muon_updates_cpu_offload``: in gradient_accumulation_dtype, so an fp16
+        ``S*O`` beyond 65504 is inf, the norm is invalid and the step is skipped with the Muon momentum
+        already advanced; DSM-005).
+    padded_tail_momentum_dtype: ``None`` (default) or a storage dtype (``"fp16"``/``"bf16"``): accident of
+        ZeRO-3 without offload (``stage3.py`` ``_muon_update_sub_group``): the rank whose partition of a
+        Muon matrix holds the padded tail writes its momentum slice through a buffer of
+        gradient_accumulation_dtype, so that slice alone (flat elements ``r*ceil(n/W)`` to ``n``) is rounded
+        to it after every step (DSM-009).
     """
     clip_norm_source: str = "muon_update"
     scale_update_before_unscale: bool = False
@@ -190,9 +203,13 @@ class Conventions:
     detect_fp16_overflow: bool = True
     honor_num_heads: bool = True
     conv_aspect: str = "reshaped"
+    reported_norm: str = "norm"
+    scaled_update_dtype: str = "float64"
+    padded_tail_momentum_dtype: Optional[str] = None
 
     def __post_init__(self):
-        checks = {"clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
+        checks = {"reported_norm": ("norm", "clip_norm"), "scaled_update_dtype": ("float64", "model"),
+                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"),"clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
                   "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
         for name, allowed in checks.items():
@@ -226,6 +243,7 @@ def deepspeed_conventions(stage: int, offload: bool, model_dtype: str, *,
         detect_fp16_overflow=True,
         honor_num_heads=not (zero12 and parameter_alignment and not offload),
         conv_aspect="last_two_dims",
+        reported_norm="clip_norm" if stage == 3 else "norm",
     )
 
 
@@ -263,7 +281,7 @@ class ParamRecord:
 @dataclass(frozen=True)
 class StepRecord:
     skipped: bool
-    skip_reason: Optional[str]            # "nonfinite_grad" | "fp16_overflow" | "nonfinite_norm" | None
+    skip_reason: Optional[str]            # "nonfinite_grad" | "fp16_overflow" | "nonfinite_norm" | "update_overflow" | None
     loss_scale_used: float                # S of this step's backward
     loss_scale_after: float               # S after update_scale
     global_norm: Optional[float]          # true units, of the vectors clip_norm_source names
@@ -271,6 +289,7 @@ class StepRecord:
                                           # scale_update_before_unscale)
     clip_coef: float                      # k >= 1; 1 when clipping is off or the step was skipped
     params: Mapping[str, ParamRecord] = field(default_factory=dict)
+    reported_norm: Optional[float] = None  # what get_global_grad_norm() returns (Conventions.reported_norm)
 
 
 def _model_torch_dtype(cfg: StepConfig) -> torch.dtype:
@@ -347,16 +366,19 @@ def fp16_overflow(grads, cfg: StepConfig, scale: float) -> bool:
 
 
 def _skip(state: OracleState, cfg: StepConfig, conv: Conventions, G: Mapping[str, torch.Tensor],
-          reason: str) -> tuple[OracleState, StepRecord]:
+          reason: str, momentum: Optional[Mapping[str, torch.Tensor]] = None) -> tuple[OracleState, StepRecord]:
+    """A skipped step; ``momentum``: Muon momentum a path commits although it skips (DSM-005)."""
     scaler = update_scale(state.scaler, True, cfg.loss_scaler)
     lp = _model_torch_dtype(cfg)
+    moms = {**state.momentum, **(momentum or {})}
     recs = {}
     for spec in cfg.params:
         n = spec.name
-        recs[n] = ParamRecord(n, spec.use_muon, G[n], state.momentum.get(n), None,
+        recs[n] = ParamRecord(n, spec.use_muon, G[n], moms.get(n), None,
                               torch.zeros(spec.shape, dtype=torch.float64), state.master[n],
                               round_to(state.master[n], lp), state.adam_m.get(n), state.adam_v.get(n))
-    new = replace(state, scaler=scaler, step_count=state.step_count + 1, skipped_steps=state.skipped_steps + 1)
+    new = replace(state, momentum=moms, scaler=scaler, step_count=state.step_count + 1,
+                  skipped_steps=state.skipped_steps + 1)
     return new, StepRecord(True, reason, state.scaler.scale, scaler.scale, None, None, 1.0, recs)
 
 
@@ -422,8 +444,15 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         else:
             O = muon_direction(U.to(torch.float64), cfg.ns_method, heads, steps=cfg.ns_steps,
                                conv_aspect=conv.conv_aspect)
-        new_mom[n] = m_new.to(torch.float64)
+        m_new = m_new.to(torch.float64)
+        if conv.padded_tail_momentum_dtype is not None:
+            m_new = _round_padded_tail(m_new, cfg.world_size, MODEL_DTYPES[conv.padded_tail_momentum_dtype])
+        new_mom[n] = m_new
         directions[n] = O.to(torch.float64)
+
+    if (conv.scaled_update_dtype == "model" and cfg.model_dtype == "fp16"
+            and any(bool((directions[p.name].abs() * S >= FP16_OVERFLOW).any()) for p in muon_specs)):
+        return _skip(state, cfg, conv, G, "update_overflow", momentum=new_mom)
 
     # -- 5. norm, second skip test, scaler ---------------------------------------------------------
     if conv.clip_norm_source == "muon_update":
@@ -467,7 +496,21 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],
                               round_to(master[n], lp), res.m, res.v)
     new_state = OracleState(master, momentum, adam_m, adam_v, t, scaler, state.step_count + 1, state.skipped_steps)
-    return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs)
+    reported = clip_norm if conv.reported_norm == "clip_norm" else norm
+    return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs, reported)
+
+
+def _round_padded_tail(m: torch.Tensor, world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Round the flat slice ``[r*chunk, n)`` of the rank ``r`` whose ZeRO-3 partition (``chunk =
+    ceil(n/W)`` elements) holds the padded tail; unchanged when ``n`` splits evenly."""
+    flat = m.reshape(-1).clone()
+    n = flat.numel()
+    chunk = -(-n // world_size)
+    if world_size <= 1 or n % chunk == 0:
+        return m
+    start = ((n - 1) // chunk) * chunk
+    flat[start:] = round_to(flat[start:], dtype)
+    return flat.reshape(m.shape)
 
 
 def _scale_ratio(state: OracleState, cfg: StepConfig, conv: Conventions) -> float:

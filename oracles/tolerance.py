@@ -27,7 +27,21 @@ Unit round-offs ``u``: fp64 2^-53, fp32 2^-24, fp16 2^-11, bf16 2^-8. ``W`` rank
 * grad (averaged accumulated gradient): a sum of ``n`` terms and one scaling, each rounded in the
   storage dtype: ``rtol = (n + 1) u_g`` (+ ``backward_rel_err`` if the oracle's per-micro gradients are
   not DeepSpeed's own). A sum with cancellation has an absolute error relative to its terms: pass
-  ``grad_term_scale`` (max |per-micro gradient|) to add ``atol = (n + 1) u_g * grad_term_scale``.
+  ``grad_term_scale`` to add ``atol = (n + 1) u_g * grad_term_scale``. The term scale is *that
+  parameter's own* (:func:`grad_term_scale`): ``max over ranks r, micro-batches mu and elements of
+  |g[r][mu][p]|``, the largest addend that reaches this parameter's reduction. Each partial sum of the
+  reduction (``n - 1`` of them, pre-divided by ``W`` and ``GAS``) and the final storage round once, at
+  most ``u_g`` of a value no larger than that addend, hence ``(n + 1) u_g`` times it. One global maximum
+  over all parameters would let a parameter whose gradients are small next to another's (the large
+  NVMe matrix next to a bias: its per-element gradient is ~1/numel of the loss) absorb a whole missing
+  rank, a wrong ``1/W`` or a lost micro-batch inside an allowance sized for a different tensor.
+  Such an error is ``|G|/n`` or more of the parameter's own average, far above ``(n + 1) u_g`` of its
+  own addends for every storage dtype (bf16 included: ``1/n >> (n + 1) 2^-8`` for ``n <= 8``), which
+  ``cases/harness/test_grad_check.py`` checks on each dtype and layout. When the oracle's per-micro
+  gradients are exact and DeepSpeed's come from a backward in the model dtype, each addend carries that
+  backward's own rounding, at most ``backward_term_err`` of the term scale (``harness.verdict``: four
+  rounded intermediates per loss term, two terms: ``8 u_lp``); an average of ``n`` such addends carries
+  no more than one of them, so it enters ``atol`` once, not ``n + 1`` times.
 * momentum: each step adds ``(1-beta)`` times the gradient error and two lerp roundings ``2 u_m``;
   older errors decay by ``beta``: ``rtol = ((1-beta) rtol_g rho + 2 u_m) (1-beta^T)/(1-beta)`` where
   ``rho = max|G| / max|M|`` (default ``1/(1-beta)``, the first-step worst case).
@@ -108,48 +122,130 @@ def unit_roundoff(dtype) -> float:
 
 
 @dataclass(frozen=True)
-class Check:
-    ok: bool
-    error: float     # max |actual - expected|
-    bound: float     # the allowed error for this reference
-    ratio: float     # error / bound (inf when bound is 0 and error is not)
+class Divergence:
+    """The one record of a comparison (the verdict's, the assertion message's, the stored results' and
+    the report's), in the spirit of ``torch.testing.assert_close``: which allowance and why, the worst
+    element as a per-dimension index, its absolute and relative error, and the share of elements out
+    of tolerance. Plain floats and tuples only, so it serialises as it is."""
+    atol: float
+    rtol: float
+    derivation: str
+    bound: float               # min(atol + rtol * max|finite expected|, cap)
+    ratio: float               # worst |actual - expected| / bound (inf when bound is 0 and the error is not)
+    index: tuple[int, ...]     # per-dimension index of the worst element
+    flat_index: int            # the same, flat (row-major): what the ZeRO layout locates
+    abs_error: float           # |actual - expected| there
+    rel_error: float           # the greatest |actual - expected| / |expected| over nonzero expected entries
+    rel_index: tuple[int, ...]  # where that greatest relative error is
+    actual: float              # the worst element's values
+    expected: float
+    n_bad: int                 # elements out of tolerance
+    numel: int
+
+    @property
+    def ok(self) -> bool:
+        return self.n_bad == 0
+
+    @property
+    def share_bad(self) -> float:
+        return self.n_bad / self.numel if self.numel else 0.0
+
+    # the names the earlier two-field result used (``error``: the worst absolute error)
+    @property
+    def error(self) -> float:
+        return self.abs_error
+
+    def lines(self) -> list[str]:
+        """assert_close-style text, one fact per line."""
+        return [f"mismatched elements: {self.n_bad} / {self.numel} ({100.0 * self.share_bad:.1f}%)",
+                f"greatest absolute difference: {self.abs_error:.3g} at index {self.index} "
+                f"(actual {self.actual:.9g}, oracle {self.expected:.9g}; up to {self.bound:.3g} allowed, "
+                f"{self.ratio:.3g}x)",
+                f"greatest relative difference: {self.rel_error:.3g} at index {self.rel_index}",
+                f"allowance: atol {self.atol:.3g} + rtol {self.rtol:.3g} * max|oracle|: {self.derivation}"]
+
+
+def _as_array(x):
+    import numpy as np
+
+    if torch.is_tensor(x):
+        x = x.detach().to(torch.float64).cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def compare(actual, expected, allowance: "Allowance", *, keep_map: bool = False):
+    """Compare element-wise under ``allowance``; returns ``(Divergence, ratio map or None)``.
+
+    Identical non-finite entries (the same inf, NaN against NaN) match; any other non-finite entry is
+    an infinite error. The bound is taken over the finite entries of ``expected``."""
+    import numpy as np
+
+    a, e = _as_array(actual), _as_array(expected)
+    if a.shape != e.shape:
+        raise ValueError(f"shape mismatch {a.shape} vs {e.shape}")
+    shape = a.shape
+    a, e = a.reshape(-1), e.reshape(-1)
+    bound = allowance.bound(e)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(a - e)
+    same_nonfinite = ~np.isfinite(a) & ~np.isfinite(e) & ((a == e) | (np.isnan(a) & np.isnan(e)))
+    err = np.where(same_nonfinite, 0.0, err)
+    err = np.where(np.isnan(err), np.inf, err)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = err / bound if bound > 0 else np.where(err > 0, np.inf, 0.0)
+        rel = np.where((e != 0) & np.isfinite(e), err / np.abs(e), np.where(err > 0, np.inf, 0.0))
+    n = int(a.size)
+    worst = int(np.argmax(ratio)) if n else 0
+    wrel = int(np.argmax(rel)) if n else 0
+    unravel = (lambda i: tuple(int(k) for k in np.unravel_index(i, shape)) if shape else ()) if n else (lambda i: ())
+    div = Divergence(atol=float(allowance.atol), rtol=float(allowance.rtol), derivation=allowance.derivation,
+                     bound=float(bound), ratio=float(ratio[worst]) if n else 0.0, index=unravel(worst),
+                     flat_index=worst, abs_error=float(err[worst]) if n else 0.0,
+                     rel_error=float(rel[wrel]) if n else 0.0, rel_index=unravel(wrel),
+                     actual=float(a[worst]) if n else 0.0, expected=float(e[worst]) if n else 0.0,
+                     n_bad=int((ratio > 1.0).sum()), numel=n)
+    return div, (ratio.astype(np.float32) if keep_map else None)
+
+
+Check = Divergence  # the earlier name of the result of ``Allowance.check``
 
 
 @dataclass(frozen=True)
 class Allowance:
+    """The one allowance type: ``max|actual - expected| <= min(atol + rtol * max|expected|, cap)``
+    (module docstring, "Metric"). ``derivation`` says where the numbers come from."""
     atol: float
     rtol: float
     derivation: str
     cap: float = math.inf
 
     def bound(self, expected) -> float:
-        scale = float(torch.as_tensor(expected, dtype=torch.float64).abs().max()) if _numel(expected) else 0.0
+        """The allowed error for this reference, from its finite entries."""
+        import numpy as np
+
+        e = _as_array(expected)
+        finite = e[np.isfinite(e)]
+        scale = float(np.abs(finite).max()) if finite.size else 0.0
         return min(self.atol + self.rtol * scale, self.cap)
 
-    def check(self, actual, expected) -> Check:
-        """Compare; identical non-finite entries (same inf, or NaN vs NaN) match, any other
-        non-finite mismatch is an infinite error."""
-        a = torch.as_tensor(actual, dtype=torch.float64)
-        e = torch.as_tensor(expected, dtype=torch.float64)
-        if a.shape != e.shape:
-            raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(e.shape)}")
-        finite = torch.isfinite(a) & torch.isfinite(e)
-        same_nonfinite = (a == e) | (torch.isnan(a) & torch.isnan(e))
-        if bool((~finite & ~same_nonfinite).any()):
-            err = math.inf
-        else:
-            err = float((a - e)[finite].abs().max()) if bool(finite.any()) else 0.0
-        b = self.bound(e[finite])
-        ratio = err / b if b > 0 else (0.0 if err == 0 else math.inf)
-        return Check(err <= b, err, b, ratio)
+    def check(self, actual, expected) -> Divergence:
+        return compare(actual, expected, self)[0]
 
     def scaled(self, factor: float) -> "Allowance":
         return Allowance(self.atol * factor, self.rtol * factor, self.derivation + f" (x{factor:g})",
                          self.cap * factor if math.isfinite(self.cap) else self.cap)
 
 
-def _numel(x) -> int:
-    return torch.as_tensor(x).numel()
+def grad_term_scale(terms) -> float:
+    """The largest finite ``|g|`` over one parameter's per-(rank, micro-batch) gradients: the addend
+    scale of its reduction (module docstring, "grad"). ``terms``: an iterable of tensors of that one
+    parameter; non-finite terms (an injected overflow) are left out, 0 when none is finite."""
+    scale = 0.0
+    for g in terms:
+        t = torch.as_tensor(g, dtype=torch.float64)
+        if t.numel() and bool(torch.isfinite(t).all()):
+            scale = max(scale, float(t.abs().max()))
+    return scale
 
 
 @dataclass(frozen=True)
@@ -262,7 +358,7 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
                num_heads: Optional[int] = None, ns_inputs_identical: bool = True,
                adam_betas: tuple[float, float] = (0.9, 0.95), grad_term_scale: Optional[float] = None,
                grad_to_momentum: Optional[float] = None, weight_scale: float = 0.0,
-               step_to_weight: float = 1.0, backward_rel_err: float = 0.0,
+               step_to_weight: float = 1.0, backward_rel_err: float = 0.0, backward_term_err: float = 0.0,
                clipping_active: bool = True) -> Allowances:
     """The allowance per quantity for one Muon parameter of ``shape`` (see the module docstring).
 
@@ -284,9 +380,11 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
 
     # -- grad
     rtol_g = (n + 1) * u_g + backward_rel_err
-    atol_g = (n + 1) * u_g * grad_term_scale if grad_term_scale else 0.0
+    atol_g = ((n + 1) * u_g + backward_term_err) * grad_term_scale if grad_term_scale else 0.0
     grad = Allowance(atol_g, rtol_g, f"(W*GAS+1) u_g = ({n}+1)*{u_g:.3g}"
-                     + (f" + backward {backward_rel_err:.3g}" if backward_rel_err else ""))
+                     + (f" + backward {backward_rel_err:.3g}" if backward_rel_err else "")
+                     + (f"; atol ((W*GAS+1) u_g + {backward_term_err:.3g}) * term {grad_term_scale:.3g}"
+                        if grad_term_scale else ""))
 
     # -- momentum
     rho = (1.0 / (1.0 - beta)) if grad_to_momentum is None else grad_to_momentum

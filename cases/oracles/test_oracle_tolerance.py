@@ -198,3 +198,31 @@ def test_modes_order_as_expected():
     assert allowances("exact", steps=5, **kw).master.rtol > allowances("exact", steps=1, **kw).master.rtol
     assert allowances("exact", steps=1, **kw).loss_scale.rtol == 0.0
     assert math.isfinite(allowances("exact", ns_method="standard", **kw).direction.cap)
+
+
+def test_one_record_for_the_verdict_and_the_allowance():
+    """The verdict's comparison (``harness.compare.compare_arrays``) and ``Allowance.check`` are the same
+    function and return the same ``Divergence``: the 10x tests above exercise what the verdict uses."""
+    import numpy as np
+
+    from harness.compare import compare_arrays, describe
+    from oracles import Divergence, compare
+
+    a = Allowance(atol=0.0, rtol=1e-3, derivation="unit test")
+    e = torch.arange(1.0, 13.0, dtype=torch.float64).reshape(3, 4)
+    act = e.clone()
+    act[2, 1] += 0.5  # 0.5 > 1e-3 * 12
+    act[0, 0] = float("nan")
+    rec = a.check(act, e)
+    assert isinstance(rec, Divergence) and not rec.ok
+    chk = compare_arrays("c", "p", "q", 1, act.numpy(), e.numpy(), a)
+    from dataclasses import astuple
+
+    assert repr(astuple(chk.record)) == repr(astuple(rec)) == repr(astuple(compare(act, e, a)[0]))  # NaN-safe
+    assert rec.index == (0, 0) and rec.flat_index == 0 and rec.abs_error == math.inf  # NaN: infinitely wrong
+    assert rec.n_bad == 2 and rec.numel == 12 and rec.share_bad == 2 / 12
+    assert rec.rel_index == (0, 0) and rec.bound == 1e-3 * 12 and rec.derivation == "unit test"
+    text = describe(chk, "rerun")
+    assert "element (0, 0)" in text and "2 of 12 elements" in text and "unit test" in text
+    ok = a.check(e + 1e-3, e)
+    assert ok.ok and ok.rel_index and np.isclose(ok.rel_error, 1e-3)

@@ -68,9 +68,13 @@ def test_resume_equals_uninterrupted(case, column, pool_manager, seed):
         pytest.fail(resumed.message, pytrace=False)
     diffs = _differences(resumed.trajectory, straight.trajectory, case.checkpoint_at)
     msg = "\n".join(f"  step {s} {n} {q}: max |resumed - uninterrupted| = {e:.3g}" for s, n, q, e in diffs[:12])
-    if diffs or resumed.status != "passed":
-        text = (f"{case.name}: resume after step {case.checkpoint_at} differs from the uninterrupted run\n{msg}\n"
-                + (resumed.message if resumed.status != "passed" else ""))
-        if resumed.bug_ids:
-            raise KnownBugDivergence(text)
-        pytest.fail(text, pytrace=False)
+    # The gate's decision, unchanged: only a case it xfailed (a registered bug that showed, and matched
+    # its model or is excused by name) is an expected failure; a failed or xpassed one is not.
+    if resumed.status in ("failed", "error"):
+        pytest.fail(resumed.message, pytrace=False)
+    if resumed.status == "xfailed":
+        raise KnownBugDivergence(resumed.message)
+    if diffs:
+        pytest.fail(f"{case.name}: resume after step {case.checkpoint_at} differs from the uninterrupted run\n{msg}",
+                    pytrace=False)
+    # passed, or xpassed (strict xfail turns that into a failure)
