@@ -11,6 +11,9 @@ from harness import buildenv
 
 
 def install_process_caches() -> None:
+    from harness import device
+
+    device.install_cpu_fp16_standin()
     try:
         import cpuinfo
     except ImportError:
