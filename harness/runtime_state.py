@@ -14,6 +14,9 @@ def install_process_caches() -> None:
     import cpuinfo
     import cpuinfo.cpuinfo as inner
 
+    from harness import device
+
+    device.install_cpu_fp16_standin()
     path = buildenv.cpuinfo_cache()
     if path.exists():
         info = json.loads(path.read_text())
