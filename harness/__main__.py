@@ -65,13 +65,13 @@ def main(argv=None) -> int:
     if args.cmd == "check":
         return check_cli.run_check(args)
     if args.cmd == "gate":
-        from harness.gate import run_gate
+        from harness.main_job import run_gate
 
         return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
                         mutate=not args.no_mutate)
     if args.cmd == "run":
         from harness.case import Case
-        from harness.gate import run_single
+        from harness.main_job import run_single
 
         text = args.case if args.case is not None else open(args.case_file).read()
         try:

@@ -543,7 +543,7 @@ class CheckResult:
 def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out: _Out) -> CheckResult:
     """Run a validated plan (stock, and patched when asked), write the report, return the result.
     Progress goes to ``out`` as it happens; the summary is the result's to render."""
-    from harness.gate import environment
+    from harness.main_job import environment
     from harness.verdict import reproduce_command
 
     bugs = known_bug_info(plan.case)

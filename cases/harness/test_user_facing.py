@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import gate, warmup
+from harness import gate, main_job, warmup
 from harness.case import Case
 from harness.scenarios import pipeline_case
 
@@ -160,11 +160,11 @@ def test_run_gate_drops_each_outcome_before_the_next(monkeypatch, tmp_path):
         return gate.Outcome(case=case, column=column, status="failed", bug_ids=[], message=f"{case.name} diverged",
                             seconds=0.0, trajectory=blob)
 
-    monkeypatch.setattr(gate, "evaluate", fake_evaluate)
+    monkeypatch.setattr(main_job, "evaluate", fake_evaluate)
     monkeypatch.setattr("harness.matrix.gate_cases", lambda full: cases)
-    monkeypatch.setattr(gate, "PoolManager", lambda: types.SimpleNamespace(close=lambda: None))
-    monkeypatch.setattr(gate, "_render", lambda *a, **k: None)
-    rc = gate.run_gate(report=str(tmp_path / "gate.html"), quiet=True, mutate=False)
+    monkeypatch.setattr(main_job, "PoolManager", lambda: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(main_job, "_render", lambda *a, **k: None)
+    rc = main_job.run_gate(report=str(tmp_path / "gate.html"), quiet=True, mutate=False)
     assert rc == 1
     assert len(leaked) == 2 * len(cases)
     assert max(leaked) == 0, leaked
