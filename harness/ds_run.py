@@ -356,7 +356,9 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
 
             engine, named = build_engine(case, workdir / "nvme", variant=0)
             t_built = time.perf_counter()
-            recorder.set_params(named.items())
+            if recorder.count:
+                notes.append(f"muon_update ran {recorder.count} times inside deepspeed.initialize")
+            recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
             info = capture.path_info(engine)
             init_w, init_r = swap.reset()
             if init_w or init_r:
@@ -423,7 +425,7 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                     # A fresh engine on a model with a *different* init, and (for NVMe) a fresh swap
                     # folder, so a load that restores nothing shows up in the next step.
                     engine, named = build_engine(case, workdir / "nvme-resumed", variant=1)
-                    recorder.set_params(named.items())
+                    recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
                     info = capture.path_info(engine)
                     engine.load_checkpoint(str(ckpt), tag=tag)
                     w, r = swap.reset()

@@ -125,9 +125,46 @@ def compiled_cases(full: bool = False) -> list[Case]:
             for st, off, dt in combos]
 
 
+def stage0_cases(full: bool = False) -> list[Case]:
+    """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
+    (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
+    matrix. CI: dtype x world size with the knobs cycling (clipping and per-head excluded there:
+    see ``stage0_knob_cases``); ``--full``: the product with gradient accumulation and ns_method."""
+    out = []
+    grid = list(itertools.product(DTYPES, WORLD_SIZES))
+    if full:
+        for (dt, ws), (ga, ns) in itertools.product(grid, itertools.product((1, 2), ("gram", "standard"))):
+            out.append(_case(0, "none", dt, ws, grad_accum=ga, ns_method=ns))
+        return out
+    for i, (dt, ws) in enumerate(grid):
+        k = _knobs(i)
+        out.append(_case(0, "none", dt, ws, grad_accum=k["grad_accum"], ns_method=k["ns_method"]))
+    return out
+
+
+# Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
+GROUPS = (
+    ("stage0", lambda n: n.startswith("z0-")),
+    ("nvme", lambda n: "-nvme-" in n),
+    ("inmem", lambda n: n.endswith("-inmem")),
+    ("overflow", lambda n: n.endswith("-overflow")),
+    ("growth", lambda n: n.endswith("-growth")),
+    ("resume", lambda n: "-resume" in n),
+    ("compiled", lambda n: n.endswith("-compiled")),
+)
+
+
+def group_of(name: str) -> str:
+    """The path group of a gate case (for the gate's time per group), from its name."""
+    for group, match in GROUPS:
+        if match(name):
+            return group
+    return "base"
+
+
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full))
+             + growth_cases(full) + stage0_cases(full))
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
