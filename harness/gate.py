@@ -148,7 +148,7 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
 def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
              quiet: bool = False, mutate: bool = True) -> int:
     from harness import results
-    from harness.matrix import gate_cases
+    from harness.matrix import gate_cases, group_of
 
     cases = [c.replace(seed=seed) for c in gate_cases(full) if not only or only in c.name]
     cols = columns()
@@ -161,6 +161,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     store = results.ResultStore(results_dir, writer="gate")
     manager = PoolManager()
     counts: dict[str, int] = {}
+    group_time: dict[str, tuple[int, float]] = {}  # path group -> (case runs, seconds), both columns
     bad = []
     t0 = time.perf_counter()
     try:
@@ -170,6 +171,9 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
             for case in cases:
                 n += 1
                 o = evaluate(case, col, manager)
+                g = group_of(case.name)
+                n_g, s_g = group_time.get(g, (0, 0.0))
+                group_time[g] = (n_g + 1, s_g + o.seconds)
                 record(store, o)
                 counts[o.status] = counts.get(o.status, 0) + 1
                 if o.status in ("failed", "error", "xpassed"):
@@ -197,6 +201,8 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     rendered = _render(results_dir, report_path, extra)
     print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    print("time per group (case runs over all columns, seconds): " + ", ".join(
+        f"{g} {n}/{sec:.0f}s" for g, (n, sec) in sorted(group_time.items(), key=lambda kv: -kv[1][1])))
     for o in bad:
         print("\n" + o.message)
     print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))

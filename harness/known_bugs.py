@@ -110,12 +110,22 @@ def _wrap_muon_update(body):
     from deepspeed.runtime.zero.muon import original_muon
 
     def install():
-        cur = original_muon.muon_update
+        from deepspeed.runtime.zero.muon import muon_optimizer
 
-        def muon_update(*args, **kwargs):
-            return body(cur, _bind(args, kwargs))
+        undos = []
+        # Without ZeRO, MuonWithAuxAdam.step calls the binding muon_optimizer took at import.
+        for mod in (original_muon, muon_optimizer):
+            cur = mod.muon_update
 
-        _, undo = _setattr(original_muon, "muon_update", muon_update)
+            def muon_update(*args, _cur=cur, **kwargs):
+                return body(_cur, _bind(args, kwargs))
+
+            undos.append(_setattr(mod, "muon_update", muon_update)[1])
+
+        def undo():
+            for u in reversed(undos):
+                u()
+
         return undo
 
     return install
@@ -398,6 +408,18 @@ def _install_weight_decay_twice():
     return _setattr(MuonWithAuxAdam, "step", step)[1]
 
 
+def _install_muon_as_sgd():
+    """Without ZeRO, ``MuonWithAuxAdam.step`` takes every Muon weight for an already-orthogonalised flat
+    ZeRO partition (its ``p.dim() < 2`` branch): the raw gradient is the update, no momentum, no
+    Newton-Schulz -- plain SGD. The ZeRO paths call ``original_muon`` and are untouched."""
+    from deepspeed.runtime.zero.muon import muon_optimizer
+
+    def muon_update(grad, momentum, *args, **kwargs):
+        return grad
+
+    return _setattr(muon_optimizer, "muon_update", muon_update)[1]
+
+
 def _install_stale_momentum():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -518,7 +540,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "The global norm (clip coefficient and reported norm) is taken over the Adam gradients only, "
            "leaving out the Muon updates.",
            _install_norm_excludes_muon,
-           lambda c: bool(_muon(c)),
+           lambda c: bool(_muon(c)) and c.stage != 0,  # stage 0 has no ZeRO norm routine to break
            "plausible: the wrong norm"),
     Mutant("fp16-momentum",
            "The Muon momentum is stored in fp16 whatever the model dtype.",
@@ -581,6 +603,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            _wrap_method((0, 1), "_muon_update_lacks_loss_scale", _make_not_rescaled),
            lambda c: c.offload == "none" and c.dtype == "fp16" and bool(_muon(c)),
            "groups_lacking_loss_scale (stage_1_and_2.py / stage3.py) removed"),
+    Mutant("muon-as-sgd-without-zero",
+           "Without ZeRO (stage 0) Muon weights take the flat-partition branch of MuonWithAuxAdam.step: the raw "
+           "gradient is the update (no momentum, no Newton-Schulz), i.e. plain SGD.",
+           _install_muon_as_sgd,
+           lambda c: c.stage == 0 and bool(_muon(c)),
+           "historical: Muon turned into SGD without ZeRO (the p.dim() < 2 test in muon_optimizer.py)"),
 )}
 
 
@@ -596,7 +624,7 @@ def install(name: str) -> Callable[[], None]:
 
 
 def default_kill_cases() -> list[Case]:
-    """Six small cases (world size 1-2) that together kill every mutant."""
+    """Seven small cases (world size 1-2) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
 
     heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
@@ -607,6 +635,7 @@ def default_kill_cases() -> list[Case]:
         pipeline_case(2, "cpu", "fp16", 2, steps=3),
         pipeline_case(3, "cpu", "bf16", 2, steps=3),
         pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
+        pipeline_case(0, "none", "fp32", 2, steps=3),  # stage 0: no ZeRO optimizer at all
     ]
     out = []
     for c in cases:
