@@ -97,3 +97,8 @@ def test_overflow_skips_step(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", _suite(matrix.growth_cases))
 def test_loss_scale_growth(case, column, pool_manager, seed, request):
     _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.stage0_cases))
+def test_stage0(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)
