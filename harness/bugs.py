@@ -312,7 +312,7 @@ BUGS: tuple[Bug, ...] = (
         symptom="Without offload ZeRO-3 keeps one muon_ns_method, overwritten by every Muon param group in "
                 "turn, so all Muon sub-groups use the last group's method (momentum differing per group "
                 "raises instead). Offload and ZeRO-1/2 honour each group's value.",
-        trigger=lambda c: False,  # a Case has one Muon param group; see reproducer
+        trigger=lambda c: c.stage == 3 and c.offload == "none" and len(_muon_group_ns_methods(c)) > 1,
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         where="stage3.py _create_fp16_partitions_with_defragmentation (:919-933), _muon_update_sub_group (:1758)",
         fix="z3-per-group-ns-method",
@@ -455,6 +455,13 @@ BUGS: tuple[Bug, ...] = (
         reproducer="pipeline_case(0, 'none', 'bf16', 2, steps=3)",
     ),
 )
+
+
+def _muon_group_ns_methods(c: Case) -> set:
+    """The ns_method of each user param group holding a Muon parameter (its own, else the config's)."""
+    default = c.config.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
+    return {g.ns_method or default for g in getattr(c, "groups", ())
+            if any(_is_muon(p) for p in c.params if p.name in g.params)}
 
 
 def _z0_unfused(c: Case) -> bool:

@@ -249,7 +249,7 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
 
     _reset_zero3_param_ids()
     model = model_mod.build_model(case, variant=variant)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(case, model),
                                            config=rank_config(case, nvme_dir))
     named = dict(engine.module.named_parameters())
     for ps in case.params:
@@ -261,6 +261,15 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
             p.muon_num_heads = ps.num_heads
             p.muon_head_dim = ps.shape[0] // ps.num_heads
     return engine, named
+
+
+def model_parameters(case: Case, model):
+    """What the case hands ``deepspeed.initialize`` as ``model_parameters``: the user's param groups
+    (``case.groups``, each a dict of its parameters and its own settings) or ``model.parameters()``."""
+    if not case.groups:
+        return model.parameters()
+    named = dict(model.named_parameters())
+    return [{"params": [named[n] for n in g.params], **g.options()} for g in case.groups]
 
 
 def destroy_engine(engine) -> None:

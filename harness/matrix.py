@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 
-from harness.case import Case, Overflow, ParamShape
+from harness.case import Case, Overflow, ParamGroup, ParamShape
 from harness.scenarios import TINY_PARAMS, nvme_params, pipeline_case
 
 STAGES = (1, 2, 3)
@@ -142,8 +142,40 @@ def stage0_cases(full: bool = False) -> list[Case]:
     return out
 
 
+GROUP_WD = 0.05  # the config's weight decay in the param-group cases: non-zero on every stage and offload
+
+
+def user_groups(stage: int, offload: str, use_muon_override: bool = False) -> tuple[ParamGroup, ...]:
+    """Two param groups as a training recipe writes them: the first with its own lr, weight decay,
+    momentum and ns_method; the second with the config's values (GROUP_WD decay). ZeRO-3 (any offload) keeps
+    one momentum for all Muon groups and refuses differing ones with a clear ValueError
+    (``stage3.py _create_fp16_partitions_with_defragmentation``), so there the first group leaves
+    momentum alone. ``use_muon_override``: the second group asks for
+    Adam on its matrix (``use_muon: False``)."""
+    first = ParamGroup(("layer0.weight", "layer0.bias"), lr=0.03, weight_decay=0.1, ns_method="standard",
+                       momentum=None if stage == 3 else 0.9)
+    second = ParamGroup(("layer1.weight", "layer1.bias"), use_muon=False if use_muon_override else None)
+    return first, second
+
+
+def groups_cases(full: bool = False) -> list[Case]:
+    """Several user param groups (``Case.groups``) with per-group lr / momentum / weight_decay /
+    ns_method, weight decay on: every stage x offload none/cpu at W=2 in CI (dtype cycling); ``--full``
+    adds every dtype and world size."""
+    out = []
+    combos = [(0, "none")] + [(st, off) for st in STAGES for off in ("none", "cpu")]
+    for i, (st, off) in enumerate(combos):
+        dts = DTYPES if full else (DTYPES[i % 3],)
+        wss = WORLD_SIZES if full else (2,)
+        for dt, ws in itertools.product(dts, wss):
+            c = _case(st, off, dt, ws, weight_decay=GROUP_WD, suffix="-groups")
+            out.append(c.replace(groups=user_groups(st, off)))
+    return out
+
+
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
+    ("groups", lambda n: n.endswith("-groups")),
     ("stage0", lambda n: n.startswith("z0-")),
     ("nvme", lambda n: "-nvme-" in n),
     ("inmem", lambda n: n.endswith("-inmem")),
@@ -164,7 +196,7 @@ def group_of(name: str) -> str:
 
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full) + stage0_cases(full))
+             + growth_cases(full) + stage0_cases(full) + groups_cases(full))
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

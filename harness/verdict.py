@@ -67,6 +67,7 @@ def step_config(case: Case) -> oracles.StepConfig:
                 consecutive_hysteresis=f.get("consecutive_hysteresis", False),
                 min_loss_scale=f.get("min_loss_scale", 1.0))
     specs = tuple(oracles.ParamSpec.deepspeed_tagged(p.name, p.shape, p.num_heads) for p in case.params)
+    specs, param_hyper = _user_groups(case, specs)
     betas = tuple(opt.get("betas", (0.9, 0.95)))
     sc = oracles.StepConfig(
         params=specs, muon_lr=float(muon_lr), adam_lr=float(adam_lr), momentum=float(opt.get("momentum", 0.95)),
@@ -75,14 +76,50 @@ def step_config(case: Case) -> oracles.StepConfig:
         adam_w_mode=bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True))),
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
         gradient_accumulation_steps=case.grad_accum, world_size=case.world_size, model_dtype=case.dtype,
-        loss_scaler=scaler)
+        loss_scaler=scaler, param_hyper=param_hyper)
     for hook in ORACLE_HOOKS.values():
         sc = hook(sc)
     return sc
 
 
+# Which of a user group's settings reach which half (DeepSpeed's documented split: Muon takes lr,
+# momentum, weight_decay, ns_method; the auxiliary Adam lr, weight_decay).
+_HALF_KEYS = {True: ("lr", "momentum", "weight_decay", "ns_method"), False: ("lr", "weight_decay")}
+
+
+def _user_groups(case: Case, specs: tuple) -> tuple[tuple, tuple]:
+    """The case's own param groups (``case.groups``) as the oracle reads them: a group's ``use_muon``
+    decides the half of its parameters (the user's intent), its other settings override the config's
+    for the keys of that half. Returns (specs, ``StepConfig.param_hyper``)."""
+    if not case.groups:
+        return specs, ()
+    by_name = {s.name: s for s in specs}
+    out_specs, hyper = [], []
+    for g in case.groups:
+        for n in g.params:
+            sp = by_name[n]
+            if g.use_muon is not None and g.use_muon != sp.use_muon:
+                sp = oracles.ParamSpec(sp.name, sp.shape, bool(g.use_muon), sp.num_heads if g.use_muon else None)
+            by_name[n] = sp
+            items = tuple((k, v) for k, v in g.options().items() if k in _HALF_KEYS[sp.use_muon])
+            if items:
+                hyper.append((n, items))
+    return tuple(by_name[s.name] for s in specs), tuple(hyper)
+
+
+def _spec_groups(case: Case, sc: oracles.StepConfig) -> list:
+    """DeepSpeed's optimizer groups: each user group split into its Muon and Adam halves, in order."""
+    if not case.groups:
+        return oracles.ds_param_groups(sc.params)
+    spec = {p.name: p for p in sc.params}
+    out = []
+    for g in case.groups:
+        out.extend(oracles.ds_param_groups([spec[n] for n in g.params]))
+    return out
+
+
 def layout_for(case: Case, sc: oracles.StepConfig):
-    groups = oracles.ds_param_groups(sc.params)
+    groups = _spec_groups(case, sc)
     zero = case.config.get("zero_optimization", {})
     if case.stage == 3:
         return oracles.zero3_layout(groups, case.world_size, sub_group_size=zero.get("sub_group_size"))
@@ -196,6 +233,9 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     grad_store = "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
     state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
     n_muon_calls = expected_muon_calls(case, sc, layout)
+    # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
+    ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
+    ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
 
     def add(param, quantity, step, actual, expected, allowance):
         verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, Allowed.of(allowance),
@@ -236,7 +276,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                                        # the two terms of a matrix loss.
                                        grad_term_scale=term * (1.0 + 8.0 * oracles.unit_roundoff(case.dtype)
                                                                / max(oracles.unit_roundoff(grad_store), 1e-300)),
-                                       ns_method=sc.ns_method)
+                                       ns_method=ns_of[n])
                 add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a.grad)
 
         new_state, orec = oracles.oracle_step(state, feed_grads, sc, conv, ns_mode=ns_mode)
@@ -249,7 +289,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=max((p.shape for p in sc.params if p.use_muon),
                                                                            key=lambda sh: math.prod(sh), default=(1, 1)),
-                                   world_size=W, gas=GAS, ns_method=sc.ns_method, grad_dtype=grad_store,
+                                   world_size=W, gas=GAS, ns_method=ns_norm, grad_dtype=grad_store,
                                    momentum_dtype="fp32")
             add("<step>", "global_norm", s, [rec.global_norm], [orec.global_norm], a.norm)
         if not orec.skipped:
@@ -264,7 +304,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             # exactly (a power-of-two unscale), so no gradient error enters: grad_dtype="fp64". What
             # remains is fp32 storage of the momentum and masters, and Newton-Schulz.
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape),
-                                   world_size=W, gas=GAS, ns_method=sc.ns_method, grad_dtype="fp64",
+                                   world_size=W, gas=GAS, ns_method=ns_of[n], grad_dtype="fp64",
                                    momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                                    clipping_active=sc.gradient_clipping > 0)
