@@ -420,6 +420,20 @@ def _install_muon_as_sgd():
     return _setattr(muon_optimizer, "muon_update", muon_update)[1]
 
 
+def _install_groups_flattened():
+    """The user's param groups are flattened into one list before Muon builds its halves, so every
+    group's own lr / momentum / weight_decay / ns_method is silently replaced by the config's."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["_muon_param_groups"].__func__
+
+    def _muon_param_groups(model_parameters, optimizer_parameters):
+        flat = [p for item in model_parameters for p in (item["params"] if isinstance(item, dict) else [item])]
+        return cur(flat, optimizer_parameters)
+
+    return _setattr(DeepSpeedEngine, "_muon_param_groups", staticmethod(_muon_param_groups))[1]
+
+
 def _install_stale_momentum():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -461,9 +475,17 @@ def _muon(c: Case):
     return [p for p in c.params if _is_muon(p)]
 
 
-def _z12_layout(c: Case):
-    """[(param, lo, hi)] of the ZeRO-1/2 Muon group's flat layout and the partition size (no alignment)."""
-    muon = sorted(_muon(c), key=lambda p: tuple(p.shape), reverse=True)
+def _muon_groups(c: Case) -> list[list[ParamShape]]:
+    """The Muon half of each user param group (one group when the case has none)."""
+    if not c.groups:
+        return [_muon(c)]
+    by_name = {p.name: p for p in _muon(c)}
+    return [[by_name[n] for n in g.params if n in by_name] for g in c.groups]
+
+
+def _z12_layout(c: Case, muon=None):
+    """[(param, lo, hi)] of a ZeRO-1/2 Muon group's flat layout and the partition size (no alignment)."""
+    muon = sorted(_muon(c) if muon is None else muon, key=lambda p: tuple(p.shape), reverse=True)
     total = sum(p.numel for p in muon)
     align = 2 * c.world_size
     P = math.ceil(total / align) * align // c.world_size
@@ -477,14 +499,20 @@ def _z12_layout(c: Case):
 def _z12_straddles(c: Case) -> bool:
     if c.world_size < 2:
         return False
-    layout, P, _ = _z12_layout(c)
-    return any(lo // P != (hi - 1) // P for _, lo, hi in layout)
+    for muon in _muon_groups(c):
+        layout, P, _ = _z12_layout(c, muon)
+        if any(lo // P != (hi - 1) // P for _, lo, hi in layout):
+            return True
+    return False
 
 
 def _z12_padded_tail(c: Case) -> bool:
     W = c.world_size
-    layout, P, total = _z12_layout(c)
-    return W > 1 and P * W > total and any(p.numel % W and hi > (W - 1) * P for p, lo, hi in layout)
+    for muon in _muon_groups(c):
+        layout, P, total = _z12_layout(c, muon)
+        if W > 1 and P * W > total and any(p.numel % W and hi > (W - 1) * P for p, lo, hi in layout):
+            return True
+    return False
 
 
 def _z3_padded_tail(c: Case) -> bool:
@@ -609,6 +637,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            _install_muon_as_sgd,
            lambda c: c.stage == 0 and bool(_muon(c)),
            "historical: Muon turned into SGD without ZeRO (the p.dim() < 2 test in muon_optimizer.py)"),
+    Mutant("param-groups-flattened",
+           "The user's param groups are flattened into one list before the Muon/Adam split: every group's own "
+           "lr, momentum, weight_decay and ns_method is replaced by the config's.",
+           _install_groups_flattened,
+           lambda c: any(g.options() for g in c.groups),
+           "historical: engine.py _muon_param_groups docstring (groups flattened, recipes' no-decay groups ignored)"),
 )}
 
 
@@ -623,8 +657,17 @@ def install(name: str) -> Callable[[], None]:
 # kill matrix
 
 
+def _groups_kill_case() -> Case:
+    """ZeRO-2 with the user's param groups (harness.matrix.user_groups) and weight decay on."""
+    from harness.matrix import GROUP_WD, user_groups
+    from harness.scenarios import pipeline_case
+
+    c = pipeline_case(2, "none", "fp32", 2, steps=3, weight_decay=GROUP_WD)
+    return c.replace(name=c.name + "-groups", groups=user_groups(2, "none"))
+
+
 def default_kill_cases() -> list[Case]:
-    """Seven small cases (world size 1-2) that together kill every mutant."""
+    """Eight small cases (world size 1-2) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
 
     heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
@@ -636,11 +679,12 @@ def default_kill_cases() -> list[Case]:
         pipeline_case(3, "cpu", "bf16", 2, steps=3),
         pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
         pipeline_case(0, "none", "fp32", 2, steps=3),  # stage 0: no ZeRO optimizer at all
+        _groups_kill_case(),
     ]
     out = []
     for c in cases:
         extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
-                ("-wd" if _wd(c) else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
+                ("-wd" if _wd(c) and not c.groups else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
         out.append(c.replace(name=c.name + extra))
     return out
 
