@@ -145,16 +145,15 @@ def stage0_cases(full: bool = False) -> list[Case]:
 GROUP_WD = 0.05  # the config's weight decay in the param-group cases: non-zero on every stage and offload
 
 
-def user_groups(stage: int, offload: str, use_muon_override: bool = False) -> tuple[ParamGroup, ...]:
+def user_groups(stage: int, offload: str) -> tuple[ParamGroup, ...]:
     """Two param groups as a training recipe writes them: the first with its own lr, weight decay,
     momentum and ns_method; the second with the config's values (GROUP_WD decay). ZeRO-3 (any offload) keeps
     one momentum for all Muon groups and refuses differing ones with a clear ValueError
     (``stage3.py _create_fp16_partitions_with_defragmentation``), so there the first group leaves
-    momentum alone. ``use_muon_override``: the second group asks for
-    Adam on its matrix (``use_muon: False``)."""
+    momentum alone."""
     first = ParamGroup(("layer0.weight", "layer0.bias"), lr=0.03, weight_decay=0.1, ns_method="standard",
                        momentum=None if stage == 3 else 0.9)
-    second = ParamGroup(("layer1.weight", "layer1.bias"), use_muon=False if use_muon_override else None)
+    second = ParamGroup(("layer1.weight", "layer1.bias"))
     return first, second
 
 

@@ -102,3 +102,8 @@ def test_loss_scale_growth(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", _suite(matrix.stage0_cases))
 def test_stage0(case, column, pool_manager, seed, request):
     _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.groups_cases))
+def test_param_groups(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)
