@@ -795,6 +795,15 @@ class PreStep:
 
     loss_scale: float
     adam_grads: dict  # reference: name -> np (rank 0 only meaningful); coalesced: name -> this rank's piece
+    group_lr: dict = field(default_factory=dict)  # param-group name -> lr, as the step will read it
+
+
+def group_lrs(engine) -> dict:
+    """The lr of every param group of the optimizer Muon and Adam step with (``basic_optimizer``, whose
+    groups every ZeRO / fp16 wrapper shares), read before the boundary ``step()``: what the step uses.
+    Keyed by the group's ``name`` (DeepSpeed names each Muon/Adam half, ``engine.py _muon_param_groups``)."""
+    opt = engine.basic_optimizer  # INTERNAL: the MuonWithAuxAdam the engine built
+    return {str(g.get("name", i)): float(g["lr"]) for i, g in enumerate(opt.param_groups)}
 
 
 def loss_scale_of(engine) -> float:
@@ -892,6 +901,7 @@ def read_step(engine, case, step: int, rank: int, *, named: dict, id_to_name: di
         # rank 0's values are the record's
         "step": step, "skipped": skipped, "scale_after": scale_after, "gn": gn,
         "loss_scale": pre.loss_scale, "kind": info.kind, "muon_true_units": info.muon_true_units,
+        "group_lr": dict(pre.group_lr),
         "muon_names": frozenset(n for n, p in named.items() if getattr(p, "use_muon", False)),
         # pieces
         "adam": pre.adam_grads,
@@ -920,7 +930,7 @@ def assemble_step(case, gathered: list[dict]) -> StepRecord:
     return _build_record(case, gathered, step=step, kind=r0["kind"], muon_true_units=r0["muon_true_units"],
                          muon_names=r0["muon_names"], S=r0["loss_scale"], adam_grads=adam, masters=masters,
                          model_w=model_w, mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=r0["skipped"],
-                         scale_after=r0["scale_after"], gn=r0["gn"])
+                         scale_after=r0["scale_after"], gn=r0["gn"], group_lr=r0.get("group_lr", {}))
 
 
 def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: dict, id_to_name: dict,
@@ -964,12 +974,13 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
     return _build_record(case, gathered, step=step, kind=info.kind, muon_true_units=info.muon_true_units,
                          muon_names={n for n, p in named.items() if getattr(p, "use_muon", False)},
                          S=pre.loss_scale, adam_grads=pre.adam_grads, masters=masters, model_w=model_w,
-                         mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=skipped, scale_after=scale_after, gn=gn)
+                         mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=skipped, scale_after=scale_after, gn=gn,
+                         group_lr=pre.group_lr)
 
 
 def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true_units: bool, muon_names,
                   S: float, adam_grads: dict, masters: dict, model_w: dict, mom_full: dict, mom_dtypes: dict,
-                  skipped: bool, scale_after: float, gn) -> StepRecord:
+                  skipped: bool, scale_after: float, gn, group_lr: dict | None = None) -> StepRecord:
     """Rank 0, both modes: the StepRecord from the full values and every rank's calls/fragments."""
     notes = []
     muon_scale = 1.0 if muon_true_units else S
@@ -1052,5 +1063,6 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
         losses=[x for loc in gathered for x in loc["losses"]],
         muon_calls_per_rank=[loc["ncalls"] for loc in gathered],
         notes=notes,
+        group_lr=dict(group_lr or {}),
     )
     return rec

@@ -90,8 +90,25 @@ class Case:
     grad_cond: float = 1.0  # X's columns scaled from 1 down to 1/grad_cond (ill-conditioned data term)
     # The user's param groups (model_parameters); empty: model.parameters(), one group.
     groups: tuple[ParamGroup, ...] = ()
+    # A torch LR scheduler passed to deepspeed.initialize (lr_scheduler=), as JSON text
+    # '{"type": "StepLR", "params": {...}}'; a config scheduler lives in ds_config["scheduler"].
+    client_scheduler: str | None = None
+
+    @property
+    def schedule(self) -> dict | None:
+        """The lr schedule the run uses: the client scheduler, else the config's ``scheduler``."""
+        if self.client_scheduler:
+            return json.loads(self.client_scheduler)
+        return self.config.get("scheduler")
 
     def __post_init__(self):
+        if self.schedule:
+            from oracles.schedules import validate
+
+            try:
+                validate(self.schedule)
+            except ValueError as e:
+                raise ValueError(f"case {self.name!r}: {e}") from None
         if self.groups:
             names = [p.name for p in self.params]
             listed = [n for g in self.groups for n in g.params]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 
-from harness.case import Case, Overflow, ParamGroup, ParamShape
+from harness.case import Case, Overflow, ParamGroup, ParamShape, canonical_json
 from harness.scenarios import TINY_PARAMS, nvme_params, pipeline_case
 
 STAGES = (1, 2, 3)
@@ -172,8 +172,55 @@ def groups_cases(full: bool = False) -> list[Case]:
     return out
 
 
+# lr schedules (4 steps: warm-up, then decay): three from the config, one torch scheduler passed to
+# deepspeed.initialize. WarmupLR without warmup_max_lr warms each group up to its own lr (muon_lr,
+# adam_lr); the others use one lr (WarmupDecayLR) or scale each group's own (cosine, StepLR).
+SCHEDULES = {
+    "warmup": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_num_steps": 3,
+                                              "warmup_type": "linear"}},
+    "decay": {"type": "WarmupDecayLR", "params": {"total_num_steps": 4, "warmup_min_lr": 0.001,
+                                                  "warmup_max_lr": 0.01, "warmup_num_steps": 2}},
+    "cosine": {"type": "WarmupCosineLR", "params": {"total_num_steps": 4, "warmup_num_steps": 2,
+                                                    "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01,
+                                                    "warmup_type": "linear"}},
+    "torch": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}},  # client scheduler
+}
+SCHEDULE_STEPS = 4
+
+
+def scheduled(c: Case, key: str) -> Case:
+    """``c`` under lr schedule ``key`` (SCHEDULES): in its config, or passed to initialize for "torch"."""
+    sched = SCHEDULES[key]
+    name = c.name + f"-sched-{key}"
+    if key == "torch":
+        return c.replace(name=name, client_scheduler=canonical_json(sched))
+    return c.replace(name=name, ds_config=canonical_json({**c.config, "scheduler": sched}))
+
+
+def schedule_cases(full: bool = False) -> list[Case]:
+    """Each schedule on two (stage, offload, dtype) paths in CI, covering stages 0-3, offload none/cpu
+    and every dtype; ``--full``: every schedule x stage x offload x dtype at W=2, plus W 1 and 3 in fp32."""
+    ci = {
+        "warmup": [(0, "none", "fp32"), (3, "cpu", "bf16")],
+        "decay": [(1, "none", "fp32"), (2, "cpu", "fp16")],
+        "cosine": [(2, "none", "bf16"), (3, "none", "fp32")],
+        "torch": [(1, "cpu", "fp32"), (3, "none", "fp16")],
+    }
+    out = []
+    for key in SCHEDULES:
+        if full:
+            combos = [(st, off, dt, ws) for st, off in [(0, "none")] + [(s_, o) for s_ in STAGES for o in ("none", "cpu")]
+                      for dt in DTYPES for ws in ((1, 2, 3) if dt == "fp32" else (2,))]
+        else:
+            combos = [(st, off, dt, 2) for st, off, dt in ci[key]]
+        for st, off, dt, ws in combos:
+            out.append(scheduled(_case(st, off, dt, ws, steps=SCHEDULE_STEPS), key))
+    return out
+
+
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
+    ("schedules", lambda n: "-sched-" in n),
     ("groups", lambda n: n.endswith("-groups")),
     ("stage0", lambda n: n.startswith("z0-")),
     ("nvme", lambda n: "-nvme-" in n),
@@ -195,7 +242,7 @@ def group_of(name: str) -> str:
 
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full) + stage0_cases(full) + groups_cases(full))
+             + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full))
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

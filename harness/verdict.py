@@ -23,6 +23,7 @@ import torch
 
 import oracles
 from harness import model as model_mod
+from oracles import schedules
 from harness.case import Case
 from harness.compare import Allowed, Check, LayoutView, compare_arrays, describe, first_divergence
 from harness.trajectory import Trajectory
@@ -47,8 +48,12 @@ def comparison_mode(case: Case) -> str:
     return "emulated"
 
 
-def step_config(case: Case) -> oracles.StepConfig:
-    """The oracle's reading of the case's DeepSpeed config (semantics doc 1.2 for the lr routing)."""
+def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
+    """The oracle's reading of the case's DeepSpeed config (semantics doc 1.2 for the lr routing).
+
+    ``applied``: the number of optimizer steps applied before the step being configured; with an lr
+    schedule (``case.schedule``) every parameter's lr is then the schedule's value for its group
+    (``oracles.schedules``), from the group's configured lr. None: the configured lrs."""
     cfg = case.config
     opt = cfg.get("optimizer", {}).get("params", {})
     shared_lr = opt.get("lr")
@@ -77,9 +82,36 @@ def step_config(case: Case) -> oracles.StepConfig:
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
         gradient_accumulation_steps=case.grad_accum, world_size=case.world_size, model_dtype=case.dtype,
         loss_scaler=scaler, param_hyper=param_hyper)
+    if applied is not None and case.schedule:
+        sc = replace(sc, param_hyper=_scheduled_hyper(case, sc, applied))
     for hook in ORACLE_HOOKS.values():
         sc = hook(sc)
     return sc
+
+
+def _scheduled_hyper(case: Case, sc: oracles.StepConfig, applied: int) -> tuple:
+    hyper = []
+    for p in sc.params:
+        base = dict(next((items for n, items in sc.param_hyper if n == p.name), ()))
+        base["lr"] = schedules.group_lr(case.schedule, sc.hyper(p)["lr"], applied)
+        hyper.append((p.name, tuple(base.items())))
+    return tuple(hyper)
+
+
+def expected_group_lrs(case: Case, sc: oracles.StepConfig) -> dict[str, float]:
+    """The lr each of DeepSpeed's optimizer param groups should use under ``sc``, by the group's name:
+    each incoming group split into its Muon and Adam halves, named "<half>-params" for one incoming
+    group and "group<i>-<half>-params" for several (``engine.py _muon_param_groups``)."""
+    spec = {p.name: p for p in sc.params}
+    incoming = [g.params for g in case.groups] if case.groups else [tuple(spec)]
+    out = {}
+    for i, names in enumerate(incoming):
+        for half, label in ((True, "muon"), (False, "adam")):
+            members = [spec[n] for n in names if spec[n].use_muon is half]
+            if members:
+                prefix = f"group{i}-" if len(incoming) > 1 else ""
+                out[f"{prefix}{label}-params"] = sc.hyper(members[0])["lr"]
+    return out
 
 
 # Which of a user group's settings reach which half (DeepSpeed's documented split: Muon takes lr,
@@ -279,7 +311,15 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                                        ns_method=ns_of[n])
                 add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a.grad)
 
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc, conv, ns_mode=ns_mode)
+        # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
+        sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
+        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode)
+        # The lr each optimizer group really used (captured before the step), against the schedule:
+        # the same closed form evaluated in float64 in another order, a few roundings apart (16 u_64).
+        lr_allow = oracles.Allowance(0.0, 16 * 2.0 ** -53, "lr: float64 evaluation of the schedule's formula")
+        if rec.group_lr or case.schedule:  # a scheduled case without captured lrs fails (nan)
+            for gname, lr in expected_group_lrs(case, sc_s).items():
+                add(f"<group {gname}>", "lr", s, [rec.group_lr.get(gname, math.nan)], [lr], lr_allow)
 
         # Step-level quantities.
         exact = oracles.Allowance(0.0, 0.0, "deterministic")
