@@ -434,6 +434,21 @@ def _install_groups_flattened():
     return _setattr(DeepSpeedEngine, "_muon_param_groups", staticmethod(_muon_param_groups))[1]
 
 
+def _install_scheduler_stepped_early():
+    """The engine steps the lr scheduler before the optimizer step as well as after it, so every step
+    runs at the next step's lr (an off-by-one in where the schedule is advanced)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["_take_model_step"]
+
+    def _take_model_step(self, *args, **kwargs):
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return cur(self, *args, **kwargs)
+
+    return _setattr(DeepSpeedEngine, "_take_model_step", _take_model_step)[1]
+
+
 def _install_stale_momentum():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -643,6 +658,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            _install_groups_flattened,
            lambda c: any(g.options() for g in c.groups),
            "historical: engine.py _muon_param_groups docstring (groups flattened, recipes' no-decay groups ignored)"),
+    Mutant("scheduler-stepped-early",
+           "The lr scheduler is advanced before the optimizer step as well as after it: every step runs at the "
+           "next step's learning rate.",
+           _install_scheduler_stepped_early,
+           lambda c: bool(c.schedule),
+           "plausible: off-by-one in where the engine advances the schedule"),
 )}
 
 
@@ -666,8 +687,16 @@ def _groups_kill_case() -> Case:
     return c.replace(name=c.name + "-groups", groups=user_groups(2, "none"))
 
 
+def _schedule_kill_case() -> Case:
+    """ZeRO-1 under the linear WarmupLR of the matrix (harness.matrix.SCHEDULES)."""
+    from harness.matrix import SCHEDULE_STEPS, scheduled
+    from harness.scenarios import pipeline_case
+
+    return scheduled(pipeline_case(1, "none", "fp32", 2, steps=SCHEDULE_STEPS), "warmup")
+
+
 def default_kill_cases() -> list[Case]:
-    """Eight small cases (world size 1-2) that together kill every mutant."""
+    """Nine small cases (world size 1-2) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
 
     heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
@@ -680,6 +709,7 @@ def default_kill_cases() -> list[Case]:
         pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
         pipeline_case(0, "none", "fp32", 2, steps=3),  # stage 0: no ZeRO optimizer at all
         _groups_kill_case(),
+        _schedule_kill_case(),
     ]
     out = []
     for c in cases:
