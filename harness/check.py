@@ -57,8 +57,8 @@ What is rewritten in the config (always said in the output)
 * NVMe ``nvme_path`` (optimizer and parameter offload): absent -> a private swap folder per case;
   given -> it must be an existing, writable directory (else bad input), and each run uses a fresh
   private sub-folder of it, removed afterwards;
-* ``scheduler`` removed (the oracle checks the optimizer step at the configured learning rate);
-  monitors and profilers (tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger) and
+* ``scheduler`` kept (the oracle computes each group's lr per step, ``oracles.schedules``; a schedule
+  it cannot compute is bad input); monitors and profilers (tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger) and
   ``elasticity`` disabled; ``optimizer.params.per_head_muon`` removed (the synthetic model has no
   attention module for DeepSpeed to tag); ``steps_per_print`` / ``wall_clock_breakdown`` silenced.
 
@@ -472,9 +472,14 @@ def _rewrite(cfg: dict, world_size: int, factor: float, notes: list[str], total_
                  f"{tb if tb is not None else 'unset'} -> {tb_new} (micro batch {mb_new}"
                  f"{'' if mb else ', unset: 1'} x accumulation {gas} [{how}] x {world_size} ranks)")
     if "scheduler" in cfg:
-        notes.append(f"scheduler {cfg['scheduler'].get('type', '?') if isinstance(cfg['scheduler'], dict) else ''} "
-                     "removed: the oracle checks each optimizer step at the configured learning rate")
-        del cfg["scheduler"]
+        # Kept: the oracle computes each group's lr per step from the schedule (oracles.schedules).
+        from oracles.schedules import validate as validate_schedule
+
+        try:
+            validate_schedule(cfg["scheduler"] if isinstance(cfg["scheduler"], dict) else {})
+        except ValueError as e:
+            raise BadInput(f"scheduler: {e}") from None
+        notes.append(f"scheduler {cfg['scheduler'].get('type')} kept: each group's lr is checked per step")
     for key in MONITORS:
         sec = cfg.get(key)
         if isinstance(sec, dict) and sec.get("enabled"):

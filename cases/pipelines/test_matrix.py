@@ -107,3 +107,8 @@ def test_stage0(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", _suite(matrix.groups_cases))
 def test_param_groups(case, column, pool_manager, seed, request):
     _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.schedule_cases))
+def test_lr_schedules(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)
