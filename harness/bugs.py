@@ -411,6 +411,8 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: _bf16_optimizer(c) and _has_muon(c),
         quantities=frozenset({"global_norm", "grad", "master", "model", "update", "momentum"}),
         where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
+        fix="bf16-optimizer-muon-norm",
+        reproducer="pipeline_case(1, 'none', 'bf16', 2) with data_types.grad_accum_dtype fp32 (harness.matrix.bf16opt_cases)",
     ),
     Bug(
         id="DSM-014",

@@ -218,8 +218,31 @@ def schedule_cases(full: bool = False) -> list[Case]:
     return out
 
 
+def _with_config(c: Case, suffix: str, **top) -> Case:
+    return c.replace(name=c.name + suffix, ds_config=canonical_json({**c.config, **top}))
+
+
+def bf16opt_cases(full: bool = False) -> list[Case]:
+    """The BF16_Optimizer route (bf16 + data_types.grad_accum_dtype fp32 + ZeRO-1 without offload;
+    stage 0 refuses the mix with NotImplementedError, engine.py _do_optimizer_sanity_check) at ws 1-3
+    with accumulation and clipping cycling, and ``communication_data_type: fp32`` on ZeRO-1/2/3 x
+    offload none/cpu in bf16 and fp16."""
+    out = []
+    knobs = [(1, 0.0), (2, CLIP), (1, CLIP)] if not full else list(itertools.product((1, 2), (0.0, CLIP)))
+    for ws in WORLD_SIZES:
+        for ga, cl in (knobs[ws - 1:ws] if not full else knobs):
+            c = _case(1, "none", "bf16", ws, grad_accum=ga, clip=cl)
+            out.append(_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"}))
+    for i, (st, off) in enumerate(itertools.product(STAGES, ("none", "cpu"))):
+        for dt in (("bf16", "fp16") if full else (("bf16", "fp16")[i % 2],)):
+            c = _case(st, off, dt, 2)
+            out.append(_with_config(c, "-comm32", communication_data_type="fp32"))
+    return out
+
+
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
+    ("bf16opt", lambda n: n.endswith("-gad32") or n.endswith("-comm32")),
     ("schedules", lambda n: "-sched-" in n),
     ("groups", lambda n: n.endswith("-groups")),
     ("stage0", lambda n: n.startswith("z0-")),
@@ -242,7 +265,8 @@ def group_of(name: str) -> str:
 
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full))
+             + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
+             + bf16opt_cases(full))
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
