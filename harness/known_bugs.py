@@ -262,7 +262,7 @@ def _m_per_head_dropped(inner, a):
 
 def _m_offload_scale_not_divided(inner, a):
     opt, path, _ = _ds_context()
-    S = float(opt.loss_scale) if opt is not None else 1.0
+    S = float(getattr(opt, "loss_scale", 1.0)) if opt is not None else 1.0  # BF16_Optimizer has none
     if path in ("z12_offload", "z3_offload") and S != 1.0:
         return inner(**dict(a, grad=a["grad"] * S))  # undoes the caller's grad.div_(loss_scale)
     return inner(**a)
@@ -449,6 +449,13 @@ def _install_scheduler_stepped_early():
     return _setattr(DeepSpeedEngine, "_take_model_step", _take_model_step)[1]
 
 
+def _make_skip_muon(cur):
+    def _prepare_muon_updates(self, *args, **kwargs):
+        return None  # the partitions keep the raw gradients: Muon groups take an SGD step
+
+    return _prepare_muon_updates
+
+
 def _install_stale_momentum():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -543,6 +550,12 @@ def _offload_straddles(c: Case) -> bool:
     return _z12_straddles(c)
 
 
+def _bf16_route(c: Case) -> bool:
+    """bf16 + grad_accum_dtype fp32 + ZeRO-1 without offload runs BF16_Optimizer (engine.py:2305)."""
+    gad = c.config.get("data_types", {}).get("grad_accum_dtype")
+    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and str(gad).lower() in ("fp32", "float32")
+
+
 def _clip(c: Case) -> float:
     return float(c.config.get("gradient_clipping", 0.0))
 
@@ -560,7 +573,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "ZeRO-1/2 (no offload): each owner orthogonalises only the rows of its own partition slice instead "
            "of the full averaged matrix (a matrix straddling a partition boundary gets two half updates).",
            _wrap_muon_update(_m_partition_slice),
-           lambda c: c.stage in (1, 2) and c.offload == "none" and _z12_straddles(c),
+           lambda c: c.stage in (1, 2) and c.offload == "none" and not _bf16_route(c) and _z12_straddles(c),
            "the pre-#7727 ZeRO-1/2 Muon ran on the partition's flat slice"),
     Mutant("offload-shard-orthogonalized",
            "cpu/nvme offload: each rank orthogonalises its own shard of the matrix, not the gathered whole.",
@@ -583,7 +596,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "The global norm (clip coefficient and reported norm) is taken over the Adam gradients only, "
            "leaving out the Muon updates.",
            _install_norm_excludes_muon,
-           lambda c: bool(_muon(c)) and c.stage != 0,  # stage 0 has no ZeRO norm routine to break
+           # stage 0 and the BF16_Optimizer route have no ZeRO-1/2/3 norm routine to break
+           lambda c: bool(_muon(c)) and c.stage != 0 and not _bf16_route(c),
            "plausible: the wrong norm"),
     Mutant("fp16-momentum",
            "The Muon momentum is stored in fp16 whatever the model dtype.",
@@ -602,7 +616,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "partition of the matrix; ZeRO-1/2: the group's last, padded partition) is taken one element "
            "early.",
            _wrap_muon_update(_m_padded_tail_misslice),
-           lambda c: (c.stage == 3 and _z3_padded_tail(c)) or (c.stage in (1, 2) and _z12_padded_tail(c)),
+           lambda c: (c.stage == 3 and _z3_padded_tail(c)) or (c.stage in (1, 2) and not _bf16_route(c)
+                                                                and _z12_padded_tail(c)),
            "plausible: off-by-one in the last rank's narrow() for odd element counts"),
     Mutant("momentum-beta-off",
            "The Muon momentum uses beta - 0.05 instead of the configured beta.",
@@ -664,6 +679,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            _install_scheduler_stepped_early,
            lambda c: bool(c.schedule),
            "plausible: off-by-one in where the engine advances the schedule"),
+    Mutant("muon-skipped-bf16-optimizer",
+           "On the BF16_Optimizer route Muon never runs: the Muon groups' partitions keep the raw gradients "
+           "and take a plain SGD step.",
+           _wrap_method((2,), "_prepare_muon_updates", _make_skip_muon),
+           lambda c: _bf16_route(c) and bool(_muon(c)),
+           "historical: Muon skipped on the BF16_Optimizer route (issue 13)"),
 )}
 
 
@@ -695,8 +716,15 @@ def _schedule_kill_case() -> Case:
     return scheduled(pipeline_case(1, "none", "fp32", 2, steps=SCHEDULE_STEPS), "warmup")
 
 
+def _bf16_route_kill_case() -> Case:
+    """ZeRO-1 bf16 with fp32 gradient accumulation: the BF16_Optimizer route (harness.matrix.bf16opt_cases)."""
+    from harness.matrix import bf16opt_cases
+
+    return next(c for c in bf16opt_cases() if c.name == "z1-none-bf16-ws1-gad32")
+
+
 def default_kill_cases() -> list[Case]:
-    """Nine small cases (world size 1-2) that together kill every mutant."""
+    """Ten small cases (world size 1-2) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
 
     heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
@@ -710,6 +738,7 @@ def default_kill_cases() -> list[Case]:
         pipeline_case(0, "none", "fp32", 2, steps=3),  # stage 0: no ZeRO optimizer at all
         _groups_kill_case(),
         _schedule_kill_case(),
+        _bf16_route_kill_case(),
     ]
     out = []
     for c in cases:
