@@ -112,3 +112,8 @@ def test_param_groups(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", _suite(matrix.schedule_cases))
 def test_lr_schedules(case, column, pool_manager, seed, request):
     _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.bf16opt_cases))
+def test_bf16_optimizer_and_comm32(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)
