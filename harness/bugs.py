@@ -365,7 +365,7 @@ BUGS: tuple[Bug, ...] = (
         symptom="Without offload ZeRO-3 keeps one muon_ns_method, overwritten by every Muon param group in "
                 "turn, so all Muon sub-groups use the last group's method (momentum differing per group "
                 "raises instead). Offload and ZeRO-1/2 honour each group's value.",
-        trigger=lambda c: False,  # a Case has one Muon param group; see reproducer
+        trigger=lambda c: c.stage == 3 and c.offload == "none" and len(_muon_group_ns_methods(c)) > 1,
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         where="stage3.py _create_fp16_partitions_with_defragmentation (:919-933), _muon_update_sub_group (:1758)",
         fix="z3-per-group-ns-method",
@@ -474,8 +474,72 @@ BUGS: tuple[Bug, ...] = (
         # master allowances fail (1e3x). No CI gate case takes this route.
         model=None,
         where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
+        fix="bf16-optimizer-muon-norm",
+        reproducer="pipeline_case(1, 'none', 'bf16', 2) with data_types.grad_accum_dtype fp32 (harness.matrix.bf16opt_cases)",
+    ),
+    Bug(
+        id="DSM-014",
+        title="fp16/bf16 without ZeRO: a warm-up optimizer step at initialize",
+        symptom="Stage 0 wraps MuonWithAuxAdam in FP16_UnfusedOptimizer, whose initialize_optimizer_states runs a "
+                "real optimizer step on zero gradients: the auxiliary Adam's step count starts at 1, so the first "
+                "real step is bias-corrected as step 2 (0.735 lr instead of lr), and Muon's decoupled weight "
+                "decay shrinks the fp32 masters once. Measured (z0-none-bf16-ws1): Adam master 2.65e-4 off "
+                "(1.7e3x) at step 1.",
+        trigger=lambda c: _z0_unfused(c) and (_has_adam(c) or _wd_of(c) > 0),
+        quantities=frozenset({"master", "model"}),
+        where="fp16/unfused_optimizer.py initialize_optimizer_states (:412-433), called from __init__ (:108)",
+        fix="z0-no-init-step",
+        reproducer="pipeline_case(0, 'none', 'bf16', 1, steps=3)",
+    ),
+    Bug(
+        id="DSM-015",
+        title="fp16 without ZeRO: the loss is never scaled, the gradients are unscaled anyway",
+        symptom="engine.backward multiplies the loss by the loss scale only for a ZeROOptimizer (scale_if_loss) or "
+                "a torch-autocast scaler; FP16_UnfusedOptimizer is neither, so stage-0 fp16 back-propagates the "
+                "raw loss and step() then divides by S: every gradient reaches the optimizer as g/S, the overflow "
+                "check and norm see unscaled fp16 gradients. Measured (z0-none-fp16-ws2, S=256): Muon and Adam "
+                "gradients 1/256 of the true ones (40x-60x their allowance).",
+        trigger=lambda c: c.stage == 0 and c.dtype == "fp16",
+        quantities=frozenset({"grad", "global_norm"}),
+        where="engine.py backward (:3415-3418, scale only for ZeROOptimizer); fp16/unfused_optimizer.py "
+              "unscale_and_clip_grads (:243-258)",
+        fix="z0-fp16-loss-scale",
+        reproducer="pipeline_case(0, 'none', 'fp16', 2, steps=3)",
+    ),
+    Bug(
+        id="DSM-016",
+        title="Without ZeRO the reported norm (and the clip) is taken over the raw gradients",
+        symptom="Stage 0 in fp16/bf16 (FP16_UnfusedOptimizer) takes the global norm over the raw gradients, "
+                "clips them before Muon and reports that norm, like DSM-013 and unlike every ZeRO path (which "
+                "take it over the Muon updates): the same config reports a different norm and, with clipping, "
+                "takes a different step. Measured (z0-none-bf16-ws2): reported norm 1.92 vs 3.65. fp32 stage 0 "
+                "clips the raw gradients too (engine clip_fp32_gradients) and reports no norm.",
+        trigger=lambda c: c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0),
+        quantities=frozenset({"global_norm"}),
+        where="fp16/unfused_optimizer.py step (:209-228); engine.py _take_model_step (:3505-3510)",
+        reproducer="pipeline_case(0, 'none', 'bf16', 2, steps=3)",
     ),
 )
+
+
+def _muon_group_ns_methods(c: Case) -> set:
+    """The ns_method of each user param group holding a Muon parameter (its own, else the config's)."""
+    default = c.config.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
+    return {g.ns_method or default for g in getattr(c, "groups", ())
+            if any(_is_muon(p) for p in c.params if p.name in g.params)}
+
+
+def _z0_unfused(c: Case) -> bool:
+    """Stage 0 in fp16/bf16: the engine wraps Muon in FP16_UnfusedOptimizer (engine.py:2360-2362, 2599)."""
+    return c.stage == 0 and c.dtype in ("fp16", "bf16")
+
+
+def _wd_of(c: Case) -> float:
+    return float(c.config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
+
+
+def _clip_of(c: Case) -> float:
+    return float(c.config.get("gradient_clipping", 0.0))
 
 BY_ID = {b.id: b for b in BUGS}
 

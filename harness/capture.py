@@ -169,6 +169,9 @@ class MuonCall:
     finite: bool
 
 
+INIT_CALL = "<during initialize>"
+
+
 class MuonCallRecorder:
     """Wraps ``deepspeed.runtime.zero.muon.original_muon.muon_update`` while installed.
 
@@ -178,7 +181,11 @@ class MuonCallRecorder:
     _prepare_muon_updates), so replacing the module attribute reaches all of them.
     """
 
-    CALLER_PARAM_LOCALS = ("param", "tensor")
+    CALLER_PARAM_LOCALS = ("param", "tensor", "p")
+    # Without ZeRO, ``MuonWithAuxAdam.step`` calls the ``muon_update`` that ``muon_optimizer`` bound at
+    # import (``from ...original_muon import muon_update``), with the parameter (or FP16_UnfusedOptimizer's
+    # fp32 copy of it) in local ``p``: that binding is wrapped as well.
+    EXTRA_BINDINGS = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 
     def __init__(self, id_to_name: dict[int, str] | None = None, keep_values: bool = True):
         self.id_to_name = id_to_name or {}
@@ -196,6 +203,10 @@ class MuonCallRecorder:
         self.count = 0
 
     def _identify(self, frame, grad) -> str:
+        if not self.id_to_name:
+            # Before ``set_params``: a call inside ``deepspeed.initialize`` (FP16_UnfusedOptimizer's
+            # ``initialize_optimizer_states`` steps once on zero gradients). Counted, named as such.
+            return INIT_CALL
         loc = frame.f_locals
         for key in self.CALLER_PARAM_LOCALS:
             v = loc.get(key)
@@ -219,6 +230,9 @@ class MuonCallRecorder:
             name = self._identify(frame, grad)
         finally:
             del frame
+        return self._record(name, grad, momentum, args, kwargs)
+
+    def _record(self, name, grad, momentum, args, kwargs):
         grad_in = grad.detach().clone() if self.keep_values else None
         update = self._orig(grad, momentum, *args, **kwargs)
         self.count += 1
@@ -237,16 +251,48 @@ class MuonCallRecorder:
         return update
 
     def __enter__(self):
+        import importlib
+
         from deepspeed.runtime.zero.muon import original_muon
 
+        # Imported first: a module imported after the replacement below would bind the wrapper itself.
+        extra_mods = [importlib.import_module(m) for m in self.EXTRA_BINDINGS]
         self._module = original_muon
         self._orig = original_muon.muon_update
         original_muon.muon_update = self._wrapper
+        self._extra = []
+        for mod in extra_mods:
+            cur = getattr(mod, "muon_update", None)
+            if cur is None:
+                continue
+            self._extra.append((mod, cur))
+            mod.muon_update = self._make_extra(cur)
         return self
+
+    def _make_extra(self, cur):
+        """A wrapper for a module's own binding of ``muon_update`` (which may be a mutant or a fix, not
+        ``self._orig``): recorded like the main one, but calling what that module had bound."""
+        def muon_update(grad, momentum, *args, **kwargs):
+            saved = self._orig
+            self._orig = cur
+            try:
+                frame = sys._getframe(1)
+                try:
+                    name = self._identify(frame, grad)
+                finally:
+                    del frame
+                return self._record(name, grad, momentum, args, kwargs)
+            finally:
+                self._orig = saved
+
+        return muon_update
 
     def __exit__(self, *exc):
         if self._module is not None:
             self._module.muon_update = self._orig
+        for mod, cur in reversed(getattr(self, "_extra", [])):
+            mod.muon_update = cur
+        self._extra = []
         self._module = None
         return False
 
@@ -339,7 +385,7 @@ class SwapCounter:
 
 @dataclass
 class PathInfo:
-    kind: str  # "z12", "z12_offload", "z3", "z3_offload", "bf16_opt", "other"
+    kind: str  # "z12", "z12_offload", "z3", "z3_offload", "bf16_opt", "z0", "other"
     stage: int
     offload: bool
     muon_true_units: bool  # Muon grad/momentum divided by S before Muon
@@ -361,7 +407,75 @@ def path_info(engine) -> PathInfo:
         return PathInfo("z12_offload" if off else "z12", stage, off, off)
     if isinstance(opt, BF16_Optimizer):
         return PathInfo("bf16_opt", stage, False, True)
+    if stage == 0 and z0_muon_optimizer(engine) is not None:
+        # No ZeRO: MuonWithAuxAdam itself (fp32) or under FP16_(Unfused)Optimizer (fp16/bf16), which
+        # unscales the fp32 gradient copies before the inner step, so Muon sees true units.
+        return PathInfo("z0", 0, False, True)
     return PathInfo("other", stage, False, False)
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 0 (no ZeRO): where the fp32 master of each model parameter lives
+
+
+def z0_muon_optimizer(engine):
+    """The MuonWithAuxAdam an engine without ZeRO steps (bare, or inside FP16_(Unfused)Optimizer)."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    opt = engine.optimizer
+    for cand in (opt, getattr(opt, "optimizer", None)):
+        if isinstance(cand, MuonWithAuxAdam):
+            return cand
+    return None
+
+
+def z0_masters(engine) -> dict[int, torch.Tensor]:
+    """id(model parameter) -> the fp32 tensor the optimizer steps, for an engine without ZeRO.
+
+    fp32: the parameter itself. FP16_UnfusedOptimizer (fp16 and bf16 without ZeRO):
+    ``fp32_groups[g][i]`` is the fp32 copy of ``fp16_groups[g][i]`` (``unfused_optimizer.py:__init__``).
+    FP16_Optimizer (fused, flat fp32 groups) keeps no per-parameter copy: not mapped (None -> a
+    missing-master failure, never a silent pass)."""
+    opt = engine.optimizer
+    out: dict[int, torch.Tensor] = {}
+    lp_groups = getattr(opt, "fp16_groups", None)  # INTERNAL: model params per group (FP16_*Optimizer)
+    hp_groups = getattr(opt, "fp32_groups", None)  # INTERNAL: their fp32 copies (FP16_UnfusedOptimizer)
+    if lp_groups is not None:
+        if hp_groups is None:
+            return out
+        for lps, hps in zip(lp_groups, hp_groups):
+            for lp, hp in zip(lps, hps):
+                out[id(lp)] = hp
+        return out
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out[id(p)] = p
+    return out
+
+
+def z0_aliases(engine, named: dict) -> list[tuple[str, torch.Tensor]]:
+    """(name, fp32 tensor) pairs so the Muon recorder can name the fp32 copy ``MuonWithAuxAdam.step``
+    passes as ``p``."""
+    m = z0_masters(engine)
+    return [(n, m[id(p)]) for n, p in named.items() if id(p) in m and m[id(p)] is not p]
+
+
+def _z0_momentum_fragments(engine, id_to_name, named: dict):
+    """Every rank holds every momentum whole (``MuonWithAuxAdam.state[fp32 param]``); each rank sends
+    its copy so rank 0 checks that the replicas agree."""
+    inner = z0_muon_optimizer(engine)
+    masters = z0_masters(engine)
+    frags, dtypes = [], {}
+    for name, p in named.items():
+        if not getattr(p, "use_muon", False):
+            continue
+        hp = masters.get(id(p))
+        buf = None if hp is None else inner.state.get(hp, {}).get("momentum_buffer")  # INTERNAL: Muon state
+        if buf is None:
+            continue
+        frags.append((name, 0, to_np(buf.reshape(-1))))
+        dtypes[name] = str(buf.dtype).replace("torch.", "")
+    return frags, dtypes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -556,6 +670,9 @@ def master_piece(engine, p):
         return None if v is None else _cat_piece(engine.optimizer, p, v, _z3_helper_dtype(engine.optimizer))
     if hasattr(p, "_hp_mapping"):
         return _hp_piece(p, grad=False)
+    if engine.zero_optimization_stage() == 0:
+        hp = z0_masters(engine).get(id(p))  # no ZeRO: the whole fp32 master is on every rank
+        return None if hp is None else ("full", _np_exact(hp))
     return None
 
 
@@ -681,6 +798,15 @@ class PreStep:
 
     loss_scale: float
     adam_grads: dict  # reference: name -> np (rank 0 only meaningful); coalesced: name -> this rank's piece
+    group_lr: dict = field(default_factory=dict)  # param-group name -> lr, as the step will read it
+
+
+def group_lrs(engine) -> dict:
+    """The lr of every param group of the optimizer Muon and Adam step with (``basic_optimizer``, whose
+    groups every ZeRO / fp16 wrapper shares), read before the boundary ``step()``: what the step uses.
+    Keyed by the group's ``name`` (DeepSpeed names each Muon/Adam half, ``engine.py _muon_param_groups``)."""
+    opt = engine.basic_optimizer  # INTERNAL: the MuonWithAuxAdam the engine built
+    return {str(g.get("name", i)): float(g["lr"]) for i, g in enumerate(opt.param_groups)}
 
 
 def loss_scale_of(engine) -> float:
@@ -714,6 +840,8 @@ def capture_masters(engine, case, named: dict, swap: SwapCounter) -> dict:
     with swap.pause():
         for ps in case.params:
             v = safe_get_full_fp32_param(named[ps.name])
+            if v is None and engine.zero_optimization_stage() == 0:
+                v = z0_masters(engine).get(id(named[ps.name]))  # no ZeRO: the helper knows no master
             out[ps.name] = to_np(v.reshape(ps.shape)) if v is not None else None
     return out
 
@@ -758,6 +886,8 @@ def read_step(engine, case, step: int, rank: int, *, named: dict, id_to_name: di
     mom_frags, mom_dtypes, mom_z3 = [], {}, {}
     if info.kind in ("z12", "z12_offload", "bf16_opt"):
         mom_frags, mom_dtypes = _z12_momentum_fragments(engine, info, id_to_name, rank)
+    elif info.kind == "z0":
+        mom_frags, mom_dtypes = _z0_momentum_fragments(engine, id_to_name, named)
     elif info.kind in ("z3", "z3_offload"):
         for ps in case.params:
             p = named[ps.name]
@@ -774,6 +904,7 @@ def read_step(engine, case, step: int, rank: int, *, named: dict, id_to_name: di
         # rank 0's values are the record's
         "step": step, "skipped": skipped, "scale_after": scale_after, "gn": gn,
         "loss_scale": pre.loss_scale, "kind": info.kind, "muon_true_units": info.muon_true_units,
+        "group_lr": dict(pre.group_lr),
         "muon_names": frozenset(n for n, p in named.items() if getattr(p, "use_muon", False)),
         # pieces
         "adam": pre.adam_grads,
@@ -802,7 +933,7 @@ def assemble_step(case, gathered: list[dict]) -> StepRecord:
     return _build_record(case, gathered, step=step, kind=r0["kind"], muon_true_units=r0["muon_true_units"],
                          muon_names=r0["muon_names"], S=r0["loss_scale"], adam_grads=adam, masters=masters,
                          model_w=model_w, mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=r0["skipped"],
-                         scale_after=r0["scale_after"], gn=r0["gn"])
+                         scale_after=r0["scale_after"], gn=r0["gn"], group_lr=r0.get("group_lr", {}))
 
 
 def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: dict, id_to_name: dict,
@@ -819,6 +950,8 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
     mom_frags, mom_dtypes, mom_full = [], {}, {}
     if info.kind in ("z12", "z12_offload", "bf16_opt"):
         mom_frags, mom_dtypes = _z12_momentum_fragments(engine, info, id_to_name, rank)
+    elif info.kind == "z0":
+        mom_frags, mom_dtypes = _z0_momentum_fragments(engine, id_to_name, named)
     elif info.kind in ("z3", "z3_offload"):
         for ps in case.params:
             p = named[ps.name]
@@ -844,12 +977,13 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
     return _build_record(case, gathered, step=step, kind=info.kind, muon_true_units=info.muon_true_units,
                          muon_names={n for n, p in named.items() if getattr(p, "use_muon", False)},
                          S=pre.loss_scale, adam_grads=pre.adam_grads, masters=masters, model_w=model_w,
-                         mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=skipped, scale_after=scale_after, gn=gn)
+                         mom_full=mom_full, mom_dtypes=mom_dtypes, skipped=skipped, scale_after=scale_after, gn=gn,
+                         group_lr=pre.group_lr)
 
 
 def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true_units: bool, muon_names,
                   S: float, adam_grads: dict, masters: dict, model_w: dict, mom_full: dict, mom_dtypes: dict,
-                  skipped: bool, scale_after: float, gn) -> StepRecord:
+                  skipped: bool, scale_after: float, gn, group_lr: dict | None = None) -> StepRecord:
     """Rank 0, both modes: the StepRecord from the full values and every rank's calls/fragments."""
     notes = []
     muon_scale = 1.0 if muon_true_units else S
@@ -872,7 +1006,7 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
 
     # Momentum assembly from fragments (z12 paths).
     momentum: dict[str, np.ndarray] = dict(mom_full)
-    if kind in ("z12", "z12_offload", "bf16_opt"):
+    if kind in ("z12", "z12_offload", "bf16_opt", "z0"):
         shapes = {ps.name: ps.shape for ps in case.params}
         flat: dict[str, np.ndarray] = {}
         covered: dict[str, np.ndarray] = {}
@@ -933,5 +1067,6 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
         losses=[x for loc in gathered for x in loc["losses"]],
         muon_calls_per_rank=[loc["ncalls"] for loc in gathered],
         notes=notes,
+        group_lr=dict(group_lr or {}),
     )
     return rec

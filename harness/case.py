@@ -52,6 +52,27 @@ class Overflow:
 
 
 @dataclass(frozen=True)
+class ParamGroup:
+    """One param group the user passes to ``deepspeed.initialize(model_parameters=[...])``: the named
+    parameters and the settings the group itself sets (None: not set, the config's value applies).
+
+    DeepSpeed splits each group into a Muon and an Adam half; a group's ``lr`` and ``weight_decay``
+    reach both halves, ``momentum`` and ``ns_method`` only the Muon half (``engine.py
+    _muon_param_groups``). ``use_muon`` is passed through as a group key, as a user would write it.
+    """
+
+    params: tuple[str, ...]
+    lr: float | None = None
+    momentum: float | None = None
+    weight_decay: float | None = None
+    ns_method: str | None = None
+    use_muon: bool | None = None
+
+    def options(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "params" and v is not None}
+
+
+@dataclass(frozen=True)
 class Case:
     name: str
     params: tuple[ParamShape, ...]
@@ -73,6 +94,39 @@ class Case:
     grad_scale: float = 1.0  # every gradient times this (near-zero gradients: NS normalisation epsilon)
     grad_elementwise: float = 1.0  # weight of the full-rank elementwise term; 0: rank <= batch*W*GAS
     grad_cond: float = 1.0  # X's columns scaled from 1 down to 1/grad_cond (ill-conditioned data term)
+    # The user's param groups (model_parameters); empty: model.parameters(), one group.
+    groups: tuple[ParamGroup, ...] = ()
+    # A torch LR scheduler passed to deepspeed.initialize (lr_scheduler=), as JSON text
+    # '{"type": "StepLR", "params": {...}}'; a config scheduler lives in ds_config["scheduler"].
+    client_scheduler: str | None = None
+
+    @property
+    def schedule(self) -> dict | None:
+        """The lr schedule the run uses: the client scheduler, else the config's ``scheduler``."""
+        if self.client_scheduler:
+            return json.loads(self.client_scheduler)
+        return self.config.get("scheduler")
+
+    def __post_init__(self):
+        if self.schedule:
+            from oracles.schedules import validate
+
+            try:
+                validate(self.schedule)
+            except ValueError as e:
+                raise ValueError(f"case {self.name!r}: {e}") from None
+        if self.groups:
+            names = [p.name for p in self.params]
+            listed = [n for g in self.groups for n in g.params]
+            unknown = sorted(set(listed) - set(names))
+            dup = sorted({n for n in listed if listed.count(n) > 1})
+            missing = [n for n in names if n not in listed]
+            if unknown or dup or missing:
+                raise ValueError(f"case {self.name!r}: param groups must list every parameter exactly once "
+                                 f"(unknown {unknown}, listed twice {dup}, in no group {missing})")
+            for g in self.groups:
+                if g.ns_method not in (None, "gram", "standard"):
+                    raise ValueError(f"case {self.name!r}: group ns_method {g.ns_method!r} is not gram/standard")
 
     @property
     def config(self) -> dict:
@@ -135,6 +189,7 @@ class Case:
                                  "{name, shape[, num_heads]}")
         d["params"] = tuple(ParamShape(p["name"], tuple(p["shape"]), p.get("num_heads")) for p in d["params"])
         d["overflows"] = tuple(Overflow(**o) for o in d.get("overflows", ()))
+        d["groups"] = tuple(ParamGroup(**dict(g, params=tuple(g["params"]))) for g in d.get("groups", ()))
         d["ds_config"] = canonical_json(d["ds_config"])
         return cls(**d)
 

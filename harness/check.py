@@ -57,8 +57,8 @@ What is rewritten in the config (always said in the output)
 * NVMe ``nvme_path`` (optimizer and parameter offload): absent -> a private swap folder per case;
   given -> it must be an existing, writable directory (else bad input), and each run uses a fresh
   private sub-folder of it, removed afterwards;
-* ``scheduler`` removed (the oracle checks the optimizer step at the configured learning rate);
-  monitors and profilers (tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger) and
+* ``scheduler`` kept (the oracle computes each group's lr per step, ``oracles.schedules``; a schedule
+  it cannot compute is bad input); monitors and profilers (tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger) and
   ``elasticity`` disabled; ``optimizer.params.per_head_muon`` removed (the synthetic model has no
   attention module for DeepSpeed to tag); ``steps_per_print`` / ``wall_clock_breakdown`` silenced.
 

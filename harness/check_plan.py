@@ -69,9 +69,14 @@ def _rewrite(cfg: dict, world_size: int, factor: float, notes: list[str], total_
                  f"{tb if tb is not None else 'unset'} -> {tb_new} (micro batch {mb_new}"
                  f"{'' if mb else ', unset: 1'} x accumulation {gas} [{how}] x {world_size} ranks)")
     if "scheduler" in cfg:
-        notes.append(f"scheduler {cfg['scheduler'].get('type', '?') if isinstance(cfg['scheduler'], dict) else ''} "
-                     "removed: the oracle checks each optimizer step at the configured learning rate")
-        del cfg["scheduler"]
+        # Kept: the oracle computes each group's lr per step from the schedule (oracles.schedules).
+        from oracles.schedules import validate as validate_schedule
+
+        try:
+            validate_schedule(cfg["scheduler"] if isinstance(cfg["scheduler"], dict) else {})
+        except ValueError as e:
+            raise BadInput(f"scheduler: {e}") from None
+        notes.append(f"scheduler {cfg['scheduler'].get('type')} kept: each group's lr is checked per step")
     for key in MONITORS:
         sec = cfg.get(key)
         if isinstance(sec, dict) and sec.get("enabled"):

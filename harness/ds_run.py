@@ -246,8 +246,9 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
 
     _reset_zero3_param_ids()
     model = model_mod.build_model(case, variant=variant)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=rank_config(case, nvme_dir))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(case, model),
+                                           config=rank_config(case, nvme_dir),
+                                           lr_scheduler=client_scheduler(case))
     named = dict(engine.module.named_parameters())
     for ps in case.params:
         if ps.num_heads:
@@ -258,6 +259,26 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
             p.muon_num_heads = ps.num_heads
             p.muon_head_dim = ps.shape[0] // ps.num_heads
     return engine, named
+
+
+def client_scheduler(case: Case):
+    """The torch LR scheduler a user passes to ``deepspeed.initialize`` (``case.client_scheduler``), as
+    the callable DeepSpeed calls with the optimizer it builds (``engine._configure_lr_scheduler``)."""
+    if not case.client_scheduler:
+        return None
+    spec = json.loads(case.client_scheduler)
+    cls = getattr(torch.optim.lr_scheduler, spec["type"])
+    params = dict(spec.get("params", {}))
+    return lambda optimizer: cls(optimizer, **params)
+
+
+def model_parameters(case: Case, model):
+    """What the case hands ``deepspeed.initialize`` as ``model_parameters``: the user's param groups
+    (``case.groups``, each a dict of its parameters and its own settings) or ``model.parameters()``."""
+    if not case.groups:
+        return model.parameters()
+    named = dict(model.named_parameters())
+    return [{"params": [named[n] for n in g.params], **g.options()} for g in case.groups]
 
 
 def destroy_engine(engine) -> None:
@@ -353,7 +374,9 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
 
             engine, named = build_engine(case, workdir / "nvme", variant=0)
             t_built = time.perf_counter()
-            recorder.set_params(named.items())
+            if recorder.count:
+                notes.append(f"muon_update ran {recorder.count} times inside deepspeed.initialize")
+            recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
             info = capture.path_info(engine)
             init_w, init_r = swap.reset()
             if init_w or init_r:
@@ -387,6 +410,7 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                 S = capture.loss_scale_of(engine)
                 losses = []
                 adam = {}
+                lrs = {}
                 for micro in range(gas):
                     batch = model_mod.batch_data(case, rank, step, micro)
                     loss = engine(batch)
@@ -394,12 +418,13 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                     engine.backward(loss)
                     loss = None  # its grad_fn graph reaches the parameters, and through them the engine
                     if micro == gas - 1:
+                        lrs = capture.group_lrs(engine)  # before the boundary step (which steps the scheduler)
                         if coalesced:
                             adam = capture.read_adam_grads(engine, case, named, swap, rank)
                         else:
                             adam = capture.capture_adam_grads(engine, case, named, swap)
                     engine.step()
-                pre = capture.PreStep(loss_scale=S, adam_grads=adam)
+                pre = capture.PreStep(loss_scale=S, adam_grads=adam, group_lr=lrs)
                 if coalesced:
                     pending.append(capture.read_step(engine, case, step, rank, named=named,
                                                      id_to_name=recorder.id_to_name, info=info, pre=pre,
@@ -420,7 +445,7 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                     # A fresh engine on a model with a *different* init, and (for NVMe) a fresh swap
                     # folder, so a load that restores nothing shows up in the next step.
                     engine, named = build_engine(case, workdir / "nvme-resumed", variant=1)
-                    recorder.set_params(named.items())
+                    recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
                     info = capture.path_info(engine)
                     engine.load_checkpoint(str(ckpt), tag=tag)
                     w, r = swap.reset()

@@ -19,8 +19,32 @@ from harness.known_bugs import _wd as case_weight_decay  # the mutants' own read
 from harness.launcher import CaseFailure, Launcher
 
 
+def _groups_kill_case() -> Case:
+    """ZeRO-2 with the user's param groups (harness.matrix.user_groups) and weight decay on."""
+    from harness.matrix import GROUP_WD, user_groups
+    from harness.scenarios import pipeline_case
+
+    c = pipeline_case(2, "none", "fp32", 2, steps=3, weight_decay=GROUP_WD)
+    return c.replace(name=c.name + "-groups", groups=user_groups(2, "none"))
+
+
+def _schedule_kill_case() -> Case:
+    """ZeRO-1 under the linear WarmupLR of the matrix (harness.matrix.SCHEDULES)."""
+    from harness.matrix import SCHEDULE_STEPS, scheduled
+    from harness.scenarios import pipeline_case
+
+    return scheduled(pipeline_case(1, "none", "fp32", 2, steps=SCHEDULE_STEPS), "warmup")
+
+
+def _bf16_route_kill_case() -> Case:
+    """ZeRO-1 bf16 with fp32 gradient accumulation: the BF16_Optimizer route (harness.matrix.bf16opt_cases)."""
+    from harness.matrix import bf16opt_cases
+
+    return next(c for c in bf16opt_cases() if c.name == "z1-none-bf16-ws1-gad32")
+
+
 def default_kill_cases() -> list[Case]:
-    """Six small cases (world size 1-2) that together kill every mutant."""
+    """Ten small cases (world size 1-2) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
 
     heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
@@ -31,11 +55,15 @@ def default_kill_cases() -> list[Case]:
         pipeline_case(2, "cpu", "fp16", 2, steps=3),
         pipeline_case(3, "cpu", "bf16", 2, steps=3),
         pipeline_case(3, "cpu", "fp32", 1, steps=3, weight_decay=0.1).replace(checkpoint_at=1),
+        pipeline_case(0, "none", "fp32", 2, steps=3),  # stage 0: no ZeRO optimizer at all
+        _groups_kill_case(),
+        _schedule_kill_case(),
+        _bf16_route_kill_case(),
     ]
     out = []
     for c in cases:
         extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
-                ("-wd" if case_weight_decay(c) else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
+                ("-wd" if case_weight_decay(c) and not c.groups else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
         out.append(c.replace(name=c.name + extra))
     return out
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from harness.case import Case
+from harness.case import Case, ParamShape
 from oracles.layout import zero3_padded_tail
 
 # ------------------------------------------------------------------------------------------------
@@ -108,12 +108,22 @@ def _wrap_muon_update(body):
     from deepspeed.runtime.zero.muon import original_muon
 
     def install():
-        cur = original_muon.muon_update
+        from deepspeed.runtime.zero.muon import muon_optimizer
 
-        def muon_update(*args, **kwargs):
-            return body(cur, _bind(args, kwargs))
+        undos = []
+        # Without ZeRO, MuonWithAuxAdam.step calls the binding muon_optimizer took at import.
+        for mod in (original_muon, muon_optimizer):
+            cur = mod.muon_update
 
-        _, undo = _setattr(original_muon, "muon_update", muon_update)
+            def muon_update(*args, _cur=cur, **kwargs):
+                return body(_cur, _bind(args, kwargs))
+
+            undos.append(_setattr(mod, "muon_update", muon_update)[1])
+
+        def undo():
+            for u in reversed(undos):
+                u()
+
         return undo
 
     return install
@@ -245,7 +255,7 @@ def _m_per_head_dropped(inner, a):
 
 def _m_offload_scale_not_divided(inner, a):
     opt, path, _ = _ds_context()
-    S = float(opt.loss_scale) if opt is not None else 1.0
+    S = float(getattr(opt, "loss_scale", 1.0)) if opt is not None else 1.0  # BF16_Optimizer has none
     if path in ("z12_offload", "z3_offload") and S != 1.0:
         return inner(**dict(a, grad=a["grad"] * S))  # undoes the caller's grad.div_(loss_scale)
     return inner(**a)
@@ -386,6 +396,54 @@ def _install_weight_decay_twice():
     return _setattr(MuonWithAuxAdam, "step", step)[1]
 
 
+def _install_muon_as_sgd():
+    """Without ZeRO, ``MuonWithAuxAdam.step`` takes every Muon weight for an already-orthogonalised flat
+    ZeRO partition (its ``p.dim() < 2`` branch): the raw gradient is the update, no momentum, no
+    Newton-Schulz -- plain SGD. The ZeRO paths call ``original_muon`` and are untouched."""
+    from deepspeed.runtime.zero.muon import muon_optimizer
+
+    def muon_update(grad, momentum, *args, **kwargs):
+        return grad
+
+    return _setattr(muon_optimizer, "muon_update", muon_update)[1]
+
+
+def _install_groups_flattened():
+    """The user's param groups are flattened into one list before Muon builds its halves, so every
+    group's own lr / momentum / weight_decay / ns_method is silently replaced by the config's."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["_muon_param_groups"].__func__
+
+    def _muon_param_groups(model_parameters, optimizer_parameters):
+        flat = [p for item in model_parameters for p in (item["params"] if isinstance(item, dict) else [item])]
+        return cur(flat, optimizer_parameters)
+
+    return _setattr(DeepSpeedEngine, "_muon_param_groups", staticmethod(_muon_param_groups))[1]
+
+
+def _install_scheduler_stepped_early():
+    """The engine steps the lr scheduler before the optimizer step as well as after it, so every step
+    runs at the next step's lr (an off-by-one in where the schedule is advanced)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["_take_model_step"]
+
+    def _take_model_step(self, *args, **kwargs):
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return cur(self, *args, **kwargs)
+
+    return _setattr(DeepSpeedEngine, "_take_model_step", _take_model_step)[1]
+
+
+def _make_skip_muon(cur):
+    def _prepare_muon_updates(self, *args, **kwargs):
+        return None  # the partitions keep the raw gradients: Muon groups take an SGD step
+
+    return _prepare_muon_updates
+
+
 def _install_stale_momentum():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -423,9 +481,17 @@ def _muon(c: Case):
     return [p for p in c.params if p.uses_muon]
 
 
-def _z12_layout(c: Case):
-    """[(param, lo, hi)] of the ZeRO-1/2 Muon group's flat layout and the partition size (no alignment)."""
-    muon = sorted(_muon(c), key=lambda p: tuple(p.shape), reverse=True)
+def _muon_groups(c: Case) -> list[list[ParamShape]]:
+    """The Muon half of each user param group (one group when the case has none)."""
+    if not c.groups:
+        return [_muon(c)]
+    by_name = {p.name: p for p in _muon(c)}
+    return [[by_name[n] for n in g.params if n in by_name] for g in c.groups]
+
+
+def _z12_layout(c: Case, muon=None):
+    """[(param, lo, hi)] of a ZeRO-1/2 Muon group's flat layout and the partition size (no alignment)."""
+    muon = sorted(_muon(c) if muon is None else muon, key=lambda p: tuple(p.shape), reverse=True)
     total = sum(p.numel for p in muon)
     align = 2 * c.world_size
     P = math.ceil(total / align) * align // c.world_size
@@ -439,14 +505,20 @@ def _z12_layout(c: Case):
 def _z12_straddles(c: Case) -> bool:
     if c.world_size < 2:
         return False
-    layout, P, _ = _z12_layout(c)
-    return any(lo // P != (hi - 1) // P for _, lo, hi in layout)
+    for muon in _muon_groups(c):
+        layout, P, _ = _z12_layout(c, muon)
+        if any(lo // P != (hi - 1) // P for _, lo, hi in layout):
+            return True
+    return False
 
 
 def _z12_padded_tail(c: Case) -> bool:
     W = c.world_size
-    layout, P, total = _z12_layout(c)
-    return W > 1 and P * W > total and any(p.numel % W and hi > (W - 1) * P for p, lo, hi in layout)
+    for muon in _muon_groups(c):
+        layout, P, total = _z12_layout(c, muon)
+        if W > 1 and P * W > total and any(p.numel % W and hi > (W - 1) * P for p, lo, hi in layout):
+            return True
+    return False
 
 
 def _z3_padded_tail(c: Case) -> bool:
@@ -459,6 +531,12 @@ def _offload_straddles(c: Case) -> bool:
     if c.stage == 3:
         return any(p.numel > math.ceil(p.numel / c.world_size) and p.shape[0] > 1 for p in _muon(c))
     return _z12_straddles(c)
+
+
+def _bf16_route(c: Case) -> bool:
+    """bf16 + grad_accum_dtype fp32 + ZeRO-1 without offload runs BF16_Optimizer (engine.py:2305)."""
+    gad = c.config.get("data_types", {}).get("grad_accum_dtype")
+    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and str(gad).lower() in ("fp32", "float32")
 
 
 def _clip(c: Case) -> float:
@@ -478,7 +556,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "ZeRO-1/2 (no offload): each owner orthogonalises only the rows of its own partition slice instead "
            "of the full averaged matrix (a matrix straddling a partition boundary gets two half updates).",
            _wrap_muon_update(_m_own_rows(("z12",))),
-           lambda c: c.stage in (1, 2) and c.offload == "none" and _z12_straddles(c),
+           lambda c: c.stage in (1, 2) and c.offload == "none" and not _bf16_route(c) and _z12_straddles(c),
            "the pre-#7727 ZeRO-1/2 Muon ran on the partition's flat slice"),
     Mutant("offload-shard-orthogonalized",
            "cpu/nvme offload: each rank orthogonalises its own shard of the matrix, not the gathered whole.",
@@ -501,7 +579,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "The global norm (clip coefficient and reported norm) is taken over the Adam gradients only, "
            "leaving out the Muon updates.",
            _install_norm_excludes_muon,
-           lambda c: bool(_muon(c)),
+           # stage 0 and the BF16_Optimizer route have no ZeRO-1/2/3 norm routine to break
+           lambda c: bool(_muon(c)) and c.stage != 0 and not _bf16_route(c),
            "plausible: the wrong norm"),
     Mutant("fp16-momentum",
            "The Muon momentum is stored in fp16 whatever the model dtype.",
@@ -520,7 +599,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "matrix's end cuts short; ZeRO-1/2: the group's last, padded partition) is taken one element "
            "early.",
            _wrap_muon_update(_m_padded_tail_misslice),
-           lambda c: (c.stage == 3 and _z3_padded_tail(c)) or (c.stage in (1, 2) and _z12_padded_tail(c)),
+           lambda c: (c.stage == 3 and _z3_padded_tail(c)) or (c.stage in (1, 2) and not _bf16_route(c)
+                                                                and _z12_padded_tail(c)),
            "plausible: off-by-one in the last rank's narrow() for odd element counts"),
     Mutant("momentum-beta-off",
            "The Muon momentum uses beta - 0.05 instead of the configured beta.",
@@ -564,6 +644,30 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            _wrap_method((0, 1), "_muon_update_lacks_loss_scale", _make_not_rescaled),
            lambda c: c.offload == "none" and c.dtype == "fp16" and bool(_muon(c)),
            "groups_lacking_loss_scale (stage_1_and_2.py / stage3.py) removed"),
+    Mutant("muon-as-sgd-without-zero",
+           "Without ZeRO (stage 0) Muon weights take the flat-partition branch of MuonWithAuxAdam.step: the raw "
+           "gradient is the update (no momentum, no Newton-Schulz), i.e. plain SGD.",
+           _install_muon_as_sgd,
+           lambda c: c.stage == 0 and bool(_muon(c)),
+           "historical: Muon turned into SGD without ZeRO (the p.dim() < 2 test in muon_optimizer.py)"),
+    Mutant("param-groups-flattened",
+           "The user's param groups are flattened into one list before the Muon/Adam split: every group's own "
+           "lr, momentum, weight_decay and ns_method is replaced by the config's.",
+           _install_groups_flattened,
+           lambda c: any(g.options() for g in c.groups),
+           "historical: engine.py _muon_param_groups docstring (groups flattened, recipes' no-decay groups ignored)"),
+    Mutant("scheduler-stepped-early",
+           "The lr scheduler is advanced before the optimizer step as well as after it: every step runs at the "
+           "next step's learning rate.",
+           _install_scheduler_stepped_early,
+           lambda c: bool(c.schedule),
+           "plausible: off-by-one in where the engine advances the schedule"),
+    Mutant("muon-skipped-bf16-optimizer",
+           "On the BF16_Optimizer route Muon never runs: the Muon groups' partitions keep the raw gradients "
+           "and take a plain SGD step.",
+           _wrap_method((2,), "_prepare_muon_updates", _make_skip_muon),
+           lambda c: _bf16_route(c) and bool(_muon(c)),
+           "historical: Muon skipped on the BF16_Optimizer route (issue 13)"),
 )}
 
 

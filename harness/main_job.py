@@ -52,7 +52,7 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
 def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
              quiet: bool = False, mutate: bool = True) -> int:
     from harness import results
-    from harness.matrix import gate_cases
+    from harness.matrix import gate_cases, group_of
 
     cases = [c.replace(seed=seed) for c in gate_cases(full) if not only or only in c.name]
     cols = columns()
@@ -65,6 +65,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     store = results.ResultStore(results_dir, writer="gate")
     manager = PoolManager()
     counts: dict[str, int] = {}
+    group_time: dict[str, tuple[int, float]] = {}  # path group -> (case runs, seconds), both columns
     # Only the messages of what went wrong stay in memory: every outcome (verdict, trajectory, error
     # maps) goes to the store on disk and is dropped before the next case, so the parent stays flat
     # however many cases fail.
@@ -80,6 +81,8 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 o = evaluate(case, col, manager)
                 record(store, o)
                 counts[o.status] = counts.get(o.status, 0) + 1
+                n_g, s_g = group_time.get(group_of(case.name), (0, 0.0))
+                group_time[group_of(case.name)] = (n_g + 1, s_g + o.seconds)
                 strengths.append((o.column, o.strength))
                 if o.status in ("failed", "error", "xpassed"):
                     bad.append(o.message)
@@ -118,6 +121,8 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     print(strength_line(strength))
+    print("time per group (case runs over all columns, seconds): " + ", ".join(
+        f"{g} {n}/{sec:.0f}s" for g, (n, sec) in sorted(group_time.items(), key=lambda kv: -kv[1][1])))
     for message in bad:
         print("\n" + message)
     print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))

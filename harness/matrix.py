@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 
-from harness.case import Case, Overflow, ParamShape
+from harness.case import Case, Overflow, ParamGroup, ParamShape, canonical_json
 from harness.scenarios import TINY_PARAMS, nvme_params, pipeline_case
 
 STAGES = (1, 2, 3)
@@ -125,9 +125,148 @@ def compiled_cases(full: bool = False) -> list[Case]:
             for st, off, dt in combos]
 
 
+def stage0_cases(full: bool = False) -> list[Case]:
+    """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
+    (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
+    matrix. CI: dtype x world size with the knobs cycling (clipping and per-head excluded there:
+    see ``stage0_knob_cases``); ``--full``: the product with gradient accumulation and ns_method."""
+    out = []
+    grid = list(itertools.product(DTYPES, WORLD_SIZES))
+    if full:
+        for (dt, ws), (ga, ns) in itertools.product(grid, itertools.product((1, 2), ("gram", "standard"))):
+            out.append(_case(0, "none", dt, ws, grad_accum=ga, ns_method=ns))
+        return out
+    for i, (dt, ws) in enumerate(grid):
+        k = _knobs(i)
+        out.append(_case(0, "none", dt, ws, grad_accum=k["grad_accum"], ns_method=k["ns_method"]))
+    return out
+
+
+GROUP_WD = 0.05  # the config's weight decay in the param-group cases: non-zero on every stage and offload
+
+
+def user_groups(stage: int, offload: str) -> tuple[ParamGroup, ...]:
+    """Two param groups as a training recipe writes them: the first with its own lr, weight decay,
+    momentum and ns_method; the second with the config's values (GROUP_WD decay). ZeRO-3 (any offload) keeps
+    one momentum for all Muon groups and refuses differing ones with a clear ValueError
+    (``stage3.py _create_fp16_partitions_with_defragmentation``), so there the first group leaves
+    momentum alone."""
+    first = ParamGroup(("layer0.weight", "layer0.bias"), lr=0.03, weight_decay=0.1, ns_method="standard",
+                       momentum=None if stage == 3 else 0.9)
+    second = ParamGroup(("layer1.weight", "layer1.bias"))
+    return first, second
+
+
+def groups_cases(full: bool = False) -> list[Case]:
+    """Several user param groups (``Case.groups``) with per-group lr / momentum / weight_decay /
+    ns_method, weight decay on: every stage x offload none/cpu at W=2 in CI (dtype cycling); ``--full``
+    adds every dtype and world size."""
+    out = []
+    combos = [(0, "none")] + [(st, off) for st in STAGES for off in ("none", "cpu")]
+    for i, (st, off) in enumerate(combos):
+        dts = DTYPES if full else (DTYPES[i % 3],)
+        wss = WORLD_SIZES if full else (2,)
+        for dt, ws in itertools.product(dts, wss):
+            c = _case(st, off, dt, ws, weight_decay=GROUP_WD, suffix="-groups")
+            out.append(c.replace(groups=user_groups(st, off)))
+    return out
+
+
+# lr schedules (4 steps: warm-up, then decay): three from the config, one torch scheduler passed to
+# deepspeed.initialize. WarmupLR without warmup_max_lr warms each group up to its own lr (muon_lr,
+# adam_lr); the others use one lr (WarmupDecayLR) or scale each group's own (cosine, StepLR).
+SCHEDULES = {
+    "warmup": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_num_steps": 3,
+                                              "warmup_type": "linear"}},
+    "decay": {"type": "WarmupDecayLR", "params": {"total_num_steps": 4, "warmup_min_lr": 0.001,
+                                                  "warmup_max_lr": 0.01, "warmup_num_steps": 2}},
+    "cosine": {"type": "WarmupCosineLR", "params": {"total_num_steps": 4, "warmup_num_steps": 2,
+                                                    "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01,
+                                                    "warmup_type": "linear"}},
+    "torch": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}},  # client scheduler
+}
+SCHEDULE_STEPS = 4
+
+
+def scheduled(c: Case, key: str) -> Case:
+    """``c`` under lr schedule ``key`` (SCHEDULES): in its config, or passed to initialize for "torch"."""
+    sched = SCHEDULES[key]
+    name = c.name + f"-sched-{key}"
+    if key == "torch":
+        return c.replace(name=name, client_scheduler=canonical_json(sched))
+    return c.replace(name=name, ds_config=canonical_json({**c.config, "scheduler": sched}))
+
+
+def schedule_cases(full: bool = False) -> list[Case]:
+    """Each schedule on two (stage, offload, dtype) paths in CI, covering stages 0-3, offload none/cpu
+    and every dtype; ``--full``: every schedule x stage x offload x dtype at W=2, plus W 1 and 3 in fp32."""
+    ci = {
+        "warmup": [(0, "none", "fp32"), (3, "cpu", "bf16")],
+        "decay": [(1, "none", "fp32"), (2, "cpu", "fp16")],
+        "cosine": [(2, "none", "bf16"), (3, "none", "fp32")],
+        "torch": [(1, "cpu", "fp32"), (3, "none", "fp16")],
+    }
+    out = []
+    for key in SCHEDULES:
+        if full:
+            combos = [(st, off, dt, ws) for st, off in [(0, "none")] + [(s_, o) for s_ in STAGES for o in ("none", "cpu")]
+                      for dt in DTYPES for ws in ((1, 2, 3) if dt == "fp32" else (2,))]
+        else:
+            combos = [(st, off, dt, 2) for st, off, dt in ci[key]]
+        for st, off, dt, ws in combos:
+            out.append(scheduled(_case(st, off, dt, ws, steps=SCHEDULE_STEPS), key))
+    return out
+
+
+def _with_config(c: Case, suffix: str, **top) -> Case:
+    return c.replace(name=c.name + suffix, ds_config=canonical_json({**c.config, **top}))
+
+
+def bf16opt_cases(full: bool = False) -> list[Case]:
+    """The BF16_Optimizer route (bf16 + data_types.grad_accum_dtype fp32 + ZeRO-1 without offload;
+    stage 0 refuses the mix with NotImplementedError, engine.py _do_optimizer_sanity_check) at ws 1-3
+    with accumulation and clipping cycling, and ``communication_data_type: fp32`` on ZeRO-1/2/3 x
+    offload none/cpu in bf16 and fp16."""
+    out = []
+    knobs = [(1, 0.0), (2, CLIP), (1, CLIP)] if not full else list(itertools.product((1, 2), (0.0, CLIP)))
+    for ws in WORLD_SIZES:
+        for ga, cl in (knobs[ws - 1:ws] if not full else knobs):
+            c = _case(1, "none", "bf16", ws, grad_accum=ga, clip=cl)
+            out.append(_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"}))
+    for i, (st, off) in enumerate(itertools.product(STAGES, ("none", "cpu"))):
+        for dt in (("bf16", "fp16") if full else (("bf16", "fp16")[i % 2],)):
+            c = _case(st, off, dt, 2)
+            out.append(_with_config(c, "-comm32", communication_data_type="fp32"))
+    return out
+
+
+# Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
+GROUPS = (
+    ("bf16opt", lambda n: n.endswith("-gad32") or n.endswith("-comm32")),
+    ("schedules", lambda n: "-sched-" in n),
+    ("groups", lambda n: n.endswith("-groups")),
+    ("stage0", lambda n: n.startswith("z0-")),
+    ("nvme", lambda n: "-nvme-" in n),
+    ("inmem", lambda n: n.endswith("-inmem")),
+    ("overflow", lambda n: n.endswith("-overflow")),
+    ("growth", lambda n: n.endswith("-growth")),
+    ("resume", lambda n: "-resume" in n),
+    ("compiled", lambda n: n.endswith("-compiled")),
+)
+
+
+def group_of(name: str) -> str:
+    """The path group of a gate case (for the gate's time per group), from its name."""
+    for group, match in GROUPS:
+        if match(name):
+            return group
+    return "base"
+
+
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full))
+             + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
+             + bf16opt_cases(full))
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

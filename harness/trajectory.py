@@ -40,6 +40,7 @@ class StepRecord:
     losses: list[float] = field(default_factory=list)  # unscaled micro-batch losses, rank-major
     muon_calls_per_rank: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # capture-side observations (rank disagreement, ...)
+    group_lr: dict = field(default_factory=dict)  # optimizer param-group name -> lr it used in this step
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 import oracles
 from harness import device
 from harness import model as model_mod
+from oracles import schedules
 from harness.case import Case
 from harness.compare import Check, LayoutView, compare_arrays, describe, first_divergence, missing
 from harness.trajectory import Trajectory
@@ -63,8 +64,12 @@ def comparison_mode(case: Case) -> str:
     return "emulated"
 
 
-def step_config(case: Case) -> oracles.StepConfig:
-    """The oracle's reading of the case's DeepSpeed config (docs/deepspeed-0.19.8.md section 2 for the lr routing)."""
+def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
+    """The oracle's reading of the case's DeepSpeed config (docs/deepspeed-0.19.8.md section 2 for the lr routing).
+
+    ``applied``: the number of optimizer steps applied before the step being configured; with an lr
+    schedule (``case.schedule``) every parameter's lr is then the schedule's value for its group
+    (``oracles.schedules``), from the group's configured lr. None: the configured lrs."""
     cfg = case.config
     opt = cfg.get("optimizer", {}).get("params", {})
     shared_lr = opt.get("lr")
@@ -83,6 +88,7 @@ def step_config(case: Case) -> oracles.StepConfig:
                 consecutive_hysteresis=f.get("consecutive_hysteresis", False),
                 min_loss_scale=f.get("min_loss_scale", 1.0))
     specs = tuple(oracles.ParamSpec.deepspeed_tagged(p.name, p.shape, p.num_heads) for p in case.params)
+    specs, param_hyper = _user_groups(case, specs)
     fp16_ok, bf16_ok = device.half_support()
     betas = tuple(opt.get("betas", (0.9, 0.95)))
     sc = oracles.StepConfig(
@@ -93,14 +99,77 @@ def step_config(case: Case) -> oracles.StepConfig:
         adam_w_mode=bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True))),
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
         gradient_accumulation_steps=case.grad_accum, world_size=case.world_size, model_dtype=case.dtype,
-        loss_scaler=scaler)
+        loss_scaler=scaler, param_hyper=param_hyper)
+    if applied is not None and case.schedule:
+        sc = replace(sc, param_hyper=_scheduled_hyper(case, sc, applied))
     for hook in ORACLE_HOOKS.values():
         sc = hook(sc)
     return sc
 
 
+def _scheduled_hyper(case: Case, sc: oracles.StepConfig, applied: int) -> tuple:
+    hyper = []
+    for p in sc.params:
+        base = dict(next((items for n, items in sc.param_hyper if n == p.name), ()))
+        base["lr"] = schedules.group_lr(case.schedule, sc.hyper(p)["lr"], applied)
+        hyper.append((p.name, tuple(base.items())))
+    return tuple(hyper)
+
+
+def expected_group_lrs(case: Case, sc: oracles.StepConfig) -> dict[str, float]:
+    """The lr each of DeepSpeed's optimizer param groups should use under ``sc``, by the group's name:
+    each incoming group split into its Muon and Adam halves, named "<half>-params" for one incoming
+    group and "group<i>-<half>-params" for several (``engine.py _muon_param_groups``)."""
+    spec = {p.name: p for p in sc.params}
+    incoming = [g.params for g in case.groups] if case.groups else [tuple(spec)]
+    out = {}
+    for i, names in enumerate(incoming):
+        for half, label in ((True, "muon"), (False, "adam")):
+            members = [spec[n] for n in names if spec[n].use_muon is half]
+            if members:
+                prefix = f"group{i}-" if len(incoming) > 1 else ""
+                out[f"{prefix}{label}-params"] = sc.hyper(members[0])["lr"]
+    return out
+
+
+# Which of a user group's settings reach which half (DeepSpeed's documented split: Muon takes lr,
+# momentum, weight_decay, ns_method; the auxiliary Adam lr, weight_decay).
+_HALF_KEYS = {True: ("lr", "momentum", "weight_decay", "ns_method"), False: ("lr", "weight_decay")}
+
+
+def _user_groups(case: Case, specs: tuple) -> tuple[tuple, tuple]:
+    """The case's own param groups (``case.groups``) as the oracle reads them: a group's ``use_muon``
+    decides the half of its parameters (the user's intent), its other settings override the config's
+    for the keys of that half. Returns (specs, ``StepConfig.param_hyper``)."""
+    if not case.groups:
+        return specs, ()
+    by_name = {s.name: s for s in specs}
+    hyper = []
+    for g in case.groups:
+        for n in g.params:
+            sp = by_name[n]
+            if g.use_muon is not None and g.use_muon != sp.use_muon:
+                sp = oracles.ParamSpec(sp.name, sp.shape, bool(g.use_muon), sp.num_heads if g.use_muon else None)
+            by_name[n] = sp
+            items = tuple((k, v) for k, v in g.options().items() if k in _HALF_KEYS[sp.use_muon])
+            if items:
+                hyper.append((n, items))
+    return tuple(by_name[s.name] for s in specs), tuple(hyper)
+
+
+def _spec_groups(case: Case, sc: oracles.StepConfig) -> list:
+    """DeepSpeed's optimizer groups: each user group split into its Muon and Adam halves, in order."""
+    if not case.groups:
+        return oracles.ds_param_groups(sc.params)
+    spec = {p.name: p for p in sc.params}
+    out = []
+    for g in case.groups:
+        out.extend(oracles.ds_param_groups([spec[n] for n in g.params]))
+    return out
+
+
 def layout_for(case: Case, sc: oracles.StepConfig):
-    groups = oracles.ds_param_groups(sc.params)
+    groups = _spec_groups(case, sc)
     zero = case.config.get("zero_optimization", {})
     if case.stage == 3:
         return oracles.zero3_layout(groups, case.world_size, sub_group_size=zero.get("sub_group_size"))
@@ -111,7 +180,7 @@ def expected_muon_calls(case: Case, sc: oracles.StepConfig, layout) -> int:
     """Newton-Schulz applications per optimizer step, all ranks summed (once per step per matrix and
     computing rank, never per micro-batch): see ``harness.capture`` for who computes what."""
     muon = [p.name for p in sc.params if p.use_muon]
-    if case.offload != "none":
+    if case.offload != "none" or case.stage == 0:  # stage 0: every rank steps every (whole) matrix
         return case.world_size * len(muon)
     if case.stage == 3:
         return len(muon)
@@ -206,7 +275,7 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
                            # loss term once (prediction, residual, product, output) before the sum: 4 u_lp
                            # of the term scale, doubled for the two terms of a matrix loss.
                            grad_term_scale=term, backward_term_err=8.0 * oracles.unit_roundoff(case.dtype),
-                           ns_method=sc.ns_method)
+                           ns_method=next(sc.hyper(p) for p in sc.params if p.name == name).get("ns_method", sc.ns_method))
     return a.grad
 
 
@@ -226,6 +295,9 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     grad_store = grad_store_dtype(case)
     state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
     n_muon_calls = expected_muon_calls(case, sc, layout)
+    # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
+    ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
+    ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
 
     def add(param, quantity, step, actual, expected, allowance):
         verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, allowance,
@@ -271,7 +343,15 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                 a = grad_allowance(case, sc, n, grads, mode)
                 add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a)
 
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc, conv, ns_mode=ns_mode)
+        # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
+        sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
+        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode)
+        # The lr each optimizer group really used (captured before the step), against the schedule:
+        # the same closed form evaluated in float64 in another order, a few roundings apart (16 u_64).
+        lr_allow = oracles.Allowance(0.0, 16 * 2.0 ** -53, "lr: float64 evaluation of the schedule's formula")
+        if rec.group_lr or case.schedule:  # a scheduled case without captured lrs fails (nan)
+            for gname, lr in expected_group_lrs(case, sc_s).items():
+                add(f"<group {gname}>", "lr", s, [rec.group_lr.get(gname, math.nan)], [lr], lr_allow)
 
         # Step-level quantities.
         exact = oracles.Allowance(0.0, 0.0, "deterministic")
@@ -288,7 +368,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
             widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=widest,
-                                   world_size=W, gas=GAS, ns_method=sc.ns_method, grad_dtype=grad_store,
+                                   world_size=W, gas=GAS, ns_method=ns_norm, grad_dtype=grad_store,
                                    momentum_dtype="fp32")
             add("<step>", "global_norm", s, [rec.global_norm], [orec.reported_norm], a.norm)
         if not orec.skipped:
@@ -304,7 +384,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             # remains is fp32 storage of the momentum and masters, and Newton-Schulz.
             shape = p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape)
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=shape,
-                                   world_size=W, gas=GAS, ns_method=sc.ns_method, grad_dtype="fp64",
+                                   world_size=W, gas=GAS, ns_method=ns_of[n], grad_dtype="fp64",
                                    momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                                    clipping_active=sc.gradient_clipping > 0)

@@ -108,6 +108,20 @@ class StepConfig:
     world_size: int = 1
     model_dtype: str = "fp32"          # "fp32" | "fp16" | "bf16"
     loss_scaler: Optional[LossScalerConfig] = None  # None: DeepSpeed's default for model_dtype
+    # Per-parameter hyper-parameters where the user's param groups set their own:
+    # ((name, (("lr", x), ("momentum", y), ("weight_decay", z), ("ns_method", m))), ...); anything a
+    # parameter's entry leaves out is the half's value above (muon_lr/adam_lr, momentum, ...).
+    param_hyper: tuple = ()
+
+    def hyper(self, spec: "ParamSpec") -> dict:
+        """lr, momentum, weight_decay, ns_method of one parameter (its half's, then its own entry)."""
+        wd_adam = self.weight_decay if self.adam_weight_decay is None else self.adam_weight_decay
+        out = ({"lr": self.muon_lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                "ns_method": self.ns_method} if spec.use_muon else {"lr": self.adam_lr, "weight_decay": wd_adam})
+        for name, items in self.param_hyper:
+            if name == spec.name:
+                out.update({k: v for k, v in items if k in out})
+        return out
 
     def __post_init__(self):
         if self.model_dtype not in MODEL_DTYPES:
@@ -425,24 +439,26 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     new_mom, directions = {}, {}
     for spec in muon_specs:
         n = spec.name
+        hp = cfg.hyper(spec)
+        beta = hp["momentum"]
         g = Gs[n] / pre_k * units
         heads = spec.num_heads if conv.honor_num_heads else None
         if ns_mode == "emulated" and mdt != torch.float64:
-            m_new, U, _ = emulate.emulated_momentum(state.momentum[n].to(mdt), g.to(mdt), cfg.momentum)
+            m_new, U, _ = emulate.emulated_momentum(state.momentum[n].to(mdt), g.to(mdt), beta)
         elif mdt == torch.float64:
-            m_new, U = muon_momentum(state.momentum[n].to(torch.float64), g, cfg.momentum)
+            m_new, U = muon_momentum(state.momentum[n].to(torch.float64), g, beta)
         else:
             # storage rounding: the gradient is held in mdt, each of the two blends is rounded once
             g = round_to(g, mdt)
-            m_new = round_to(cfg.momentum * state.momentum[n].to(torch.float64) + (1.0 - cfg.momentum) * g, mdt)
-            U = round_to((1.0 - cfg.momentum) * g + cfg.momentum * m_new, mdt)
+            m_new = round_to(beta * state.momentum[n].to(torch.float64) + (1.0 - beta) * g, mdt)
+            U = round_to((1.0 - beta) * g + beta * m_new, mdt)
         if ns_mode == "emulated":
-            O = emulate.emulated_direction(U.to(mdt), cfg.ns_method, heads, out_dtype=mdt,
+            O = emulate.emulated_direction(U.to(mdt), hp["ns_method"], heads, out_dtype=mdt,
                                            conv_aspect=conv.conv_aspect, steps=cfg.ns_steps,
-                                           compute_dtype=emulate.ns_compute_dtype(cfg.ns_method, cfg.device_fp16,
+                                           compute_dtype=emulate.ns_compute_dtype(hp["ns_method"], cfg.device_fp16,
                                                                                   cfg.device_bf16))
         else:
-            O = muon_direction(U.to(torch.float64), cfg.ns_method, heads, steps=cfg.ns_steps,
+            O = muon_direction(U.to(torch.float64), hp["ns_method"], heads, steps=cfg.ns_steps,
                                conv_aspect=conv.conv_aspect)
         m_new = m_new.to(torch.float64)
         if conv.padded_tail_momentum_dtype is not None:
@@ -478,19 +494,20 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     for spec in muon_specs:
         n = spec.name
         theta = state.master[n].to(torch.float64)
-        lr, wd = cfg.muon_lr, cfg.weight_decay
+        hp = cfg.hyper(spec)
+        lr, wd = hp["lr"], hp["weight_decay"]
         theta_new = theta * (1.0 - lr * wd) - lr * (directions[n] * (muon_factor / muon_div))
         master[n] = round_master(theta_new, conv)
         momentum[n] = new_mom[n]
         recs[n] = ParamRecord(n, True, G[n], new_mom[n], directions[n], theta_new - theta, master[n],
                               round_to(master[n], lp))
-    wd_adam = cfg.weight_decay if cfg.adam_weight_decay is None else cfg.adam_weight_decay
     for spec in adam_specs:
         n = spec.name
         theta = state.master[n].to(torch.float64)
         g = Gs[n] * (ratio / adam_div)
-        res = adam_step(theta, g, state.adam_m[n], state.adam_v[n], t, lr=cfg.adam_lr, betas=cfg.betas,
-                        eps=cfg.eps, weight_decay=wd_adam, adam_w_mode=cfg.adam_w_mode)
+        hp = cfg.hyper(spec)
+        res = adam_step(theta, g, state.adam_m[n], state.adam_v[n], t, lr=hp["lr"], betas=cfg.betas,
+                        eps=cfg.eps, weight_decay=hp["weight_decay"], adam_w_mode=cfg.adam_w_mode)
         master[n] = round_master(res.theta, conv)
         adam_m[n], adam_v[n] = res.m, res.v
         recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],

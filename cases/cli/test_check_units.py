@@ -124,14 +124,14 @@ def test_batch_sizes_rewritten_for_the_world_size(given, W, expect):
     assert any("batch sizes rewritten" in n and f"world size {W}" in n for n in notes)
 
 
-def test_rewrite_strips_scheduler_monitors_and_sets_nvme_placeholder():
+def test_rewrite_keeps_scheduler_strips_monitors_and_sets_nvme_placeholder():
     cfg = _cfg(scheduler={"type": "WarmupLR", "params": {}}, tensorboard={"enabled": True},
                zero_optimization={"stage": 3, "reduce_scatter": False, "sub_group_size": 1000,
                                   "offload_optimizer": {"device": "nvme", "nvme_path": "/somewhere"}})
     cfg["optimizer"]["params"]["per_head_muon"] = True
     notes: list[str] = []
     out = check_plan._rewrite(cfg, 2, 0.01, notes, total_numel=10**6)
-    assert "scheduler" not in out and out["tensorboard"]["enabled"] is False
+    assert out["scheduler"] == {"type": "WarmupLR", "params": {}} and out["tensorboard"]["enabled"] is False
     assert "per_head_muon" not in out["optimizer"]["params"]
     assert out["zero_optimization"]["offload_optimizer"]["nvme_path"] == "@NVME@"
     assert out["zero_optimization"]["sub_group_size"] == 10
@@ -139,6 +139,12 @@ def test_rewrite_strips_scheduler_monitors_and_sets_nvme_placeholder():
     for word in ("scheduler", "tensorboard", "per_head_muon", "sub_group_size"):
         assert word in text
     assert cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/somewhere"  # input untouched
+
+
+def test_rewrite_refuses_a_schedule_the_oracle_cannot_compute():
+    cfg = _cfg(scheduler={"type": "OneCycle", "params": {}})
+    with pytest.raises(BadInput, match="scheduler type 'OneCycle'"):
+        check._rewrite(cfg, 2, 0.01, [], total_numel=10**6)
 
 
 @pytest.mark.parametrize("mutate, message", [

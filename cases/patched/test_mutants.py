@@ -15,8 +15,12 @@ def _snapshot():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    out = {"muon_update": original_muon.muon_update}
-    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, MuonWithAuxAdam, DeepSpeedEngine):
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.muon import muon_optimizer
+
+    out = {"muon_update": original_muon.muon_update, "muon_optimizer.muon_update": muon_optimizer.muon_update}
+    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, MuonWithAuxAdam, DeepSpeedEngine,
+                BF16_Optimizer):
         for k, v in vars(cls).items():
             out[f"{cls.__name__}.{k}"] = v
     return out

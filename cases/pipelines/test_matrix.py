@@ -92,3 +92,23 @@ def test_overflow_skips_step(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", _suite(matrix.growth_cases))
 def test_loss_scale_growth(case, column, pool_manager, seed, request):
     _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.stage0_cases))
+def test_stage0(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.groups_cases))
+def test_param_groups(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.schedule_cases))
+def test_lr_schedules(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", _suite(matrix.bf16opt_cases))
+def test_bf16_optimizer_and_comm32(case, column, pool_manager, seed, request):
+    _run(case, column, pool_manager, seed, request)

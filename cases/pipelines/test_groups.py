@@ -1,0 +1,46 @@
+"""User param groups: DSM-006 (ZeRO-3 applies the last Muon group's ns_method to all) as a matrix
+case that fails on stock and passes patched, and bad groups refused before any rank starts."""
+from __future__ import annotations
+
+import pytest
+
+from harness.bugs import bugs_for
+from harness.case import ParamGroup
+from harness.matrix import GROUP_WD, user_groups
+from harness.scenarios import pipeline_case
+from harness.verdict import judge
+
+
+@pytest.mark.pipeline
+def test_dsm006_stock_fails_patched_passes(pool_manager):
+    c = pipeline_case(3, "none", "fp32", 2, steps=3, weight_decay=GROUP_WD)
+    c = c.replace(name=c.name + "-groups", groups=user_groups(3, "none"))
+    assert [b.id for b in bugs_for(c)] == ["DSM-006"]
+    stock = judge(c, pool_manager.run(c).result)
+    failed = {(f.param, f.quantity) for f in stock.failures}
+    assert ("layer0.weight", "update") in failed, stock.message()
+    assert {q for _, q in failed} <= {"update", "master", "model", "global_norm"}, stock.message()
+    p = c.replace(patched=True)
+    assert bugs_for(p, patched=True) == []
+    v = judge(p, pool_manager.run(p).result)
+    assert v.passed, v.message()
+
+
+@pytest.mark.parametrize("groups,why", [
+    ((ParamGroup(("layer0.weight",)),), "in no group"),
+    ((ParamGroup(("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias", "nope")),), "unknown"),
+    ((ParamGroup(("layer0.weight", "layer0.bias")), ParamGroup(("layer0.weight", "layer1.weight", "layer1.bias"))),
+     "listed twice"),
+    ((ParamGroup(("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias"), ns_method="cubic"),), "ns_method"),
+])
+def test_bad_groups_refused_before_any_rank(groups, why):
+    c = pipeline_case(1, "none", "fp32", 1)
+    with pytest.raises(ValueError, match=why):
+        c.replace(groups=groups)
+
+
+def test_groups_round_trip_json():
+    c = pipeline_case(2, "cpu", "bf16", 2).replace(groups=user_groups(2, "cpu"))
+    from harness.case import Case
+
+    assert Case.from_json(c.to_json()) == c
