@@ -144,7 +144,7 @@ def test_rewrite_keeps_scheduler_strips_monitors_and_sets_nvme_placeholder():
 def test_rewrite_refuses_a_schedule_the_oracle_cannot_compute():
     cfg = _cfg(scheduler={"type": "OneCycle", "params": {}})
     with pytest.raises(BadInput, match="scheduler type 'OneCycle'"):
-        check._rewrite(cfg, 2, 0.01, [], total_numel=10**6)
+        check_plan._rewrite(cfg, 2, 0.01, [], total_numel=10**6)
 
 
 @pytest.mark.parametrize("mutate, message", [
