@@ -56,12 +56,28 @@ from .newton_schulz import GRAM_RESTART_AT, NS_A, NS_B, NS_C, NS_EPS, NS_STEPS, 
 PRODUCTION_NS_DTYPE = {"gram": torch.float16, "standard": torch.bfloat16}
 
 
-def ns_compute_dtype(ns_method: str) -> torch.dtype:
-    """The dtype DeepSpeed 0.19.8 runs Newton-Schulz in on a device with fp16 and bf16 support."""
+def cpu_fp16_matmul_supported() -> bool:
+    """Whether this CPU has oneDNN fp16 kernels (AVX512-FP16 / AMX-FP16): the condition under which
+    DeepSpeed's CPU accelerator reports fp16 support (``cpu_accelerator.py`` ``is_fp16_supported``).
+    Without it DeepSpeed falls back to fp32 for the gram iteration (``original_muon.py``
+    ``ns_compute_dtype``), and an oracle that assumed fp16 would flag every gram case. A device fact,
+    asked of torch, not of DeepSpeed."""
     try:
-        return PRODUCTION_NS_DTYPE[ns_method]
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # noqa: BLE001 - no oneDNN: no fp16 support either
+        return False
+
+
+def ns_compute_dtype(ns_method: str) -> torch.dtype:
+    """The dtype DeepSpeed 0.19.8 runs Newton-Schulz in on this machine's CPU accelerator: fp16 for gram
+    (fp32 where the CPU has no fp16 kernels), bf16 for standard (every CPU torch runs on supports it)."""
+    try:
+        dt = PRODUCTION_NS_DTYPE[ns_method]
     except KeyError:
         raise ValueError(f"unknown ns_method {ns_method!r}") from None
+    if dt == torch.float16 and not cpu_fp16_matmul_supported():
+        return torch.float32
+    return dt
 
 
 def _frobenius(X: torch.Tensor) -> torch.Tensor:
