@@ -37,6 +37,17 @@ class Bug:
     # Where the fix is a refusal rather than a repair: text the patched runtime's error must contain.
     # A patched case this bug triggers then passes when, and only when, it is refused with that text.
     refused_when_patched: str | None = None
+    # Crash bugs: (exception type, message fragment, a frame on the call path) the rank's traceback
+    # must show; the stock case is an xfail only for exactly that crash.
+    crash: tuple[str, str, str] | None = None
+
+    def crash_matches(self, traceback: str) -> bool:
+        """Does a rank's traceback show exactly this bug's crash (type, message, call path)?"""
+        if self.crash is None:
+            return False
+        etype, fragment, frame = self.crash
+        last = [line for line in traceback.strip().splitlines() if line.startswith(etype + ":")]
+        return bool(last) and fragment in last[-1] and f"in {frame}" in traceback
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,6 +224,24 @@ def _nvme_resume_loses_state(c: Case) -> bool:
     if _z3_inmem(c) and _has_muon(c):
         return True
     return scale_plan(c)[c.checkpoint_at:] != scale_plan(c, restart_at=c.checkpoint_at)[c.checkpoint_at:]
+
+
+def _z3_momentum_tail_past_end(c: Case) -> bool:
+    """ZeRO-3 without offload writes a rank's momentum share with ``buffer[:n - r q]`` (stage3.py:1798-1801):
+    a rank whose share starts past the end of a Muon matrix (``r q > n`` with ``r q - n < q``) raises. With
+    ``q = ceil(n / W)`` the first rank past the end is ``ceil(n / q)``; it exists and starts strictly past
+    ``n`` exactly when ``n % q != 0`` and ``ceil(n / q) < W``. Only a step that is not skipped runs Muon."""
+    if c.stage != 3 or c.offload != "none" or c.world_size < 2:
+        return False
+    W = c.world_size
+    for p in c.params:
+        if not _is_muon(p):
+            continue
+        n = math.prod(p.shape)
+        q = -(-n // W)
+        if n % q and -(-n // q) < W:
+            return any(not sk for _, _, sk in scale_plan(c))
+    return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,6 +440,22 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: _bf16_optimizer(c) and _has_muon(c),
         quantities=frozenset({"global_norm", "grad", "master", "model", "update", "momentum"}),
         where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
+    ),
+    Bug(
+        id="DSM-017",
+        title="ZeRO-3 crashes writing the momentum of a rank whose share starts past a small Muon matrix",
+        symptom="Without optimizer offload, a Muon matrix of n elements on W ranks gives each rank q = "
+                "ceil(n/W) elements; the momentum write-back slices buffer[:n - r q], which for a rank starting "
+                "past the end (r q > n) is a negative bound: 'RuntimeError: The expanded size of the tensor (1) "
+                "must match the existing size (0)' on that rank at the first step. Smallest: n = 5 on 4 ranks "
+                "(1x5, 5x1); found by the layout sweep (sweep-z3-none-ws4-L0-ga2, a 1x5 among 3x1 and 1x1 "
+                "matrices). Offload and ZeRO-1/2 are unaffected; world sizes 2 and 3 cannot trigger it.",
+        trigger=_z3_momentum_tail_past_end,
+        quantities=frozenset({"crash"}),
+        where="stage3.py _muon_update_sub_group (:1795-1801, buffer_to_update[:grad.numel() - start_offset])",
+        fix="z3-momentum-tail-past-end",
+        reproducer="pipeline_case(3, 'none', 'fp32', 4, params=(ParamShape('w.weight', (1, 5)),))",
+        crash=("RuntimeError", "The expanded size of the tensor", "_muon_update_sub_group"),
     ),
 )
 

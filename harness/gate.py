@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harness.bugs import bugs_for, refusals_for
 from harness.case import Case
-from harness.pool import CaseFailure, PoolManager
+from harness.pool import CaseFailure, PoolManager, RankFailed
 from harness.verdict import Verdict, judge, reproduce_command
 
 
@@ -63,6 +63,11 @@ def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
         out = manager.run(c)
     except CaseFailure as exc:
         text = str(exc)
+        crashes = [b for b in bugs if b.crash is not None and b.crash_matches(getattr(exc, "details", ""))]
+        if crashes and isinstance(exc, RankFailed):
+            names = ", ".join(b.id for b in crashes)
+            return Outcome(c, column, "xfailed", [b.id for b in crashes], f"{c.name}: crashed exactly as {names} "
+                           f"predicts\n{text[-1500:]}", time.perf_counter() - t0)
         if refusals and all(b.refused_when_patched in text for b in refusals):
             names = ", ".join(b.id for b in refusals)
             why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
@@ -161,6 +166,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     store = results.ResultStore(results_dir, writer="gate")
     manager = PoolManager()
     counts: dict[str, int] = {}
+    sweep_runs: dict[str, dict] = {}  # column -> case name -> (status, seconds), for the layout sweep table
     bad = []
     t0 = time.perf_counter()
     try:
@@ -172,6 +178,8 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 o = evaluate(case, col, manager)
                 record(store, o)
                 counts[o.status] = counts.get(o.status, 0) + 1
+                tag = o.status + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids else "")
+                sweep_runs.setdefault(col, {})[case.name] = (tag, o.seconds)
                 if o.status in ("failed", "error", "xpassed"):
                     bad.append(o)
                 if not quiet:
@@ -189,6 +197,12 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     finally:
         manager.close()
     elapsed = time.perf_counter() - t0
+    from harness import sweep
+
+    for col, runs in sweep_runs.items():
+        table = sweep.gate_summary(col, runs)
+        if table:
+            print(table, flush=True)
     env = environment()
     env["seed"] = seed
     extra = {"environment": env, "elapsed_s": elapsed}

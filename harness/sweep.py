@@ -327,3 +327,15 @@ def check_coverage(cases=None, stages=STAGES) -> None:
     lonely = [c.name for c in cases if c.stage and tiny_run(c) < 2]
     if lonely:
         raise AssertionError(f"sweep cases without two tiny matrices side by side: {lonely}")
+
+
+def gate_summary(column: str, runs: dict[str, tuple[str, float]]) -> str:
+    """The gate's print-out for one column: the table with each sweep case's status and time (``runs``:
+    case name -> (status, seconds) over every case the gate ran; non-sweep cases are ignored)."""
+    cases = [c for c in sweep_cases() if c.name in runs]
+    if not cases:
+        return ""
+    statuses = {c.name: runs[c.name][0] for c in cases}
+    seconds = {c.name: runs[c.name][1] for c in cases}
+    return (f"\nlayout sweep [{column}]: {len(cases)} cases in {sum(seconds.values()):.1f}s\n"
+            + coverage_table(cases, statuses, seconds))

@@ -16,8 +16,12 @@ import pytest
 
 from cases.fuzz.plugin import SWEEP_KEY
 from harness import sweep
-from harness.bugs import bugs_for
+from harness.bugs import BY_ID, bugs_for
+from harness.case import ParamShape
 from harness.gate import columns, evaluate, record
+from harness.pool import RankFailed
+from harness.scenarios import pipeline_case
+from harness.verdict import judge
 
 CASES = sweep.sweep_cases()
 
@@ -90,3 +94,36 @@ def test_layout_sweep(case, column, pool_manager, seed, request, record_property
         pytest.fail(o.message, pytrace=False)
     if o.status == "xfailed":
         raise KnownBugDivergence(o.message)
+
+
+# --------------------------------------------------------------------------------------------------
+# DSM-017, found by this sweep (sweep-z3-none-ws4-L0-ga2): its minimal reproducer, stock and patched
+
+DSM_017 = pipeline_case(3, "none", "fp32", 4, params=(ParamShape("w.weight", (1, 5)),)).replace(name="z3-none-fp32-ws4-1x5")
+
+
+@pytest.mark.pipeline
+def test_dsm_017_minimal_reproducer_crashes_stock_and_trains_patched(pool_manager):
+    assert [b.id for b in bugs_for(DSM_017)] == ["DSM-017"]
+    assert bugs_for(DSM_017.replace(patched=True), patched=True) == []
+    with pytest.raises(RankFailed) as info:
+        pool_manager.run(DSM_017)
+    assert info.value.rank == 3, info.value  # the one rank whose share (elements 6..7) starts past n = 5
+    assert BY_ID["DSM-017"].crash_matches(info.value.details), info.value.details[-800:]
+    p = DSM_017.replace(patched=True)
+    v = judge(p, pool_manager.run(p).result)
+    assert v.passed, v.message()
+
+
+def test_dsm_017_trigger_is_exact():
+    """The trigger selects exactly the (n, W) whose first rank past the end starts strictly past n, and
+    only on ZeRO-3 without offload (the offload path clamps its slice)."""
+    def hit(n, ws, stage=3, offload="none"):
+        return any(b.id == "DSM-017" for b in bugs_for(
+            pipeline_case(stage, offload, "fp32", ws, params=(ParamShape("w.weight", (1, n)),))))
+
+    # on 4 ranks only n = 5 (q = 2, rank 3 starts at 6); n = 6 starts rank 3 exactly at n: no crash
+    assert [n for n in range(1, 40) if hit(n, 4)] == [5]
+    assert [n for n in range(1, 40) if hit(n, 5)] == [7, 11] and hit(9, 6)
+    assert not any(hit(n, ws) for ws in (1, 2, 3) for n in range(1, 40))  # impossible below 4 ranks
+    assert not hit(5, 4, stage=2) and not hit(5, 4, offload="cpu")
