@@ -304,8 +304,8 @@ def coverage_table(cases, statuses: dict[str, str] | None = None, seconds: dict[
             row += f"{cell:>16s}"
         lines.append(row)
     miss = missing_cells(cases, stages=sorted({c.stage for c in cases}))
-    lines.append(f"legend: BA = a matrix with Muon neighbours before and after it in its group; B+A = "
-                 f"split over two matrices (ZeRO-1/2, ws2, padding-only only); (!) = not covered")
+    lines.append("legend: BA = a matrix with Muon neighbours before and after it in its group; B+A = "
+                 "split over two matrices (ZeRO-1/2, ws2, padding-only only); (!) = not covered")
     total = sum(seconds.values()) if seconds else None
     covered = sum(1 for (st, _, ws, cls), hits in cov.items() if any(_covers(m, st, ws, cls) for _, m in hits))
     lines.append(f"{len(cases)} cases; {covered} (stage, offload, ws, class) cells covered, {len(miss)} missing"
