@@ -49,6 +49,8 @@ def pytest_terminal_summary(terminalreporter):
                 lines.append(f"{rep.nodeid} [profile {d['profile']}]: {d['examples']} cases judged in "
                              f"{d['seconds']:.0f}s, {d['failures']} out of tolerance; worst normalised error "
                              f"{d['ratio']:.4g}: {d['summary']}")
+                if d.get("split_text"):
+                    lines.append(f"    throughput: {d['split_text']}")
                 if d.get("file"):
                     lines.append(f"    worst case as JSON: {d['file']}")
     if lines:
