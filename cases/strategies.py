@@ -53,7 +53,7 @@ from functools import lru_cache
 
 from hypothesis import strategies as st
 
-from harness.bugs import bugs_for
+from harness.bugs import bugs_for, refusals_for
 from harness.case import DTYPES, Case, Overflow, ParamShape, ds_config
 from harness.nvme import nvme_matrix
 from harness.sweep import LAYOUT_CLASSES  # one home for the class names and their definitions
@@ -206,7 +206,7 @@ def clean_pipelines(runtime: str = "stock", nvme: bool = False) -> tuple[tuple[i
             for dtype in device_dtypes():
                 probe = Case("probe", TINY_PARAMS, ds_config(stage=stage, dtype=dtype, offload=offload),
                              patched=patched)
-                if not bugs_for(probe, patched=patched):
+                if case_is_clean(probe):
                     out.append((stage, offload, dtype))
     return tuple(out)
 
@@ -221,8 +221,11 @@ def device_dtypes() -> tuple[str, ...]:
 
 
 def case_is_clean(case: Case) -> bool:
-    """No catalogued bug expected on the runtime the case runs on."""
-    return not bugs_for(case, patched=case.patched)
+    """No catalogued bug expected on the runtime the case runs on, and (patched) no fix that refuses the
+    case instead of running it (DSM-002's fix refuses ZeRO-1/2 NVMe: FUZZ-003)."""
+    if bugs_for(case, patched=case.patched):
+        return False
+    return not (case.patched and refusals_for(case))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -130,6 +130,13 @@ def test_fuzz_002_gram_dtype_follows_the_device(pool_manager):
     assert v.passed, v.message()
 
 
+# FUZZ-003 (harness gap): the nightly profile's first failure, after 190 clean cases: a patched
+# ZeRO-1 NVMe case (fuzz-z1-nvme-fp32-ws2-m5v0-natural-patched) "crashed" -- it was the patched
+# runtime's fix for DSM-002 refusing ZeRO-1/2 NVMe, as designed; the strategy counted the pipeline
+# clean because DSM-002 is fixed. Fixed in the strategies: case_is_clean also excludes cases a patched
+# fix refuses (harness.bugs.refusals_for); regression in test_fuzz_strategies.py.
+
+
 @pytest.mark.skipif("fp16" not in S.device_dtypes(), reason="FUZZ-002: DeepSpeed refuses fp16 models on this CPU")
 def test_fuzz_001_fp16_backward_overflow_is_predicted(pool_manager):
     """Regression for FUZZ-001: DeepSpeed's genuine fp16 backward overflow must be predicted by the

@@ -135,3 +135,13 @@ def test_stock_runtime_excludes_catalogued_bugs():
             assert stage == 3
     assert (3, "nvme", "fp32") in pipes and (1, "cpu", "bf16") in pipes
     assert ((2, "cpu", "fp16") in pipes) == ("fp16" in S.device_dtypes())  # FUZZ-002: fp16 only where supported
+
+
+def test_patched_runtime_never_draws_a_refused_case():
+    """FUZZ-003: the patched runtime's fix for DSM-002 refuses ZeRO-1/2 NVMe, so those pipelines are not
+    drawn for it (the nightly profile drew fuzz-z1-nvme-fp32-ws2 patched and reported the refusal)."""
+    if "patched" not in RUNTIMES:
+        pytest.skip("no patched runtime in this checkout")
+    pipes = set(S.clean_pipelines("patched", nvme=True))
+    assert not {p for p in pipes if p[1] == "nvme" and p[0] in (1, 2)}, pipes
+    assert (3, "nvme", "fp32") in pipes
