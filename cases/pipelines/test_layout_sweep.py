@@ -60,6 +60,16 @@ def test_coverage_detects_a_missing_cell():
         sweep.check_coverage(short)
 
 
+def test_sweep_takes_stage_zero_when_it_exists():
+    """Stage 0 joins through ``sweep.STAGES`` alone: no offload, no layout class to cover, no missing cell."""
+    with_zero = sweep.sweep_cases(stages=(0,) + tuple(sweep.STAGES))
+    zero = [c for c in with_zero if c.stage == 0]
+    assert zero and all(c.offload == "none" for c in zero)
+    assert {c.world_size for c in zero} == set(sweep.WORLD_SIZES)
+    assert sweep.missing_cells(with_zero, stages=(0,) + tuple(sweep.STAGES)) == []
+    assert "n/a" in sweep.coverage_table(with_zero)
+
+
 def _params():
     out = []
     for col in columns():
