@@ -155,6 +155,54 @@ def test_fuzz_001_fp16_backward_overflow_is_predicted(pool_manager):
     assert v.passed, f"FUZZ-001 regressed: {support.verdict_summary(v)}\n{support.reproducer(case)}"
 
 
+# FUZZ-004 (harness, OPEN): in the float64-NS mode (``Case.ns_dtype="float64"``, verdict mode hpns) the
+# Muon momentum at step 2 of a 1x1 matrix exceeds its allowance by 1.5-14x (1.5-4 fp32 ulp): found by
+# the ci profile after the swarm/layout-aimed strategies (z1 cpu bf16 ws3, 1.48x, shrunk from 502
+# cases), the nightly profile (z1 none fp32 ws3, 3.66x) and seen at 14.4x (z3 cpu bf16 ws4, patched).
+# The same cases pass in the default emulated mode, whose momentum is torch's fp32 lerp bit for bit.
+# Likely cause: DeepSpeed's ``momentum.lerp_(g, 1 - beta)`` rounds the intermediate ``g - M``, which
+# for a scalar whose g and M have opposite signs is larger than the result; the float64 oracle's
+# momentum allowance counts round-off of the result only. A tolerance question (oracles/tolerance.py),
+# not a DeepSpeed bug. These replays are strict xfails until the allowance is derived for it.
+FUZZ_004_CI = ('{"batch": 2, "checkpoint_at": null, "compiled": false, "ds_config": {"bf16": {"enabled": true}, "gra'
+             'dient_accumulation_steps": 3, "gradient_clipping": 0.0, "optimizer": {"params": {"adam_lr": 0.001, "'
+             'lr": 0.02, "momentum": 0.95, "muon_lr": 0.02, "ns_method": "gram", "weight_decay": 0.0}, "type": "Mu'
+             'on"}, "steps_per_print": 1000000000, "train_batch_size": 9, "train_micro_batch_size_per_gpu": 1, "wa'
+             'll_clock_breakdown": false, "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "stage": 1'
+             '}}, "fault": null, "grad_cond": 1.0, "grad_elementwise": 1.0, "grad_scale": 1.0, "mutant": null, "na'
+             'me": "fuzz-z1-cpu-bf16-ws3-m4v2-natural-aim-straddles-boundary", "ns_dtype": "float64", "overflows":'
+             ' [], "params": [{"name": "m0.weight0", "num_heads": null, "shape": [2, 1]}, {"name": "m1.weight1", "'
+             'num_heads": null, "shape": [1, 3]}, {"name": "m1.weight2", "num_heads": null, "shape": [1, 1]}, {"na'
+             'me": "m1.weight3", "num_heads": null, "shape": [1, 1]}, {"name": "m2.bias4", "num_heads": null, "sha'
+             'pe": [1]}, {"name": "m3.bias5", "num_heads": null, "shape": [1]}], "patched": false, "seed": 1108, "'
+             'steps": 2, "timeout_s": 120.0, "world_size": 3}')
+FUZZ_004_NIGHTLY = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_config": {"gradient_accumulation_steps": '
+             '1, "gradient_clipping": 0.0, "optimizer": {"params": {"adam_lr": 0.001, "lr": 0.02, "momentum": 0.5,'
+             ' "muon_lr": 0.02, "ns_method": "gram", "weight_decay": 0.0}, "type": "Muon"}, "steps_per_print": 100'
+             '0000000, "train_batch_size": 3, "train_micro_batch_size_per_gpu": 1, "wall_clock_breakdown": false, '
+             '"zero_optimization": {"stage": 1}}, "fault": null, "grad_cond": 1.0, "grad_elementwise": 1.0, "grad_'
+             'scale": 1.0, "mutant": null, "name": "fuzz-z1-none-fp32-ws3-m4v1-low-rank-data-aim-padding-only-part'
+             'ition", "ns_dtype": "float64", "overflows": [], "params": [{"name": "m0.weight0", "num_heads": null,'
+             ' "shape": [1, 1]}, {"name": "m0.weight1", "num_heads": null, "shape": [2, 1]}, {"name": "m0.bias2", '
+             '"num_heads": null, "shape": [13]}, {"name": "m0.weight3", "num_heads": null, "shape": [1, 1]}, {"nam'
+             'e": "m0.weight4", "num_heads": null, "shape": [1, 3]}], "patched": false, "seed": 1686, "steps": 2, '
+             '"timeout_s": 120.0, "world_size": 3}')
+
+
+@pytest.mark.xfail(strict=True, reason="FUZZ-004 open: hpns momentum allowance omits lerp's g - M rounding")
+@pytest.mark.parametrize("text", [FUZZ_004_CI, FUZZ_004_NIGHTLY], ids=["ci-z1-cpu-bf16-ws3", "nightly-z1-none-fp32-ws3"])
+def test_fuzz_004_hpns_momentum_of_a_scalar(text, pool_manager):
+    from harness.case import Case
+    from harness.verdict import judge
+
+    case = Case.from_json(text)
+    v = judge(case, support.run_case(pool_manager, case), keep_maps=False)
+    assert v.passed, v.message(limit=1)
+    # and the default mode judges the same run within tolerance (the divergence is the mode's)
+    emulated = case.replace(ns_dtype=None)
+    assert judge(emulated, support.run_case(pool_manager, emulated), keep_maps=False).passed
+
+
 # --------------------------------------------------------------------------------------------------
 # self-check against a layout mutant
 
