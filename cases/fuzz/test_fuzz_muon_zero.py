@@ -9,7 +9,7 @@ session's rank pool and must pass the verdict; the search climbs the worst norma
 (``hypothesis.target``), and the worst case judged is reported next to the shrunk failure (see
 ``plugin.py``). A failure prints the one-line reproducer and the case as JSON.
 
-``test_fuzz_finds_padded_tail_mutant`` is the search's self-check: under the catalogued layout
+``test_fuzz_finds_padded_tail_mutant`` is the search's self-check (free-form half): under the catalogued layout
 mutant ``padded-tail-misslice`` (``harness.known_bugs``, installed on the ranks by
 ``harness.patches``) the same search must find a failure within the active profile's budget and
 shrink it to a case with one small matrix.
@@ -273,7 +273,9 @@ def test_fuzz_finds_padded_tail_mutant(pool_manager):
     reason = mutant_unavailable(MUTANT)
     if reason:
         pytest.skip(f"mutant {MUTANT!r} unavailable: {reason}")
-    strategy = S.cases(runtimes=("stock",)).map(lambda c: c.replace(name=f"{c.name}-mutant-{MUTANT}", mutant=MUTANT))
+    # the free-form half of the search: the layout-aimed half starts from the sweep's multi-matrix
+    # layouts, which by design do not shrink to one matrix
+    strategy = S.fuzz_cases(runtimes=("stock",)).map(lambda c: c.replace(name=f"{c.name}-mutant-{MUTANT}", mutant=MUTANT))
     shrunk, worst = search_for_failure(pool_manager, strategy)
     assert shrunk.mutant == MUTANT
     assert_one_small_matrix(shrunk, worst)
