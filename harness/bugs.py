@@ -254,6 +254,24 @@ def _nvme_resume_loses_state(c: Case) -> bool:
     return scale_plan(c)[c.checkpoint_at:] != scale_plan(c, restart_at=c.checkpoint_at)[c.checkpoint_at:]
 
 
+def _z3_momentum_tail_past_end(c: Case) -> bool:
+    """ZeRO-3 without offload writes a rank's momentum share with ``buffer[:n - r q]`` (stage3.py:1798-1801):
+    a rank whose share starts past the end of a Muon matrix (``r q > n`` with ``r q - n < q``) raises. With
+    ``q = ceil(n / W)`` the first rank past the end is ``ceil(n / q)``; it exists and starts strictly past
+    ``n`` exactly when ``n % q != 0`` and ``ceil(n / q) < W``. Only a step that is not skipped runs Muon."""
+    if c.stage != 3 or c.offload != "none" or c.world_size < 2:
+        return False
+    W = c.world_size
+    for p in c.params:
+        if not _is_muon(p):
+            continue
+        n = math.prod(p.shape)
+        q = -(-n // W)
+        if n % q and -(-n // q) < W:
+            return any(not sk for _, _, sk in scale_plan(c))
+    return False
+
+
 # ------------------------------------------------------------------------------------------------
 # the registry
 
@@ -518,6 +536,22 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"global_norm"}),
         where="fp16/unfused_optimizer.py step (:209-228); engine.py _take_model_step (:3505-3510)",
         reproducer="pipeline_case(0, 'none', 'bf16', 2, steps=3)",
+    ),
+    Bug(
+        id="DSM-017",
+        title="ZeRO-3 crashes writing the momentum of a rank whose share starts past a small Muon matrix",
+        symptom="Without optimizer offload, a Muon matrix of n elements on W ranks gives each rank q = "
+                "ceil(n/W) elements; the momentum write-back slices buffer[:n - r q], which for a rank starting "
+                "past the end (r q > n) is a negative bound: 'RuntimeError: The expanded size of the tensor (1) "
+                "must match the existing size (0)' on that rank at the first step. Smallest: n = 5 on 4 ranks "
+                "(1x5, 5x1); found by the layout sweep (sweep-z3-none-ws4-L0-ga2, a 1x5 among 3x1 and 1x1 "
+                "matrices). Offload and ZeRO-1/2 are unaffected; world sizes 2 and 3 cannot trigger it.",
+        trigger=_z3_momentum_tail_past_end,
+        quantities=frozenset({"crash"}),
+        where="stage3.py _muon_update_sub_group (:1795-1801, buffer_to_update[:grad.numel() - start_offset])",
+        fix="z3-momentum-tail-past-end",
+        reproducer="pipeline_case(3, 'none', 'fp32', 4, params=(ParamShape('w.weight', (1, 5)),))",
+        crash=("RuntimeError", "The expanded size of the tensor", "_muon_update_sub_group"),
     ),
 )
 

@@ -66,6 +66,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     manager = PoolManager()
     counts: dict[str, int] = {}
     group_time: dict[str, tuple[int, float]] = {}  # path group -> (case runs, seconds), both columns
+    sweep_runs: dict[str, dict] = {}  # column -> case name -> (status, seconds), for the layout sweep table
     # Only the messages of what went wrong stay in memory: every outcome (verdict, trajectory, error
     # maps) goes to the store on disk and is dropped before the next case, so the parent stays flat
     # however many cases fail.
@@ -83,6 +84,8 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 counts[o.status] = counts.get(o.status, 0) + 1
                 n_g, s_g = group_time.get(group_of(case.name), (0, 0.0))
                 group_time[group_of(case.name)] = (n_g + 1, s_g + o.seconds)
+                tag = o.status + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids else "")
+                sweep_runs.setdefault(col, {})[case.name] = (tag, o.seconds)
                 strengths.append((o.column, o.strength))
                 if o.status in ("failed", "error", "xpassed"):
                     bad.append(o.message)
@@ -109,6 +112,12 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     finally:
         manager.close()
     elapsed = time.perf_counter() - t0
+    from harness import sweep
+
+    for col, runs in sweep_runs.items():
+        table = sweep.gate_summary(col, runs)
+        if table:
+            print(table, flush=True)
     env = environment()
     env["seed"] = seed
     from harness.results import strength_line, strength_summary

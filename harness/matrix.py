@@ -263,10 +263,18 @@ def group_of(name: str) -> str:
     return "base"
 
 
+def sweep_cases(full: bool = False) -> list[Case]:
+    """The deterministic layout sweep (``harness.sweep``): the same cases in CI and ``--full``."""
+    from harness import sweep
+
+    return sweep.sweep_cases()
+
+
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full))
+    cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

@@ -49,9 +49,43 @@ def pytest_terminal_summary(terminalreporter):
                 lines.append(f"{rep.nodeid} [profile {d['profile']}]: {d['examples']} cases judged in "
                              f"{d['seconds']:.0f}s, {d['failures']} out of tolerance; worst normalised error "
                              f"{d['ratio']:.4g}: {d['summary']}")
+                if d.get("split_text"):
+                    lines.append(f"    throughput: {d['split_text']}")
                 if d.get("file"):
                     lines.append(f"    worst case as JSON: {d['file']}")
     if lines:
         terminalreporter.section("muon fuzz: worst cases")
         for line in lines:
             terminalreporter.write_line(line)
+    sweep_lines = _sweep_summary(terminalreporter)
+    if sweep_lines:
+        terminalreporter.section("layout sweep: coverage and outcomes")
+        for line in sweep_lines:
+            terminalreporter.write_line(line)
+
+
+SWEEP_KEY = "layout_sweep"  # cases/pipelines/test_layout_sweep.py records each case's outcome under it
+
+
+def _sweep_summary(terminalreporter) -> list[str]:
+    """The layout sweep's coverage table with every case's outcome and time per column, if the
+    session ran any sweep case (outcomes arrive through ``user_properties``, so xdist works too)."""
+    runs: dict[str, dict[str, tuple[str, float]]] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            for key, value in getattr(rep, "user_properties", ()) or ():
+                if key == SWEEP_KEY:
+                    d = json.loads(value)
+                    runs.setdefault(d["column"], {})[d["case"]] = (d["status"], d["seconds"])
+    if not runs:
+        return []
+    from harness import sweep
+
+    cases = sweep.sweep_cases()
+    lines = []
+    for column, got in sorted(runs.items()):
+        statuses = {name: s for name, (s, _) in got.items()}
+        seconds = {name: t for name, (_, t) in got.items()}
+        lines.append(f"[{column}] {len(got)} of {len(cases)} sweep cases ran in {sum(seconds.values()):.1f}s")
+        lines += sweep.coverage_table(cases, statuses, seconds).splitlines()
+    return lines

@@ -97,9 +97,26 @@ def active_profile() -> FuzzProfile:
     return FuzzProfile(name, settings.get_profile(f"muon-fuzz-{name}"), _SEEDS[name])
 
 
+WORLD_SIZES_ENV = "MUON_FUZZ_WORLD_SIZES"  # e.g. "2" or "1,2": restrict the drawn world sizes (throughput runs)
+MAX_EXAMPLES_ENV = "MUON_FUZZ_MAX_EXAMPLES"  # override the profile's budget (throughput runs)
+
+
+def world_sizes(default: tuple[int, ...]) -> tuple[int, ...]:
+    raw = os.environ.get(WORLD_SIZES_ENV, "").strip()
+    if not raw:
+        return default
+    got = tuple(int(x) for x in raw.split(","))
+    bad = [w for w in got if w not in default]
+    if bad:
+        raise ValueError(f"{WORLD_SIZES_ENV}={raw!r}: world sizes must be among {default}")
+    return got
+
+
 def fuzz_settings(test=None, **overrides):
     """Decorator: the active fuzz profile's settings (and, for ``ci``, its fixed seed)."""
     prof = active_profile()
+    if os.environ.get(MAX_EXAMPLES_ENV, "").strip():
+        overrides.setdefault("max_examples", int(os.environ[MAX_EXAMPLES_ENV]))
 
     def apply(fn):
         fn = settings(prof.settings, **overrides)(fn)
@@ -144,13 +161,60 @@ class Worst:
     examples: int = 0
     failures: int = 0
     started: float = field(default_factory=time.monotonic)
+    # Where the time goes (seconds): the ranks running cases, the parent starting rank pools (and
+    # shipping), judging trajectories, and -- by difference -- Hypothesis itself (generation,
+    # database, bookkeeping). Cases judged after the first failure are Hypothesis shrinking it.
+    run_s: float = 0.0
+    startup_s: float = 0.0
+    judge_s: float = 0.0
+    pools_started: int = 0
+    shrink_examples: int = 0
+    shrink_s: float = 0.0
+    by_world_size: dict = field(default_factory=dict)  # ws -> [cases, seconds in run + start-up + judge]
+    test: str = ""  # set by :func:`tracker`; with it the record is also saved every CHECKPOINT_S
+    last_saved: float = field(default_factory=time.monotonic)
 
     def update(self, case, ratio: float, summary: str) -> None:
         self.examples += 1
+        if self.failures:
+            self.shrink_examples += 1
         if ratio > 1.0:
             self.failures += 1
         if ratio > self.ratio:
             self.ratio, self.case, self.summary = ratio, case, summary
+        if self.test and time.monotonic() - self.last_saved > CHECKPOINT_S:
+            # a time-bounded run (nightly under ``timeout``) is killed, not finished: keep its record
+            self.save(self.test, active_profile_name())
+            self.last_saved = time.monotonic()
+
+    def timed(self, case, run_s: float, startup_s: float, judge_s: float, new_pool: bool) -> None:
+        self.run_s += run_s
+        self.startup_s += startup_s
+        self.judge_s += judge_s
+        self.pools_started += int(new_pool)
+        if self.failures:
+            self.shrink_s += run_s + startup_s + judge_s
+        row = self.by_world_size.setdefault(case.world_size, [0, 0.0])
+        row[0] += 1
+        row[1] += run_s + startup_s + judge_s
+
+    def split(self) -> dict:
+        wall = time.monotonic() - self.started
+        per_min = 60.0 * self.examples / wall if wall > 0 else 0.0
+        return {"wall_s": wall, "judged_per_min": per_min, "run_s": self.run_s, "startup_s": self.startup_s,
+                "judge_s": self.judge_s, "hypothesis_s": max(0.0, wall - self.run_s - self.startup_s - self.judge_s),
+                "pools_started": self.pools_started, "shrink_examples": self.shrink_examples,
+                "shrink_s": self.shrink_s,
+                "by_world_size": {str(k): {"cases": v[0], "s_per_case": v[1] / v[0]}
+                                  for k, v in sorted(self.by_world_size.items())}}
+
+    def describe_split(self) -> str:
+        d = self.split()
+        ws = ", ".join(f"ws{k}: {v['cases']} cases at {v['s_per_case']:.2f}s" for k, v in d["by_world_size"].items())
+        return (f"{self.examples} judged in {d['wall_s']:.0f}s = {d['judged_per_min']:.1f}/min; time: running "
+                f"{d['run_s']:.0f}s, rank start-up {d['startup_s']:.0f}s ({d['pools_started']} pools), judging "
+                f"{d['judge_s']:.0f}s, Hypothesis {d['hypothesis_s']:.0f}s; shrinking {d['shrink_examples']} cases "
+                f"in {d['shrink_s']:.0f}s; per world size (run+start-up+judge): {ws}")
 
     def describe(self) -> str:
         if self.case is None:
@@ -161,7 +225,8 @@ class Worst:
     def as_dict(self, test: str, profile: str) -> dict:
         return {"test": test, "profile": profile, "ratio": self.ratio, "examples": self.examples,
                 "failures": self.failures, "summary": self.summary, "seconds": time.monotonic() - self.started,
-                "case": json.loads(self.case.to_json()) if self.case is not None else None}
+                "case": json.loads(self.case.to_json()) if self.case is not None else None,
+                "split": self.split(), "split_text": self.describe_split()}
 
     def save(self, test: str, profile: str) -> Path | None:
         if self.case is None:
@@ -175,22 +240,34 @@ class Worst:
 TRACKERS: dict[str, Worst] = {}  # test name -> its Worst, read by conftest's report hook
 
 
+CHECKPOINT_S = 30.0
+
+
 def tracker(test: str) -> Worst:
-    return TRACKERS.setdefault(test, Worst())
+    return TRACKERS.setdefault(test, Worst(test=test))
 
 
 class CaseCrashed(AssertionError):
     """A drawn case did not produce a trajectory (a rank raised, died or hung)."""
 
 
-def run_case(pool_manager, case, entry: str | None = None):
+def run_case(pool_manager, case, entry: str | None = None, worst: Worst | None = None):
     """Run ``case`` on the pool (optionally through another rank entry point); a crash becomes an
-    AssertionError carrying the reproducer."""
+    AssertionError carrying the reproducer. With ``worst``, the time split is recorded there."""
     from harness.pool import CaseFailure
 
+    key = (case.world_size, case.compiled)
+    pools = getattr(pool_manager, "pools", {})
+    new_pool = key not in pools or pools[key].broken
+    t0 = time.perf_counter()
     try:
         outcome = pool_manager.run(case) if entry is None else pool_manager.run(case, entry)
+        if worst is not None:
+            wall = time.perf_counter() - t0
+            worst.timed(case, outcome.seconds, wall - outcome.seconds, 0.0, new_pool)
     except CaseFailure as exc:
+        if worst is not None:
+            worst.timed(case, time.perf_counter() - t0, 0.0, 0.0, new_pool)
         text = str(exc)
         if len(text) > 6000:
             text = text[:2000] + "\n...\n" + text[-4000:]
@@ -206,11 +283,17 @@ def verdict_summary(v) -> str:
     return f"{lines[0]}; first: {lines[1].split(': ', 1)[-1]}"
 
 
-def judge_case(pool_manager, case, entry: str | None = None):
+def judge_case(pool_manager, case, entry: str | None = None, worst: Worst | None = None):
     from harness.verdict import judge
 
-    traj = run_case(pool_manager, case, entry)
-    return judge(case, traj, keep_maps=False)
+    traj = run_case(pool_manager, case, entry, worst)
+    t0 = time.perf_counter()
+    v = judge(case, traj, keep_maps=False)
+    if worst is not None:
+        worst.judge_s += time.perf_counter() - t0
+        if worst.failures:
+            worst.shrink_s += time.perf_counter() - t0
+    return v
 
 
 def record_events(case) -> None:
@@ -225,7 +308,7 @@ def check_case(pool_manager, case, worst: Worst, *, entry: str | None = None) ->
     record_events(case)
     note(reproducer(case))
     try:
-        v = judge_case(pool_manager, case, entry)
+        v = judge_case(pool_manager, case, entry, worst)
     except CaseCrashed:
         worst.update(case, math.inf, f"{case.name}: crashed")
         target(TARGET_CAP, label=TARGET_LABEL)

@@ -21,6 +21,14 @@
 ``self.muon_ns_method``, the *last* Muon param group's value (``_create_fp16_partitions_with_defragmentation``).
 The fix reads ``ns_method`` (and ``momentum``) from the sub-group's own param group, as the offload
 path already does.
+
+``z3-momentum-tail-past-end`` (DSM-017): without offload, ``_muon_update_sub_group`` writes each rank's
+share of a Muon matrix's momentum back through ``buffer[:n - start] = gathered[start:n]`` whenever the
+share runs past the matrix's ``n`` elements. For a rank whose share starts *past* the end (``start =
+r q > n``, e.g. a 1x5 matrix on 4 ranks: q = 2, rank 3 starts at 6) ``n - start`` is negative, the
+left side is ``q - (start - n)`` elements long and the right side empty: a RuntimeError on that rank
+at the first optimizer step (the other ranks then wait in the next collective). The fix writes
+``max(0, n - start)`` elements: such a rank's share is all padding, and its momentum stays zero.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ from harness.patched_runtime.units import UNITS
 
 FP32 = "z3-fp32-muon-state"
 NS = "z3-per-group-ns-method"
+TAIL = "z3-momentum-tail-past-end"
 MOD = "deepspeed.runtime.zero.stage3"
 CLS = "DeepSpeedZeroOptimizer_Stage3"
 
@@ -94,12 +103,12 @@ def make_muon_update_sub_group(orig):
     def _muon_update_sub_group(self, i, group_items, communication_data_type):
         """Stock 0.19.8 ``_muon_update_sub_group`` (stage3.py:1697-1819) with: fp32 gather/momentum
         (FP32), the padded tail kept in the momentum's dtype (FP32), per-group beta/ns_method (NS)."""
-        fp32, ns, units = active(FP32), active(NS), active(UNITS)
-        if not (fp32 or ns or units):
+        fp32, ns, units, tail = active(FP32), active(NS), active(UNITS), active(TAIL)
+        if not (fp32 or ns or units or tail):
             return orig(self, i, group_items, communication_data_type)
         # only the non-offload path calls this: gradients and momentum carry the loss scale
         with muon_input_scale(float(self.loss_scale) if units else None):
-            if not (fp32 or ns):
+            if not (fp32 or ns or tail):
                 return orig(self, i, group_items, communication_data_type)
             return _sub_group(self, i, group_items, communication_data_type, fp32)
 
@@ -195,8 +204,8 @@ def _sub_group(self, i, group_items, communication_data_type, fp32):
         if end_offset > grad.numel():
             tail_dtype = gathered_momentum.dtype if fp32 else self.gradient_accumulation_dtype
             buffer_to_update = torch.zeros(chunk_sz, device=grad.device, dtype=tail_dtype)
-            buffer_to_update[:grad.numel() -
-                             start_offset] = gathered_momentum.view(-1).data[start_offset:grad.numel()]
+            real = max(0, grad.numel() - start_offset) if active(TAIL) else grad.numel() - start_offset
+            buffer_to_update[:real] = gathered_momentum.view(-1).data[start_offset:grad.numel()]
         else:
             buffer_to_update = gathered_momentum.view(-1).data[start_offset:end_offset]
         if swapped:
@@ -369,5 +378,11 @@ FIXES = (
         symptom="ZeRO-3 without offload silently applies the last Muon param group's ns_method to every Muon "
                 "sub-group.",
         trigger="stage 3, offload none, two or more Muon param groups with different ns_method",
+        targets=(T_SUBGROUP,)),
+    Fix(name=TAIL, bug_id="DSM-017",
+        symptom="ZeRO-3 without offload: a rank whose share of a Muon matrix starts past the matrix's end "
+                "raises a RuntimeError (expanded size must match) writing its momentum at the first step.",
+        trigger="stage 3, offload none, a Muon matrix of n elements on W ranks with q = ceil(n/W), n % q != 0 "
+                "and ceil(n/q) < W (e.g. n = 5, W = 4)",
         targets=(T_SUBGROUP,)),
 )
