@@ -214,12 +214,12 @@ def clean_pipelines(runtime: str = "stock", nvme: bool = False) -> tuple[tuple[i
 
 
 def device_dtypes() -> tuple[str, ...]:
-    """Model dtypes DeepSpeed's CPU accelerator accepts here: fp16 needs oneDNN fp16 kernels
-    (AVX512-FP16/AMX-FP16), else ``deepspeed.initialize`` refuses "Type fp16 is not supported on your
-    device" (FUZZ-002 in ``cases/fuzz/test_fuzz_muon_zero.py``)."""
-    from oracles.emulate import cpu_fp16_matmul_supported
+    """Model dtypes the ranks' accelerator accepts: fp16 needs fp16 support, which the CPU stand-in
+    provides on CPUs without oneDNN fp16 kernels (``harness.device``; FUZZ-002 in
+    ``cases/fuzz/test_fuzz_muon_zero.py``); with ``MUON_HARNESS_NATIVE_FP16=1`` such a CPU refuses fp16."""
+    from harness.device import half_support
 
-    return DTYPES if cpu_fp16_matmul_supported() else tuple(d for d in DTYPES if d != "fp16")
+    return DTYPES if half_support()[0] else tuple(d for d in DTYPES if d != "fp16")
 
 
 def case_is_clean(case: Case) -> bool:

@@ -111,9 +111,10 @@ FUZZ_001 = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_config":
 # raises "Type fp16 is not supported on your device" at initialize, and (b) gram Newton-Schulz runs
 # in fp32 instead of fp16 (original_muon.ns_compute_dtype), so the emulated oracle, which assumed fp16,
 # failed every gram case by 1e3-1e5x its allowance. Found by the first sweep run here (every gram case
-# diverged, every standard one passed). Fixed in the harness: oracles.emulate.ns_compute_dtype asks the
-# CPU (cpu_fp16_matmul_supported) and the strategies draw fp16 only where it is supported
-# (strategies.device_dtypes). Regression: the oracle's gram dtype follows the device.
+# diverged, every standard one passed). Fixed in the harness: oracles.emulate.ns_compute_dtype follows
+# the device's fp16/bf16 support (harness.device), and on such a CPU the ranks report fp16 support (the
+# CPU fp16 stand-in, as every fp16-capable accelerator does) so fp16 paths stay checkable.
+# Regression: the oracle's gram dtype follows the device.
 
 
 def test_fuzz_002_gram_dtype_follows_the_device(pool_manager):
@@ -124,10 +125,12 @@ def test_fuzz_002_gram_dtype_follows_the_device(pool_manager):
     from harness.case import ParamShape
     from harness.scenarios import pipeline_case
     from harness.verdict import judge
-    from oracles.emulate import cpu_fp16_matmul_supported, ns_compute_dtype
+    from harness.device import half_support
+    from oracles.emulate import ns_compute_dtype
 
-    want = torch.float16 if cpu_fp16_matmul_supported() else torch.float32
-    assert ns_compute_dtype("gram") == want and ns_compute_dtype("standard") == torch.bfloat16
+    want = torch.float16 if half_support()[0] else torch.float32
+    assert ns_compute_dtype("gram", *half_support()) == want
+    assert ns_compute_dtype("standard", *half_support()) == torch.bfloat16
     c = pipeline_case(1, "none", "fp32", 2, params=(ParamShape("a.weight", (1, 4)), ParamShape("b.weight", (3, 1)),
                                                      ParamShape("c.weight", (1, 1))), ns_method="gram")
     v = judge(c, support.run_case(pool_manager, c))
