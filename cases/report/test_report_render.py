@@ -144,7 +144,8 @@ def test_failing_case_details_name_bug_reproducer_config(small):
     assert '\n  "world_size": 4' in cfg and '"stage": 3' in cfg
     # quantities table: worst error against its allowance
     row = re.search(r"<tr class='bad'><td>layer0.weight</td><td>momentum</td><td>1\u20133</td>"
-                    r"<td class='num ratio'>([^<]+)</td><td class='num'>([^<]+)</td><td class='num'>([^<]+)</td>", d)
+                    r"<td class='num ratio'>([^<]+)</td><td class='num'>([^<]+)</td>"
+                    r"<td class='num' title='[^']*'>([^<]+)</td>", d)  # the allowance carries its derivation
     assert row, "momentum row of layer0.weight missing"
     worst = max((c for c in rec.checks if c.param == "layer0.weight" and c.quantity == "momentum"),
                 key=lambda c: c.worst_ratio)
