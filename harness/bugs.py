@@ -45,7 +45,7 @@ class Bug:
     # ``oracles.Conventions`` for the case (``{}``: the numbers are the intended ones, only the
     # non-numerical quantities in ``quantities`` differ). None: not modelled (crash bugs, bugs no Case
     # triggers, checkpoint-state losses); such an excuse is not full strength.
-    model: Callable[[Case], dict] | None = None
+    model: Callable[[Case], dict | None] | None = None  # a None answer: not modelled for that case
     # Crash bugs: (exception type, message fragment, a frame on the call path) the rank's traceback
     # must show; the stock case is an xfail only for exactly that crash.
     crash: tuple[str, str, str] | None = None
@@ -303,7 +303,13 @@ BUGS: tuple[Bug, ...] = (
         # Without offload the 16-bit buffer holds the loss-scaled momentum (S*M; DSM-004 is what that
         # does across a scale change): in fp16 a true-unit value below 2^-14 would be subnormal, the
         # scaled one is not, so the units decide the rounding even at a constant scale.
-        model=lambda c: {"momentum_dtype": "model", **({"momentum_units": "scaled"} if c.offload == "none" else {})},
+        # ZeRO-3 without offload with communication_data_type fp32 but a 16-bit gradient partition is
+        # another shape of the bug (measured on z3-none-bf16-ws2-comm32: the momentum matches fp32
+        # storage except the DSM-009 tail, the masters are ~330x off, consistent with the update being
+        # rounded into the 16-bit partition); no oracle switch models that yet, so there the bug
+        # excuses by quantity and the case does not count as full strength.
+        model=lambda c: None if (c.stage == 3 and c.offload == "none" and _comm(c) == "fp32") else
+        {"momentum_dtype": "model", **({"momentum_units": "scaled"} if c.offload == "none" else {})},
         where="stage_1_and_2.py _muon_momentum_buffer (buffer follows the grad dtype); "
               "stage3.py _create_momentum_buffer (communication_data_type), _apply_muon_to_accumulated_grads "
               "(update copied into the gradient partition), _apply_muon_updates_cpu_offload (gather in "

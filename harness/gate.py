@@ -64,7 +64,7 @@ def model_changes(case: Case, bugs) -> dict:
     """The merged oracle switches of the modelled bugs a case triggers (``Bug.model``)."""
     changes: dict = {}
     for b in bugs:
-        if b.model is None:
+        if b.model is None or b.model(case) is None:
             continue
         for k, v in b.model(case).items():
             if k in changes and changes[k] != v:
@@ -126,8 +126,8 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
         message = "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs) or verdict.message()
         return Outcome(c, column, status, ids, message, seconds, verdict, problems, swapped, traj)
 
-    modelled = [b for b in bugs if b.model is not None]
-    unmodelled = [b for b in bugs if b.model is None]
+    modelled = [b for b in bugs if b.model is not None and b.model(c) is not None]
+    unmodelled = [b for b in bugs if b not in modelled]
     named = set().union(*(b.quantities for b in bugs))
     # (a) the bugs must show against the intended oracle, in the quantities they name
     if not any(q in named for _, q in problems):
