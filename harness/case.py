@@ -67,6 +67,12 @@ class Case:
     grad_scale: float = 1.0  # every gradient times this (near-zero gradients: NS normalisation epsilon)
     grad_elementwise: float = 1.0  # weight of the full-rank elementwise term; 0: rank <= batch*W*GAS
     grad_cond: float = 1.0  # X's columns scaled from 1 down to 1/grad_cond (ill-conditioned data term)
+    # A real module instead of the synthetic one (harness.models): a built-in name or
+    # "package.module:factory"; ``params`` then lists the module's parameters (filled by
+    # harness.models.model_case from its structure). ``zero_init``: build the module under
+    # ``deepspeed.zero.Init`` (ZeRO-3), as Hugging Face builds every ZeRO-3 model.
+    model: str | None = None
+    zero_init: bool = False
 
     @property
     def config(self) -> dict:

@@ -613,7 +613,9 @@ def default_kill_cases() -> list[Case]:
         extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
                 ("-wd" if _wd(c) else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
         out.append(c.replace(name=c.name + extra))
-    return out
+    from harness.models.matrix import kill_cases as model_kill_cases
+
+    return out + model_kill_cases()
 
 
 @dataclass
@@ -751,3 +753,38 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------------------------------------------
+# real-model mutants (harness.models.mutants): only model cases can kill them
+
+
+def _model_mutant(name: str):
+    def install():
+        from harness.models import mutants
+
+        return mutants.INSTALL[name]()
+    return install
+
+
+def _model_catches(pred: str):
+    def catches(case: Case) -> bool:
+        from harness.models import mutants
+
+        return getattr(mutants, pred)(case)
+    return catches
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("muon-tag-from-placeholder",
+           "Muon decided from the parameter's shape as it reports it: under zero.Init a 1-D placeholder, so every "
+           "matrix goes to Adam", _model_mutant("muon-tag-from-placeholder"), _model_catches("catches_placeholder"),
+           "historical: DeepSpeed tagged on param.dim() before reading the layer shape (deepspeed/__init__.py)"),
+    Mutant("muon-on-embeddings",
+           "the name rule dropped: embeddings and lm_head get Muon", _model_mutant("muon-on-embeddings"),
+           _model_catches("catches_embeddings"), "historical: the rule excluding embed/lm_head came later"),
+    Mutant("param-group-overrides-dropped",
+           "model_parameters groups flattened before the Muon/Adam split: each group's lr / weight_decay replaced "
+           "by the config's", _model_mutant("param-group-overrides-dropped"), _model_catches("catches_groups"),
+           "historical: engine.py _muon_param_groups flattened the incoming groups"),
+)})

@@ -125,9 +125,17 @@ def compiled_cases(full: bool = False) -> list[Case]:
             for st, off, dt in combos]
 
 
+def model_cases(full: bool = False) -> list[Case]:
+    """Real modules (GPT-2 and Llama style LMs, a ResNet-style conv net, a mixture-of-experts LM) on
+    every stage, with and without zero.Init: ``harness.models.matrix``."""
+    from harness.models.matrix import gate_model_cases
+
+    return gate_model_cases(full)
+
+
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full))
+             + growth_cases(full) + model_cases(full))
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

@@ -40,6 +40,7 @@ class StepRecord:
     losses: list[float] = field(default_factory=list)  # unscaled micro-batch losses, rank-major
     muon_calls_per_rank: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # capture-side observations (rank disagreement, ...)
+    buffers: list[dict] = field(default_factory=list)  # model cases: per rank, buffer name -> values after the step
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Trajectory:
     steps: list[StepRecord] = field(default_factory=list)
     muon_params: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    initial_buffers: list[dict] = field(default_factory=list)  # model cases: per rank, before step 1
 
     @property
     def swapped_bytes(self) -> int:

@@ -76,9 +76,18 @@ def step_config(case: Case) -> oracles.StepConfig:
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
         gradient_accumulation_steps=case.grad_accum, world_size=case.world_size, model_dtype=case.dtype,
         loss_scaler=scaler)
+    if case.model:  # a real module's parameter groups (harness.models.oracle)
+        sc = _module_oracle().with_param_groups(case, sc)
     for hook in ORACLE_HOOKS.values():
         sc = hook(sc)
     return sc
+
+
+def _module_oracle():
+    """The gradient/buffer oracle of a real module (``Case.model``); imported only for those cases."""
+    from harness.models import oracle
+
+    return oracle
 
 
 def layout_for(case: Case, sc: oracles.StepConfig):
@@ -196,6 +205,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     grad_store = "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
     state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
     n_muon_calls = expected_muon_calls(case, sc, layout)
+    mo = _module_oracle().ModuleOracle(case, traj) if case.model else None  # float64 autograd of the module
 
     def add(param, quantity, step, actual, expected, allowance):
         verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, Allowed.of(allowance),
@@ -204,9 +214,10 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     for rec in traj.steps:
         s = rec.step
         lp = _lp_weights(case, traj, s)
-        grads = [[{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
-                 for r in range(W)]
-        if case.dtype == "fp16":
+        grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
+            [{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
+            for r in range(W)]
+        if case.dtype == "fp16" and mo is None:
             # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
             # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
             S = float(state.scaler.scale)
@@ -237,7 +248,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                                        grad_term_scale=term * (1.0 + 8.0 * oracles.unit_roundoff(case.dtype)
                                                                / max(oracles.unit_roundoff(grad_store), 1e-300)),
                                        ns_method=sc.ns_method)
-                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a.grad)
+                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(),
+                    a.grad if mo is None else mo.grad_allowance(n, a.grad))
 
         new_state, orec = oracles.oracle_step(state, feed_grads, sc, conv, ns_mode=ns_mode)
 
@@ -279,6 +291,9 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
             add(n, "master", s, ps.master, o.master.numpy(), a.master)
             add(n, "model", s, ps.model, o.model.numpy(), a.model)
+
+        if mo is not None:
+            mo.check_buffers(rec, add)
 
         # Teacher forcing: the next step starts from DeepSpeed's masters and momentum.
         masters = {n: _t(ps.master) for n, ps in rec.params.items()}
