@@ -37,6 +37,9 @@ class Bug:
     # Where the fix is a refusal rather than a repair: text the patched runtime's error must contain.
     # A patched case this bug triggers then passes when, and only when, it is refused with that text.
     refused_when_patched: str | None = None
+    # Where "crash" is one of the quantities: text the case's error must contain for the crash to be
+    # the one this bug predicts (a crash anywhere else is not excused).
+    crash_signature: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,6 +400,7 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"crash"}),
         where="original_muon.py muon_update (:223-235)",
         fix="muon-conv-kernels",
+        crash_signature="original_muon.py",
         reproducer="pipeline_case(2, 'none', 'fp32', 1, params=(ParamShape('conv.weight', (4, 2, 3, 3)), "
                    "ParamShape('conv.bias', (4,))))",
     ),

@@ -68,6 +68,10 @@ def evaluate(case: Case, column: str, manager: PoolManager) -> Outcome:
             why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
             return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "
                            f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True)
+        crashed = [b for b in bugs if "crash" in b.quantities and b.crash_signature and b.crash_signature in text]
+        if crashed:  # the crash a registered bug predicts, where it predicts it (e.g. DSM-012 on a conv net)
+            return Outcome(c, column, "xfailed", ids, f"{c.name}: crashed as {', '.join(b.id for b in crashed)} "
+                           f"predicts\n{text}", time.perf_counter() - t0)
         return Outcome(c, column, "error", ids, text, time.perf_counter() - t0)
     if refusals:
         return Outcome(c, column, "failed", ids,
