@@ -545,9 +545,9 @@ def validate(args) -> Plan:
             raise BadInput("--patched: the bundled fixes (harness.patched_runtime) are not installed in this "
                            "checkout yet; run without --patched")
     cfg = load_config(args.ds_config)
+    cfg, auto_notes = _resolve_auto(cfg, W, args, spec, requested)
     check_optimizer(cfg)
     check_zero(cfg)
-    cfg, auto_notes = _resolve_auto(cfg, W, args, spec, requested)
     check_no_auto(cfg)
     nvme_user = {}
     for key, off in _nvme_sections(cfg):
