@@ -3,8 +3,8 @@ bf16, with and without CPU offload, world size 2: ``harness.matrix.model_cases``
 ``harness.gate.evaluate`` exactly as the gate decides (stock bugs are strict xfails by id).
 
 Without the ``models`` extra the two language models are not generated; ``test_models_extra``
-says so by name. Cost (2 busy cores): 16 CI cases x 2 columns ~140 s, most of it the first
-ResNet case of each pool (~20-30 s: conv kernels' first call); ``--full`` runs 144 per column.
+says so by name. Cost (2 busy cores): 16 model + 2 synthetic zero.Init CI cases x 2 columns ~150 s, most of it the first
+ResNet case of each pool (~20-30 s: conv kernels' first call); ``--full`` runs 290 per column.
 """
 from __future__ import annotations
 

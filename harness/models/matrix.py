@@ -3,7 +3,7 @@
 CI covering subset, at world size 2, 2 steps: every built-in model on every stage variant (ZeRO-1,
 ZeRO-2, ZeRO-3, ZeRO-3 under ``zero.Init``), and every model and every stage variant meets every
 (dtype, offload) pair of {fp32, bf16} x {none, cpu}: a 4x4 Latin square (model i, variant j gets pair
-(i + j) mod 4), 16 cases. ``--full``: the whole product, models x variants x {fp32, bf16, fp16} x
+(i + j) mod 4), 16 cases. ``--full``: the whole product (288 cases), models x variants x {fp32, bf16, fp16} x
 {none, cpu} x world sizes {1, 2, 3}, with gradient accumulation and clipping cycling as in the
 synthetic grid.
 
@@ -39,8 +39,18 @@ def missing_extra_note() -> str | None:
             f"({models.EXTRA_HINT})")
 
 
+def synthetic_zero_init_cases() -> list:
+    """The synthetic model built under zero.Init, ZeRO-3 without and with CPU offload. (NVMe is left
+    out: with zero.Init the NVMe-swapped matrix's gradient diverges on stock and patched alike, not
+    yet explained; reproducer in the issue-14 report.)"""
+    from harness.scenarios import pipeline_case
+
+    return [pipeline_case(3, off, "fp32", 2, steps=STEPS, ns_method=NS_METHOD).replace(
+        zero_init=True, name=f"z3-{off}-fp32-ws2-{NS_METHOD}-zinit") for off in ("none", "cpu")]
+
+
 def gate_model_cases(full: bool = False) -> list:
-    out = []
+    out = synthetic_zero_init_cases()
     names = available_models()
     order = list(models.BUILTIN)
     if not full:
