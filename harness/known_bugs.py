@@ -788,3 +788,22 @@ MUTANTS.update({m.name: m for m in (
            "by the config's", _model_mutant("param-group-overrides-dropped"), _model_catches("catches_groups"),
            "historical: engine.py _muon_param_groups flattened the incoming groups"),
 )})
+
+
+def _model_group_decays_muon(case: Case) -> bool:
+    """A model case whose parameter groups give the Muon half a weight decay the config does not."""
+    if not case.model:
+        return False
+    from harness import models
+
+    return any(dict(g.settings).get("weight_decay", 0.0) > 0
+               for g in models.build_spec(case.model, case.seed).param_groups)
+
+
+# weight-decay-twice also shows wherever a parameter group (not the config) decays the Muon half.
+MUTANTS["weight-decay-twice"] = Mutant(
+    MUTANTS["weight-decay-twice"].name, MUTANTS["weight-decay-twice"].description,
+    MUTANTS["weight-decay-twice"].install,
+    (lambda old: lambda c: old.expected(c) or (_model_group_decays_muon(c) and bool(_muon(c))))(
+        MUTANTS["weight-decay-twice"]),
+    MUTANTS["weight-decay-twice"].history)
