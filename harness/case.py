@@ -100,6 +100,13 @@ class Case:
     # '{"type": "StepLR", "params": {...}}'; a config scheduler lives in ds_config["scheduler"].
     client_scheduler: str | None = None
 
+    # A real module instead of the synthetic one (harness.models): a built-in name or
+    # "package.module:factory"; ``params`` then lists the module's parameters (filled by
+    # harness.models.model_case from its structure). ``zero_init``: build the module under
+    # ``deepspeed.zero.Init`` (ZeRO-3), as Hugging Face builds every ZeRO-3 model.
+    model: str | None = None
+    zero_init: bool = False
+
     @property
     def schedule(self) -> dict | None:
         """The lr schedule the run uses: the client scheduler, else the config's ``scheduler``."""

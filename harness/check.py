@@ -584,6 +584,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES,
                    help=f"matrix shapes, comma separated (default {DEFAULT_SHAPES}); scaled down when too big, "
                         "keeping aspect ratios and numel mod 2 x world size; a 1-D entry is an Adam vector")
+    p.add_argument("--model", default=None,
+                   help="run a real module instead of --shapes: a built-in (gpt2, llama, resnet, moe) or "
+                        "package.module:factory (harness.models)")
+    p.add_argument("--zero-init", action="store_true",
+                   help="ZeRO-3: build the module under deepspeed.zero.Init, as Hugging Face does")
+    p.add_argument("--trainer-arg", action="append", default=None, metavar="NAME=VALUE",
+                   help="a TrainingArguments value for resolving \"auto\" (e.g. learning_rate=3e-4, bf16=true)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--seed", type=int, default=0)

@@ -138,8 +138,10 @@ def validate(args) -> Plan:
         raise BadInput(f"--world-size {W}: this machine cannot host it ({why})")
     if not 1 <= args.steps <= MAX_STEPS:
         raise BadInput(f"--steps {args.steps}: expected 1..{MAX_STEPS}")
-    requested = parse_shapes(args.shapes)
+    spec = _model_spec(args)  # --model: a real module instead of --shapes (harness.models)
+    requested = parse_shapes(args.shapes) if spec is None else [tuple(p.shape) for p in spec.module.parameters()]
     cfg = load_config(args.ds_config)
+    cfg, auto_notes = _resolve_auto(cfg, W, args, spec, requested)
     check_optimizer(cfg)
     check_zero(cfg)
     check_no_auto(cfg)
@@ -147,18 +149,19 @@ def validate(args) -> Plan:
     for key, off in _nvme_sections(cfg):
         if off.get("nvme_path") not in (None, ""):
             nvme_user[key] = check_writable_dir(f"{key}.nvme_path", off["nvme_path"])
-    run_shapes, factor = scale_shapes(requested, W)
-    notes: list[str] = [f"{key}.nvme_path {path}: writable; each run swaps into a private sub-folder of it "
+    run_shapes, factor = scale_shapes(requested, W) if spec is None else (requested, 1.0)
+    notes: list[str] = auto_notes + [f"{key}.nvme_path {path}: writable; each run swaps into a private sub-folder of it "
                         "(removed afterwards)" for key, path in nvme_user.items()]
     new_cfg = _rewrite(cfg, W, factor, notes, total_numel=sum(math.prod(s) for s in requested))
     # DeepSpeed's own validation, in this process, before any rank exists.
     os.environ.update(torchrun.launch_env(accel))
     with contextlib.redirect_stdout(sys.stderr):
         deepspeed_validate(new_cfg)
-    params = build_params(run_shapes)
+    params = build_params(run_shapes) if spec is None else _model_params(spec)
     case = Case(name=_case_name(args.ds_config, new_cfg, W), params=params, ds_config=canonical_json(new_cfg),
                 world_size=W, steps=args.steps, seed=args.seed, timeout_s=float(args.timeout))
-    if case.stage == 3 and case.offload == "nvme":
+    case = _model_case(case, args, spec)
+    if case.stage == 3 and case.offload == "nvme" and spec is None:
         from harness.nvme import expects_swap, min_swap_bytes, nvme_matrix
 
         if not expects_swap(case):
@@ -169,3 +172,52 @@ def validate(args) -> Plan:
     return Plan(args.ds_config, case, requested, run_shapes, factor, notes, nvme_user, launcher, accel)
 
 
+def _model_spec(args):
+    """``--model``: the module's ModelSpec (validated), or None for the synthetic model."""
+    name = getattr(args, "model", None)
+    if not name:
+        return None
+    from harness import models
+
+    try:
+        spec = models.build_spec(name, args.seed)
+        models.validate(spec, name)
+    except models.ModelsUnavailable as e:
+        raise BadInput(f"--model {name}: {e}") from None
+    except (ValueError, TypeError, AttributeError, RuntimeError) as e:
+        raise BadInput(f"--model {name}: {e}") from None
+    return spec
+
+
+def _model_params(spec):
+    from harness import models
+
+    return models.param_shapes(spec)
+
+
+def _model_case(case: Case, args, spec) -> Case:
+    """``--model`` and ``--zero-init`` on the case."""
+    if getattr(args, "zero_init", False):
+        if case.stage != 3:
+            raise BadInput(f"--zero-init builds the model under deepspeed.zero.Init, a ZeRO-3 option; the config "
+                           f"is ZeRO-{case.stage}")
+        case = case.replace(zero_init=True, name=case.name + "-zinit")
+    if spec is None:
+        return case
+    label = args.model if ":" not in args.model else args.model.rsplit(":", 1)[-1]
+    return case.replace(name=case.name.replace("check-", f"check-{label}-", 1), model=args.model)
+
+
+def _resolve_auto(cfg: dict, world_size: int, args, spec, shapes):
+    """Hugging Face "auto" values filled as the Trainer would (harness.models.hf_auto); the hidden size
+    is the named model's, or for --shapes the largest matrix dimension."""
+    from harness.models import hf_auto
+
+    try:
+        trainer_args = hf_auto.parse_trainer_args(getattr(args, "trainer_arg", None))
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    hidden = hf_auto.hidden_size_of(spec.module) if spec is not None else None
+    if hidden is None:
+        hidden = max((max(s) for s in shapes if len(s) >= 2), default=None)
+    return hf_auto.resolve(cfg, world_size, hidden_size=hidden, trainer_args=trainer_args)

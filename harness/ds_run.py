@@ -245,9 +245,18 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
     import deepspeed
 
     _reset_zero3_param_ids()
-    model = model_mod.build_model(case, variant=variant)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(case, model),
-                                           config=rank_config(case, nvme_dir),
+    cfg = rank_config(case, nvme_dir)
+    if case.model:  # a real module (harness.models), optionally built under zero.Init
+        from harness.models import runtime as model_rt
+
+        model, model_params, _ = model_rt.build_module(case, cfg, variant)
+    else:
+        from harness.models.runtime import zero_init
+
+        with zero_init(case, cfg):  # parameters are registered in __init__, so zero.Init partitions them
+            model = model_mod.build_model(case, variant=variant)
+        model_params = model_parameters(case, model)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_params, config=cfg,
                                            lr_scheduler=client_scheduler(case))
     named = dict(engine.module.named_parameters())
     for ps in case.params:
@@ -279,6 +288,18 @@ def model_parameters(case: Case, model):
         return model.parameters()
     named = dict(model.named_parameters())
     return [{"params": [named[n] for n in g.params], **g.options()} for g in case.groups]
+
+
+def _model_hooks(case: Case):
+    """(forward, read_buffers) for a model case; (None, a reader of nothing) for the synthetic model,
+    whose path stays exactly as it was (no buffers, no extra collective)."""
+    if not case.model:
+        return None, lambda engine: {}
+    from harness.models import runtime as model_rt
+    from harness.models import build_spec
+
+    spec = build_spec(case.model, case.seed)
+    return model_rt.feeder(case, spec), lambda engine: model_rt.read_buffers(engine.module)
 
 
 def destroy_engine(engine) -> None:
@@ -376,6 +397,8 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             t_built = time.perf_counter()
             if recorder.count:
                 notes.append(f"muon_update ran {recorder.count} times inside deepspeed.initialize")
+            forward, read_buffers = _model_hooks(case)
+            initial_buffers = read_buffers(engine)
             recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
             info = capture.path_info(engine)
             init_w, init_r = swap.reset()
@@ -398,10 +421,14 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             else:
                 initial = capture.capture_masters(engine, case, named, swap)
             swap.reset()
+            if not coalesced and case.model:
+                initial_buffers = capture.gather_to_rank0(initial_buffers, rank, world_size)
             if rank == 0:
                 traj = Trajectory(case_name=case.name, initial=initial,
                                   muon_params=tuple(ps.name for ps in case.params
                                                     if getattr(named[ps.name], "use_muon", False)))
+                if not coalesced and case.model:
+                    traj.initial_buffers = initial_buffers
             gas = engine.gradient_accumulation_steps()
             step = 1
             while step <= case.steps:
@@ -412,8 +439,11 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                 adam = {}
                 lrs = {}
                 for micro in range(gas):
-                    batch = model_mod.batch_data(case, rank, step, micro)
-                    loss = engine(batch)
+                    if forward is None:
+                        batch = model_mod.batch_data(case, rank, step, micro)
+                        loss = engine(batch)
+                    else:
+                        loss = forward(engine, rank, step, micro)
                     losses.append(float(loss.detach().float()))
                     engine.backward(loss)
                     loss = None  # its grad_fn graph reaches the parameters, and through them the engine
@@ -430,11 +460,15 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                                                      id_to_name=recorder.id_to_name, info=info, pre=pre,
                                                      recorder=recorder, swap=swap, losses=losses,
                                                      gather_model=gather_model))
+                    pending[-1]["buffers"] = read_buffers(engine)
                 else:
                     rec = capture.capture_step(engine, case, step, rank, world_size, named=named,
                                                id_to_name=recorder.id_to_name, info=info, pre=pre,
                                                recorder=recorder, swap=swap, losses=losses)
+                    bufs = capture.gather_to_rank0(read_buffers(engine), rank, world_size) if case.model else None
                     if rank == 0:
+                        if bufs is not None:
+                            rec.buffers = bufs
                         traj.steps.append(rec)
                 if case.checkpoint_at is not None and step == case.checkpoint_at and step < case.steps:
                     ckpt = workdir / "ckpt"
@@ -458,12 +492,16 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             engine = named = info = None
             if coalesced:
                 # The case's only capture collective: every rank's pieces of every step to rank 0.
-                gathered = capture.gather_once_to_rank0((initial_pieces, pending), rank, world_size)
+                gathered = capture.gather_once_to_rank0((initial_pieces, pending, initial_buffers), rank, world_size)
                 pending = initial_pieces = None
                 if rank == 0:
                     traj.initial = capture.resolve_all([g[0] for g in gathered], case, "initial master")
                     traj.steps = [capture.assemble_step(case, [g[1][i] for g in gathered])
                                   for i in range(len(gathered[0][1]))]
+                    if case.model:
+                        traj.initial_buffers = [g[2] for g in gathered]
+                        for i, rec in enumerate(traj.steps):
+                            rec.buffers = [g[1][i]["buffers"] for g in gathered]
                 gathered = None
             notes.append(f"seconds: build {t_built - t0:.3f}, steps+capture {t_steps - t_built:.3f}")
     finally:

@@ -65,7 +65,9 @@ def default_kill_cases() -> list[Case]:
         extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
                 ("-wd" if case_weight_decay(c) and not c.groups else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
         out.append(c.replace(name=c.name + extra))
-    return out
+    from harness.models.matrix import kill_cases as model_kill_cases
+
+    return out + model_kill_cases()
 
 
 @dataclass

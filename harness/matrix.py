@@ -270,10 +270,18 @@ def sweep_cases(full: bool = False) -> list[Case]:
     return sweep.sweep_cases()
 
 
+def model_cases(full: bool = False) -> list[Case]:
+    """Real modules (GPT-2 and Llama style LMs, a ResNet-style conv net, a mixture-of-experts LM) on
+    every stage, with and without zero.Init: ``harness.models.matrix``."""
+    from harness.models.matrix import gate_model_cases
+
+    return gate_model_cases(full)
+
+
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
-             + bf16opt_cases(full))
+             + bf16opt_cases(full) + model_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

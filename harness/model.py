@@ -179,12 +179,22 @@ def term_loss(w: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
 class Node(torch.nn.Module):
     """One module of the dotted-name tree. Its forward adds the loss terms of the parameters it
     owns directly (so ZeRO-3's per-module gather hooks see every parameter used in its own
-    module's forward) and then those of its children."""
+    module's forward) and then those of its children.
 
-    def __init__(self):
+    Parameters and children are registered inside ``__init__`` (children are built first): under
+    ``deepspeed.zero.Init`` a module's parameters are partitioned when its ``__init__`` returns, and
+    one registered later would escape that."""
+
+    def __init__(self, own: tuple = (), children: tuple = ()):
         super().__init__()
         self._own: list[str] = []  # local parameter name -> full name order
         self._full: dict[str, str] = {}
+        for local, full, value in own:
+            self.register_parameter(local, torch.nn.Parameter(value))
+            self._own.append(local)
+            self._full[local] = full
+        for name, child in children:
+            self.add_module(name, child)
 
     def forward(self, batch: dict):
         total = None
@@ -202,22 +212,29 @@ class SyntheticModel(Node):
     """Root of the tree; ``forward(batch)`` returns the scalar micro-batch loss."""
 
 
+def _tree(case) -> dict:
+    """{"own": [(local, full)], "children": {name: subtree}} in first-appearance order, which is
+    the ``named_parameters()`` order of the built model."""
+    root: dict = {"own": [], "children": {}}
+    for p in case.params:
+        parts = p.name.split(".")
+        node = root
+        for part in parts[:-1]:
+            node = node["children"].setdefault(part, {"own": [], "children": {}})
+        node["own"].append((parts[-1], p.name))
+    return root
+
+
 def build_model(case, variant: int = 0, dtype: torch.dtype = torch.float32) -> SyntheticModel:
     check_params(case.params)
     init = initial_weights(case, variant)
-    root = SyntheticModel()
-    for p in case.params:
-        parts = p.name.split(".")
-        node: Node = root
-        for part in parts[:-1]:
-            child = node._modules.get(part)
-            if child is None:
-                child = Node()
-                node.add_module(part, child)
-            node = child
-        node.register_parameter(parts[-1], torch.nn.Parameter(init[p.name].to(dtype).clone()))
-        node._own.append(parts[-1])
-        node._full[parts[-1]] = p.name
+
+    def make(tree: dict, cls=Node) -> Node:
+        children = tuple((name, make(sub)) for name, sub in tree["children"].items())
+        own = tuple((local, full, init[full].to(dtype).clone()) for local, full in tree["own"])
+        return cls(own, children)
+
+    root = make(_tree(case), SyntheticModel)
     names = [n for n, _ in root.named_parameters()]
     if sorted(names) != sorted(p.name for p in case.params):
         raise AssertionError(f"model names {names} differ from the case's {[p.name for p in case.params]}")

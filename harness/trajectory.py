@@ -41,6 +41,7 @@ class StepRecord:
     muon_calls_per_rank: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # capture-side observations (rank disagreement, ...)
     group_lr: dict = field(default_factory=dict)  # optimizer param-group name -> lr it used in this step
+    buffers: list[dict] = field(default_factory=list)  # model cases: per rank, buffer name -> values after the step
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Trajectory:
     steps: list[StepRecord] = field(default_factory=list)
     muon_params: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    initial_buffers: list[dict] = field(default_factory=list)  # model cases: per rank, before step 1
 
     @property
     def swapped_bytes(self) -> int:

@@ -100,6 +100,8 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
         gradient_accumulation_steps=case.grad_accum, world_size=case.world_size, model_dtype=case.dtype,
         loss_scaler=scaler, param_hyper=param_hyper)
+    if case.model:  # a real module's parameter groups (harness.models.oracle)
+        sc = _module_oracle().with_param_groups(case, sc)
     if applied is not None and case.schedule:
         sc = replace(sc, param_hyper=_scheduled_hyper(case, sc, applied))
     for hook in ORACLE_HOOKS.values():
@@ -166,6 +168,13 @@ def _spec_groups(case: Case, sc: oracles.StepConfig) -> list:
     for g in case.groups:
         out.extend(oracles.ds_param_groups([spec[n] for n in g.params]))
     return out
+
+
+def _module_oracle():
+    """The gradient/buffer oracle of a real module (``Case.model``); imported only for those cases."""
+    from harness.models import oracle
+
+    return oracle
 
 
 def layout_for(case: Case, sc: oracles.StepConfig):
@@ -306,6 +315,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
     ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
     ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
+    mo = _module_oracle().ModuleOracle(case, traj) if case.model else None  # float64 autograd of the module
 
     def add(param, quantity, step, actual, expected, allowance):
         verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, allowance,
@@ -314,9 +324,10 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     for rec in traj.steps:
         s = rec.step
         lp = _lp_weights(case, traj, s)
-        grads = [[{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
-                 for r in range(W)]
-        if case.dtype == "fp16":
+        grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
+            [{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
+            for r in range(W)]
+        if case.dtype == "fp16" and mo is None:
             # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
             # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
             S = float(state.scaler.scale)
@@ -349,7 +360,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         for n in spec:
             if n in forced and bool(torch.isfinite(true_G[n]).all()):
                 a = grad_allowance(case, sc, n, grads, mode)
-                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a)
+                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a if mo is None else mo.grad_allowance(n, a))
 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
         sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
@@ -413,6 +424,9 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
             add(n, "master", s, ps.master, o.master.numpy(), a.master)
             add(n, "model", s, ps.model, o.model.numpy(), a.model)
+
+        if mo is not None:
+            mo.check_buffers(rec, add)
 
         # Teacher forcing: the next step starts from DeepSpeed's masters and momentum.
         masters = {n: _t(ps.master) for n, ps in rec.params.items()}

@@ -25,7 +25,8 @@ stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   # torch==2.13.0 resolves to the CPU wheel on this machine's disk; a range would pull a CUDA build.
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
-  .venv/bin/pip install -q --disable-pip-version-check -e .
+  # [models]: transformers for the GPT-2 / Llama model cases (without it they are deselected, saying so)
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[models]"
   touch "$stamp"
 fi
 

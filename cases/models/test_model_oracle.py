@@ -1,0 +1,65 @@
+"""The module oracle: Muon/Adam split from the module's structure, one parameter for tied
+embeddings, and a gradient or buffer error far below a real bug's size still reported."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import oracles
+from harness import models
+from harness.verdict import judge
+
+NEEDS_TF = pytest.mark.skipif(not models.transformers_available(),
+                              reason=f"needs the 'transformers' package: {models.EXTRA_HINT}")
+
+
+@NEEDS_TF
+def test_tied_embedding_is_one_parameter_and_tagging_by_rule():
+    gpt2 = models.model_case("gpt2", 1, "none", "fp32", 2)
+    names = [p.name for p in gpt2.params]
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names  # tied: one parameter
+    llama = models.model_case("llama", 1, "none", "fp32", 2)
+    tags = {p.name: oracles.ParamSpec.deepspeed_tagged(p.name, p.shape).use_muon for p in llama.params}
+    assert tags["model.embed_tokens.weight"] is False and tags["lm_head.weight"] is False
+    assert tags["model.layers.0.self_attn.q_proj.weight"] is True
+    assert tags["model.norm.weight"] is False
+
+
+def test_zero_init_placeholder_shapes_do_not_reach_the_case():
+    c = models.model_case("moe", 3, "none", "fp32", 2, zero_init=True)
+    assert dict((p.name, p.shape) for p in c.params)["block.experts.w_in"] == (4, 16, 24)
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        models.model_case("moe", 2, "none", "fp32", 2, zero_init=True)
+
+
+def _dropout_factory(seed):
+    import torch
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+    return m, lambda r, s, mu: {"input": torch.ones(2, 4)}
+
+
+def test_dropout_refused_before_any_rank():
+    with pytest.raises(ValueError, match="dropout"):
+        models.model_case(f"{__name__}:_dropout_factory", 1, "none", "fp32", 2)
+
+
+@pytest.mark.pipeline
+def test_small_gradient_and_buffer_errors_are_reported(pool_manager):
+    """A ResNet run judged as captured passes; the same trajectory with one Adam gradient off by
+    1 % (far less than a mis-averaged or missing micro-batch), or one rank's BatchNorm statistic off
+    by 1 %, fails on exactly that quantity."""
+    c = models.model_case("resnet", 2, "none", "fp32", 2, ns_method="standard").replace(patched=True)
+    traj = pool_manager.run(c).result
+    assert judge(c, traj).passed
+    bad = copy.deepcopy(traj)
+    ps = bad.steps[0].params["bn.weight"]
+    ps.grad = np.asarray(ps.grad) * 1.01
+    v = judge(c, bad)
+    assert {(f.param, f.quantity) for f in v.failures} >= {("bn.weight", "grad")}
+    bad = copy.deepcopy(traj)
+    bad.steps[1].buffers[1]["layer1.bn1.running_var"] = bad.steps[1].buffers[1]["layer1.bn1.running_var"] * 1.01
+    v = judge(c, bad)
+    assert {(f.param, f.quantity) for f in v.failures} == {("layer1.bn1.running_var@rank1", "buffer")}
