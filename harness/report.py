@@ -88,6 +88,16 @@ def render(records_root, out_html, *, title: str | None = None, extra: dict | No
     return out
 
 
+def verdict(records_root) -> tuple[bool, list[str]]:
+    """The report's PASS/FAIL and its reasons, without rendering: the exit code of ``python -m
+    harness report`` (a CI job that merges shards fails exactly when the merged report says FAIL)."""
+    root = Path(records_root)
+    records = load_records(root) if root.exists() else []
+    extra = load_stored_extra(root)
+    main = [r for r in records if not _is_mutant(r)]
+    return _verdict(main, _mutation_rows(extra, [r for r in records if r not in main]), extra)
+
+
 class _LazyMaps(Mapping):
     """The element maps of one outcome, read from its ``.npz`` only when drawn: an outcome keeps a
     map per failing (param, quantity, step), a few of which the report shows."""

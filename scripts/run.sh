@@ -35,5 +35,6 @@ fi
 case "$what" in
   main) exec .venv/bin/python -m harness gate --report reports/gate.html "$@" ;;
   test) exec .venv/bin/python -m pytest -n 2 "$@" ;;
-  *) echo "usage: bash scripts/run.sh main|test [args]" >&2; exit 2 ;;
+  report) exec .venv/bin/python -m harness report "$@" ;;  # merge shards' results (README: Sharding)
+  *) echo "usage: bash scripts/run.sh main|test|report [args]" >&2; exit 2 ;;
 esac
