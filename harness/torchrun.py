@@ -155,6 +155,23 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def _exit_when_orphaned(poll_s: float = 1.0) -> None:
+    """End this rank once its launcher is gone. The parent-death signal alone is not enough here:
+    torchrun's agent may start a rank from a helper thread, and that signal follows the thread,
+    not the process, so a rank can outlive a killed launcher. Reparenting is what tells."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(70)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
 def _redirect_output(log_path: Path):
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
@@ -221,6 +238,7 @@ def rank_main(argv=None) -> int:
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
     _set_parent_death_signal()
+    _exit_when_orphaned()
     logf = sys.stderr if args.no_redirect else _redirect_output(log_dir / f"rank{rank}.log")
     faulthandler.enable(file=logf, all_threads=True)
     case_name = "<start-up>"
@@ -234,6 +252,9 @@ def rank_main(argv=None) -> int:
         from harness import runtime_state
 
         runtime_state.install_process_caches()
+        # As the pool's ranks do: import built ops from their .so, so no case takes torch's JIT-build
+        # lock, which a killed process leaves behind and every later load then waits on forever.
+        runtime_state.preload_built_ops()
         device = None
         if accel == "cuda":
             torch.cuda.set_device(local_rank)
@@ -434,7 +455,10 @@ def run_cases_with_torchrun(cases: list[Case], nproc: int | None = None, *, acce
             launcher_log.write("$ " + " ".join(cmd) + "\n")
             launcher_log.flush()
             proc = subprocess.Popen(cmd, cwd=str(buildenv.PROJECT_ROOT), env=env, stdout=launcher_log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    # A parent killed from outside (a CI timeout) takes the launcher with
+                                    # it; the ranks follow their launcher the same way (rank_main).
+                                    preexec_fn=_set_parent_death_signal)
             try:
                 rc = proc.wait(timeout=deadline_s)
             except subprocess.TimeoutExpired:
