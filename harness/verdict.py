@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import oracles
+from harness import device
 from harness import model as model_mod
 from harness.case import Case
 from harness.compare import Allowed, Check, LayoutView, compare_arrays, describe, first_divergence
@@ -67,10 +68,12 @@ def step_config(case: Case) -> oracles.StepConfig:
                 consecutive_hysteresis=f.get("consecutive_hysteresis", False),
                 min_loss_scale=f.get("min_loss_scale", 1.0))
     specs = tuple(oracles.ParamSpec.deepspeed_tagged(p.name, p.shape, p.num_heads) for p in case.params)
+    fp16_ok, bf16_ok = device.half_support()
     betas = tuple(opt.get("betas", (0.9, 0.95)))
     sc = oracles.StepConfig(
         params=specs, muon_lr=float(muon_lr), adam_lr=float(adam_lr), momentum=float(opt.get("momentum", 0.95)),
         weight_decay=float(opt.get("weight_decay", 0.0)), ns_method=opt.get("ns_method", "gram"),
+        device_fp16=fp16_ok, device_bf16=bf16_ok,
         betas=(float(betas[0]), float(betas[1])), eps=float(opt.get("eps", 1e-10)),
         adam_w_mode=bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True))),
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),

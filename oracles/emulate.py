@@ -56,12 +56,17 @@ from .newton_schulz import GRAM_RESTART_AT, NS_A, NS_B, NS_C, NS_EPS, NS_STEPS, 
 PRODUCTION_NS_DTYPE = {"gram": torch.float16, "standard": torch.bfloat16}
 
 
-def ns_compute_dtype(ns_method: str) -> torch.dtype:
-    """The dtype DeepSpeed 0.19.8 runs Newton-Schulz in on a device with fp16 and bf16 support."""
+def ns_compute_dtype(ns_method: str, fp16_supported: bool = True, bf16_supported: bool = True) -> torch.dtype:
+    """The dtype DeepSpeed 0.19.8 runs Newton-Schulz in (its documented rule): fp16 for "gram" and
+    bf16 for "standard" where the accelerator supports that dtype, fp32 where it does not. DeepSpeed's
+    CPU accelerator reports fp16 only on CPUs with oneDNN fp16 kernels (e.g. AVX512-FP16); an AMD
+    EPYC without them runs the gram iteration in fp32. The caller says what the device supports."""
     try:
-        return PRODUCTION_NS_DTYPE[ns_method]
+        dt = PRODUCTION_NS_DTYPE[ns_method]
     except KeyError:
         raise ValueError(f"unknown ns_method {ns_method!r}") from None
+    supported = fp16_supported if dt == torch.float16 else bf16_supported
+    return dt if supported else torch.float32
 
 
 def _frobenius(X: torch.Tensor) -> torch.Tensor:

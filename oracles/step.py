@@ -98,6 +98,9 @@ class StepConfig:
     adam_weight_decay: Optional[float] = None  # per-group override; None = weight_decay
     ns_method: str = "gram"
     ns_steps: int = NS_STEPS
+    # What the device supports decides the Newton-Schulz compute dtype (``emulate.ns_compute_dtype``).
+    device_fp16: bool = True
+    device_bf16: bool = True
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-10
     adam_w_mode: bool = True
@@ -413,7 +416,9 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
             U = round_to((1.0 - cfg.momentum) * g + cfg.momentum * m_new, mdt)
         if ns_mode == "emulated":
             O = emulate.emulated_direction(U.to(mdt), cfg.ns_method, heads, out_dtype=mdt,
-                                           conv_aspect=conv.conv_aspect, steps=cfg.ns_steps)
+                                           conv_aspect=conv.conv_aspect, steps=cfg.ns_steps,
+                                           compute_dtype=emulate.ns_compute_dtype(cfg.ns_method, cfg.device_fp16,
+                                                                                  cfg.device_bf16))
         else:
             O = muon_direction(U.to(torch.float64), cfg.ns_method, heads, steps=cfg.ns_steps,
                                conv_aspect=conv.conv_aspect)

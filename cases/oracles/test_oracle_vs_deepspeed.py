@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.device import half_support
 from oracles import (LossScalerConfig, LossScalerState, allowances, emulated_muon_update, muon_direction,
                      muon_momentum, normalised_sigma_lo, param_slices, update_scale, zero12_layout, zero3_layout)
-from oracles.emulate import PRODUCTION_NS_DTYPE
+from oracles.emulate import PRODUCTION_NS_DTYPE, ns_compute_dtype
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 
@@ -125,9 +126,18 @@ def _same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
+def _ns_dtype(method):
+    """The oracle's rule for this machine's device (harness.device: oneDNN fp16 kernels or not)."""
+    return ns_compute_dtype(method, *half_support())
+
+
 def test_production_ns_dtypes_match_deepspeed(ds):
     _, res = ds
-    assert res["ns_dtypes"] == (PRODUCTION_NS_DTYPE["gram"], PRODUCTION_NS_DTYPE["standard"])
+    assert res["ns_dtypes"] == (_ns_dtype("gram"), _ns_dtype("standard"))
+    # ... and the rule itself: 16 bit where the device has it, fp32 where it does not.
+    assert ns_compute_dtype("gram", True, True) == PRODUCTION_NS_DTYPE["gram"]
+    assert ns_compute_dtype("gram", False, True) == torch.float32
+    assert ns_compute_dtype("standard", True, False) == torch.float32
 
 
 def test_emulated_muon_update_is_bit_equal_to_deepspeed_eager(ds):
@@ -136,7 +146,7 @@ def test_emulated_muon_update_is_bit_equal_to_deepspeed_eager(ds):
     with threads(THREADS):
         for i, (c, r) in enumerate(zip(spec["muon_cases"], res["muon"])):
             m, o = emulated_muon_update(c["grad"], c["momentum"], c["beta"], c["ns_method"], c["num_heads"],
-                                        batched=c["expert"])
+                                        batched=c["expert"], compute_dtype=_ns_dtype(c["ns_method"]))
             if not (_same_bits(o, r["direction"]) and _same_bits(m, r["momentum"])):
                 d = (o.double() - r["direction"].double()).abs().max().item()
                 mismatches.append((i, c["grad"].dtype, c["ns_method"], tuple(c["grad"].shape), d))
@@ -164,7 +174,8 @@ def test_emulated_direction_check_resolves_one_16bit_rounding_of_the_input(ds):
             g = c["grad"].double()
             signs = torch.sign(torch.randn(g.shape, generator=gen, dtype=torch.float64))
             bumped = (g * (1 + 2.0 ** -11 / (1 - c["beta"] ** 2) * signs)).float()
-            _, o = emulated_muon_update(bumped, c["momentum"], c["beta"], c["ns_method"], c["num_heads"])
+            _, o = emulated_muon_update(bumped, c["momentum"], c["beta"], c["ns_method"], c["num_heads"],
+                                        compute_dtype=_ns_dtype(c["ns_method"]))
             allow = allowances("emulated", model_dtype="fp32", shape=tuple(g.shape))
             checked += 1
             flagged += not allow.direction.check(o, r["direction"]).ok
