@@ -74,6 +74,7 @@ from harness.case import Case
 from harness.pool import CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed, _apply_fault
 
 ENTRY_MODULE = "harness.torchrun"
+PARENT_PID_VAR = "MUON_HARNESS_PARENT_PID"  # the harness process a launch belongs to (rank_main watches it)
 MARKER = "MUON_HARNESS_TORCHRUN"  # in every rank's environment: lets tests prove nothing is left behind
 ACCELERATORS = ("auto", "cpu", "cuda")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
@@ -156,18 +157,31 @@ def _set_parent_death_signal() -> None:
 
 
 def _exit_when_orphaned(poll_s: float = 1.0) -> None:
-    """End this rank once its launcher is gone. The parent-death signal alone is not enough here:
-    torchrun's agent may start a rank from a helper thread, and that signal follows the thread,
-    not the process, so a rank can outlive a killed launcher. Reparenting is what tells."""
+    """End this rank once the harness process that launched it is gone. The parent-death signal
+    alone is not enough: torchrun's agent may start a rank from a helper thread (that signal follows
+    the thread, not the process), and a rank still importing torch when its launcher dies has no
+    parent left to compare with. So the launching harness process names itself
+    (``PARENT_PID_VAR``) and the rank polls for it."""
     import threading
 
+    watched = int(os.environ.get(PARENT_PID_VAR, "0") or 0)
     parent = os.getppid()
 
+    def gone() -> bool:
+        if watched > 0:
+            try:
+                os.kill(watched, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            return False
+        return os.getppid() != parent
+
     def watch():
-        while True:
+        while not gone():
             time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(70)
+        os._exit(70)
 
     threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
@@ -445,6 +459,7 @@ def run_cases_with_torchrun(cases: list[Case], nproc: int | None = None, *, acce
     env = dict(os.environ)
     env.update(launch_env(accel))
     env[MARKER] = uid
+    env[PARENT_PID_VAR] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join([str(buildenv.PROJECT_ROOT)] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     deadline_s = timeout_s if timeout_s is not None else STARTUP_S + sum(c.timeout_s for c in cases) + 30
