@@ -26,20 +26,43 @@ def pytest_addoption(parser):
     group.addoption("--full", action="store_true", help="run the full product of pipelines, not the CI covering subset")
     group.addoption("--seed", type=int, default=int(os.environ.get("MUON_HARNESS_SEED", "0")),
                     help="seed for the pipeline cases (the no-false-alarm check runs three)")
+    group.addoption("--shard", default=None, metavar="K/N",
+                    help="run only shard K of N cost-balanced shards of the collected tests (harness/shard.py)")
 
 
 def pytest_collection_modifyitems(config, items):
     """Without --full, the cases outside the CI covering subset are deselected (not skipped): they
-    are not part of this run at all, and the terminal summary says how many and how to run them."""
-    if config.getoption("--full"):
-        return
-    keep, full_only = [], []
+    are not part of this run at all, and the terminal summary says how many and how to run them.
+    With --shard K/N only this shard's part of what is left runs (the same split on every machine)."""
+    if not config.getoption("--full"):
+        keep, full_only = [], []
+        for item in items:
+            (full_only if "full" in item.keywords else keep).append(item)
+        if full_only:
+            config.hook.pytest_deselected(items=full_only)
+            items[:] = keep
+            config._muon_full_only = len(full_only)
+    if config.getoption("--shard"):
+        _keep_shard(config, items)
+
+
+def _keep_shard(config, items):
+    from harness import shard as sharding
+    from harness.case import Case
+
+    part = sharding.Shard.parse(config.getoption("--shard"))
+    times = sharding.load_times()
+    costs = {}
     for item in items:
-        (full_only if "full" in item.keywords else keep).append(item)
-    if full_only:
-        config.hook.pytest_deselected(items=full_only)
-        items[:] = keep
-        config._muon_full_only = len(full_only)
+        case = next((v for v in getattr(getattr(item, "callspec", None), "params", {}).values()
+                     if isinstance(v, Case)), None)
+        # The recorded figure covers both columns of a case; a pytest item runs one of them.
+        costs[item.nodeid] = (times.get(case.name, sharding.estimate(case)) / 2 if case is not None else 0.5)
+    mine = sharding.select_names(costs, costs, part)
+    gone = [i for i in items if i.nodeid not in mine]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = [i for i in items if i.nodeid in mine]
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -5,6 +5,7 @@
   bench   pool vs spawn-per-case vs bare DeepSpeed timings, measured in one run
   report  re-render the HTML divergence report from stored results (nothing reruns)
   mutate  the mutation self-check: every known-bug mutant against the kill cases, as a table
+  gpu     the fixed GPU subset through torchrun and NCCL (scripts/gpu.sh installs, then runs it)
   check   check your own DeepSpeed config (Muon) against the oracle on a scaled model (harness/check.py)
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main(argv=None) -> int:
     g.add_argument("--only", default=None, help="substring filter on case names")
     g.add_argument("-q", "--quiet", action="store_true")
     g.add_argument("--no-mutate", action="store_true", help="skip the mutation self-check")
+    g.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only shard K of N cost-balanced shards (merge with: python -m harness report DIR...)")
 
     mu = sub.add_parser("mutate", help="run every known-bug mutant against the kill cases; print the kill matrix")
     mu.add_argument("rest", nargs=argparse.REMAINDER,
@@ -45,11 +48,19 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="pool vs spawn-per-case vs bare DeepSpeed, measured in one run")
     b.add_argument("--cases", type=int, default=6)
     b.add_argument("--world-size", type=int, default=2)
+    b.add_argument("--gate", action="store_true", help="time the gate's cases by group and stage; refresh "
+                                                       "harness/case_times.json (the shards' costs)")
+    b.add_argument("--full", action="store_true", help="with --gate: the whole product")
+    b.add_argument("--only", default=None, help="with --gate: substring filter (does not refresh the costs)")
 
     rp = sub.add_parser("report", help="re-render the HTML divergence report from stored results (nothing reruns)")
-    rp.add_argument("results", help="results folder (results-*.jsonl, maps/, extra-*.json)")
+    rp.add_argument("results", nargs="+",
+                    help="results folder(s) (results-*.jsonl, maps/, extra-*.json); several are merged into one "
+                         "report with one verdict (the shards of a gate)")
     rp.add_argument("-o", "--out", default=None, help="output HTML (default: divergence.html next to the folder)")
     rp.add_argument("--title", default=None)
+
+    sub.add_parser("gpu", help="the fixed GPU subset through torchrun (NCCL); see scripts/gpu.sh", add_help=False)
 
     from harness import check as check_cli
 
@@ -58,6 +69,11 @@ def main(argv=None) -> int:
                         description=check_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     check_cli.add_arguments(ck)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gpu"]:
+        from harness.gpu import main as gpu_main
+
+        return gpu_main(argv[1:])
     args = ap.parse_args(argv)
     from harness import buildenv
 
@@ -67,8 +83,16 @@ def main(argv=None) -> int:
     if args.cmd == "gate":
         from harness.main_job import run_gate
 
+        from harness.shard import Shard
+
+        if args.shard:
+            try:
+                Shard.parse(args.shard)
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
         return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
-                        mutate=not args.no_mutate)
+                        mutate=not args.no_mutate, shard=args.shard)
     if args.cmd == "run":
         from harness.case import Case
         from harness.main_job import run_single
@@ -84,17 +108,30 @@ def main(argv=None) -> int:
         from pathlib import Path
 
         from harness.report import render
+        from harness.report import verdict as report_verdict
 
-        results = Path(args.results)
-        if not results.is_dir():
-            print(f"error: no results folder at {results}", file=sys.stderr)
+        from harness.shard import merge_results
+
+        folders = [Path(p) for p in args.results]
+        missing = [str(p) for p in folders if not p.is_dir()]
+        if missing:
+            print(f"error: no results folder at {', '.join(missing)}", file=sys.stderr)
             return 2
+        results = folders[0]
+        if len(folders) > 1:
+            out_html = Path(args.out or "reports/merged.html")
+            results = merge_results(folders, out_html.parent / (out_html.stem + "-results"))
         out = render(results, args.out or results.resolve().parent / "divergence.html", title=args.title)
+        ok, reasons = report_verdict(results)
         print(out)
-        return 0
+        print("verdict: " + ("PASS" if ok else "FAIL: " + "; ".join(reasons)))
+        return 0 if ok else 1
     if args.cmd == "bench":
+        from harness.bench import gate_bench
         from harness.bench import main as bench_main
 
+        if args.gate:
+            return gate_bench(full=args.full, only=args.only)
         return bench_main(cases=args.cases, world_size=args.world_size)
     return 2
 

@@ -1,5 +1,9 @@
 """Speed targets, measured in one run (not by timed tests): ``python -m harness bench``.
 
+``python -m harness bench --gate [--full]`` instead runs the gate's cases once and prints seconds per
+case-column by group and where they go; it also refreshes ``harness/case_times.json``, the recorded
+costs that ``--shard K/N`` balances on.
+
 Prints, for the same tiny cases at one world size:
 * seconds per case on a reused pool vs. spawning fresh ranks per case (target: pool >= 5x faster);
 * the harness's overhead over a bare DeepSpeed run of the same config: the parent-observed time of a
@@ -8,12 +12,13 @@ Prints, for the same tiny cases at one world size:
 """
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from pathlib import Path
 
 from harness.case import Case
-from harness.pool import PoolManager, RankPool
+from harness.pool import DEFAULT_ENTRY, PoolManager, RankPool
 from harness.scenarios import pipeline_case
 
 
@@ -84,3 +89,113 @@ def main(cases: int = 6, world_size: int = 2) -> int:
     ok = s / p >= 5 and p / b <= 1.3
     print("  verdict:", "targets met" if ok else "TARGET MISSED")
     return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------------ the gate's cost
+
+_RANK_SECONDS = re.compile(r"seconds: build ([0-9.]+), steps\+capture ([0-9.]+)")
+
+
+class _TimedManager(PoolManager):
+    """The gate's pool manager, with the rank start-up of each case timed apart from the case."""
+
+    last_start = 0.0
+
+    def run(self, case: Case, entry: str = DEFAULT_ENTRY):
+        key = (case.world_size, case.compiled)
+        pool = self.pools.get(key)
+        self.last_start = 0.0
+        if pool is None or pool.broken:
+            t0 = time.perf_counter()
+            self.pools[key] = RankPool(case.world_size, compiled=case.compiled, root=self.root)
+            self.last_start = time.perf_counter() - t0
+        return super().run(case, entry)
+
+
+def gate_bench(full: bool = False, only: str | None = None, write_times: bool = True) -> int:
+    """Run the gate's cases on both columns, once, and print where the time goes per group.
+
+    Buckets: ``rank start`` (spawning a pool: once per world size, and per compiled case),
+    ``engine build`` and ``steps+capture`` (in rank 0, from the trajectory's own timing notes),
+    ``shipping`` (the rest of the parent-observed run: pickling the trajectory, rendezvous waits),
+    ``judge`` (oracle replay + comparison), ``report`` (rendering the HTML once at the end).
+    """
+    import tempfile
+
+    from harness import shard as sharding
+    from harness.gate import columns, evaluate, record
+    from harness.matrix import gate_cases, group_of
+    from harness.report import render
+    from harness.results import ResultStore
+    from harness.verdict import judge
+
+    cases = [c for c in gate_cases(full) if not only or only in c.name]
+    cols = columns()
+    buckets = ("rank start", "engine build", "steps+capture", "shipping", "judge")
+    per_group: dict[str, dict[str, float]] = {}
+    count: dict[str, int] = {}
+    per_case: dict[str, float] = {}
+    manager = _TimedManager()
+    tmp = Path(tempfile.mkdtemp(prefix="gate-bench-"))
+    store = ResultStore(tmp / "results", writer="bench")
+    t_all = time.perf_counter()
+    # The judge is timed by timing verdict.judge itself inside evaluate.
+    judged: list[float] = []
+    import harness.gate as gate_mod
+
+    real_judge = gate_mod.judge
+
+    def timed_judge(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real_judge(*a, **k)
+        finally:
+            judged.append(time.perf_counter() - t0)
+
+    gate_mod.judge = timed_judge
+    try:
+        for col in cols:
+            for case in cases:
+                judged.clear()
+                t0 = time.perf_counter()
+                o = evaluate(case, col, manager)
+                total = time.perf_counter() - t0
+                record(store, o)
+                g = group_of(case.name)
+                b = per_group.setdefault(g, dict.fromkeys(buckets, 0.0))
+                count[g] = count.get(g, 0) + 1
+                per_case[case.name] = per_case.get(case.name, 0.0) + total - manager.last_start
+                build = steps = 0.0
+                for note in getattr(o.trajectory, "notes", []) or []:
+                    m = _RANK_SECONDS.search(note)
+                    if m:
+                        build, steps = float(m.group(1)), float(m.group(2))
+                j = sum(judged)
+                b["rank start"] += manager.last_start
+                b["engine build"] += build
+                b["steps+capture"] += steps
+                b["judge"] += j
+                b["shipping"] += max(total - manager.last_start - build - steps - j, 0.0)
+                o.trajectory = None  # keep the parent flat
+    finally:
+        gate_mod.judge = real_judge
+        manager.close()
+    t_report = time.perf_counter()
+    render(tmp / "results", tmp / "bench.html")
+    report_s = time.perf_counter() - t_report
+    wall = time.perf_counter() - t_all
+    n = sum(count.values())
+    print(f"bench --gate: {len(cases)} cases x {len(cols)} column(s) = {n} case-columns"
+          f"{' (--full)' if full else ' (CI subset)'} in {wall:.1f}s wall")
+    print(f"  {'group':10s} {'n':>5s} {'s/case-col':>10s} " + " ".join(f"{b:>13s}" for b in buckets))
+    for g in sorted(per_group, key=lambda k: -sum(per_group[k].values())):
+        tot = sum(per_group[g].values())
+        print(f"  {g:10s} {count[g]:5d} {tot / count[g]:10.3f} "
+              + " ".join(f"{per_group[g][b]:12.1f}s" for b in buckets))
+    sums = {b: sum(per_group[g][b] for g in per_group) for b in buckets}
+    print(f"  {'all':10s} {n:5d} {sum(sums.values()) / max(n, 1):10.3f} " + " ".join(f"{sums[b]:12.1f}s" for b in buckets))
+    print(f"  report: {report_s:.1f}s ({(tmp / 'bench.html').stat().st_size / 1e6:.1f} MB)")
+    if write_times and not only:
+        sharding.write_times(per_case, "python -m harness bench --gate" + (" --full" if full else ""))
+        print(f"  recorded per-case seconds for sharding in {sharding.TIMES_PATH}")
+    return 0

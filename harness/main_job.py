@@ -50,11 +50,18 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
 
 
 def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
-             quiet: bool = False, mutate: bool = True) -> int:
+             quiet: bool = False, mutate: bool = True, shard: str | None = None) -> int:
     from harness import results
+    from harness import shard as sharding
     from harness.matrix import gate_cases, group_of
 
     cases = [c.replace(seed=seed) for c in gate_cases(full) if not only or only in c.name]
+    part = sharding.Shard.parse(shard) if shard else None
+    if part is not None:
+        # Every machine computes the same split; the mutation self-checks run once, on shard 1.
+        cases = sharding.select(cases, part)
+        mutate = mutate and part.index == 1
+        print(f"gate: shard {part}: {len(cases)} cases", flush=True)
     cols = columns()
     report_path = Path(report)
     results_dir = report_path.parent / (report_path.stem + "-results")
@@ -62,7 +69,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
         import shutil
 
         shutil.rmtree(results_dir)
-    store = results.ResultStore(results_dir, writer="gate")
+    store = results.ResultStore(results_dir, writer="gate" if part is None else f"gate-shard{part.index}of{part.count}")
     manager = PoolManager()
     counts: dict[str, int] = {}
     group_time: dict[str, tuple[int, float]] = {}  # path group -> (case runs, seconds), both columns
@@ -126,6 +133,11 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     extra = {"environment": env, "elapsed_s": elapsed}
     if km is not None:
         extra.update(mutation_extra(km, skm))
+    if part is not None:
+        # Stored with the results so that merging the shards' folders keeps the kill matrices.
+        from harness.report import save_extra
+
+        save_extra(results_dir, extra, name=f"shard{part.index}of{part.count}")
     rendered = _render(results_dir, report_path, extra)
     print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
           + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))

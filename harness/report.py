@@ -73,6 +73,15 @@ def render(records_root, out_html, *, title: str | None = None, extra: dict | No
     return out
 
 
+def verdict(records_root) -> tuple[bool, list[str]]:
+    """The report's PASS/FAIL and its reasons, without rendering: the exit code of ``python -m
+    harness report`` (a CI job that merges shards fails exactly when the merged report says FAIL)."""
+    from harness.report_html import page_verdict
+
+    root = Path(records_root)
+    return page_verdict(load_records(root) if root.exists() else [], load_stored_extra(root))
+
+
 class _LazyMaps(Mapping):
     """The element maps of one outcome, read from its ``.npz`` only when drawn: an outcome keeps a
     map per failing (param, quantity, step), a few of which the report shows."""

@@ -75,6 +75,7 @@ from harness.case import Case
 from harness.launcher import DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed
 
 ENTRY_MODULE = "harness.torchrun"
+PARENT_PID_VAR = "MUON_HARNESS_PARENT_PID"  # the harness process a launch belongs to (rank_main watches it)
 MARKER = "MUON_HARNESS_TORCHRUN"  # in every rank's environment: lets tests prove nothing is left behind
 ACCELERATORS = ("auto", "cpu", "cuda")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
@@ -147,6 +148,36 @@ def read_case_file(path: Path) -> tuple[list[Case], bool]:
 # rank side
 
 
+def _exit_when_orphaned(poll_s: float = 1.0) -> None:
+    """End this rank once the harness process that launched it is gone. The parent-death signal
+    alone is not enough: torchrun's agent may start a rank from a helper thread (that signal follows
+    the thread, not the process), and a rank still importing torch when its launcher dies has no
+    parent left to compare with. So the launching harness process names itself
+    (``PARENT_PID_VAR``) and the rank polls for it."""
+    import threading
+
+    watched = int(os.environ.get(PARENT_PID_VAR, "0") or 0)
+    parent = os.getppid()
+
+    def gone() -> bool:
+        if watched > 0:
+            try:
+                os.kill(watched, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            return False
+        return os.getppid() != parent
+
+    def watch():
+        while not gone():
+            time.sleep(poll_s)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
 def _batches_on_device(device) -> None:
     """Non-CPU accelerators: ``harness.model.batch_data`` builds CPU tensors; the engine's module is
     on ``device``. Wrap it in this rank process only (the parent's oracle keeps the CPU version)."""
@@ -203,6 +234,7 @@ def rank_main(argv=None) -> int:
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
     set_parent_death_signal()
+    _exit_when_orphaned()
     logf = sys.stderr if args.no_redirect else redirect_output(log_dir / f"rank{rank}.log")
     faulthandler.enable(file=logf, all_threads=True)
     case_name = "<start-up>"
@@ -401,6 +433,7 @@ def run_cases_with_torchrun(cases: list[Case], nproc: int | None = None, *, acce
     env = dict(os.environ)
     env.update(launch_env(accel))
     env[MARKER] = uid
+    env[PARENT_PID_VAR] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join([str(buildenv.PROJECT_ROOT)] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     deadline_s = timeout_s if timeout_s is not None else STARTUP_S + sum(c.timeout_s for c in cases) + 30
@@ -411,7 +444,10 @@ def run_cases_with_torchrun(cases: list[Case], nproc: int | None = None, *, acce
             launcher_log.write("$ " + " ".join(cmd) + "\n")
             launcher_log.flush()
             proc = subprocess.Popen(cmd, cwd=str(buildenv.PROJECT_ROOT), env=env, stdout=launcher_log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    # A parent killed from outside (a CI timeout) takes the launcher with
+                                    # it; the ranks follow their launcher the same way (rank_main).
+                                    preexec_fn=_set_parent_death_signal)
             try:
                 rc = proc.wait(timeout=deadline_s)
             except subprocess.TimeoutExpired:

@@ -38,5 +38,6 @@ case "$what" in
   test)
     .venv/bin/ruff check .   # lint first (under a second); a finding fails the run
     exec .venv/bin/python -m pytest -n 2 "$@" ;;
-  *) echo "usage: bash scripts/run.sh main|test [args]" >&2; exit 2 ;;
+  report) exec .venv/bin/python -m harness report "$@" ;;  # merge shards' results (README: Sharding)
+  *) echo "usage: bash scripts/run.sh main|test|report [args]" >&2; exit 2 ;;
 esac

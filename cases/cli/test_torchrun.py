@@ -68,3 +68,29 @@ def test_a_failing_rank_is_named_with_its_traceback():
     assert e.value.rank == 1 and e.value.case_name == "faulty"
     assert "injected fault on rank 1" in str(e.value)
     assert torchrun.marked_processes(uid) == []
+
+
+def test_a_parent_killed_from_outside_leaves_no_launch_behind(tmp_path):
+    """A CI timeout kills the harness with SIGKILL: the torchrun launcher (its own session) and its
+    ranks must go with it, not run on as orphans holding ports and build locks."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    uid = "orphan-check-" + uuid.uuid4().hex[:8]
+    case = pipeline_case(1, "none", "fp32", 2, steps=1).replace(fault="hang:0", timeout_s=120.0)
+    script = (f"from harness import torchrun; from harness.case import Case; "
+              f"torchrun.run_cases_with_torchrun([Case.from_json({case.to_json()!r})], 2, uid={uid!r}, "
+              f"root={str(tmp_path)!r})")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=str(buildenv.PROJECT_ROOT))
+    deadline = time.time() + 90
+    while time.time() < deadline and len(torchrun.marked_processes(uid)) < 3:  # launcher + 2 ranks
+        time.sleep(0.5)
+    assert len(torchrun.marked_processes(uid)) >= 3, "the launch never started"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and torchrun.marked_processes(uid):
+        time.sleep(0.5)
+    assert torchrun.marked_processes(uid) == []

@@ -1,0 +1,98 @@
+"""Sharding the gate over machines: the split is a partition, the same everywhere, balanced on cost,
+and N shards run in separate processes merge into the statuses of the unsharded gate."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import shard as sharding
+from harness.matrix import gate_cases
+from harness.results import load_records
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("text", ["", "3", "0/2", "3/2", "1/0", "a/b", "1/2/3"])
+def test_bad_shard_is_refused_with_the_form_it_takes(text):
+    with pytest.raises(ValueError, match="K/N"):
+        sharding.Shard.parse(text)
+
+
+def test_bad_shard_on_the_command_line_exits_2_before_any_rank(capsys):
+    from harness.__main__ import main
+
+    assert main(["gate", "--shard", "5/4", "--only", "no-such-case"]) == 2
+    assert "K between 1 and N" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_shards_partition_the_full_product(count):
+    cases = gate_cases(full=True)
+    parts = [sharding.select(cases, sharding.Shard(k, count)) for k in range(1, count + 1)]
+    names = [c.name for p in parts for c in p]
+    assert sorted(names) == sorted(c.name for c in cases)  # every case once, none twice
+
+
+def test_split_is_deterministic_and_independent_of_input_order():
+    costs = {f"c{i}": float((i * 37) % 11 + 1) for i in range(50)}
+    a = sharding.assign(costs, 4)
+    b = sharding.assign(dict(reversed(list(costs.items()))), 4)
+    assert a == b
+
+
+def test_split_is_balanced_within_the_lpt_bound():
+    # Greedy LPT: no shard exceeds the mean load by more than the largest single cost.
+    costs = {f"c{i}": float((i * 7919) % 97 + 1) for i in range(200)}
+    for n in (2, 3, 5, 8):
+        loads = [sum(costs[x] for x in s) for s in sharding.assign(costs, n)]
+        assert max(loads) <= sum(costs.values()) / n + max(costs.values())
+    # ... and a split by count would not be: the one expensive case must sit alone.
+    skew = {"big": 100.0, **{f"s{i}": 1.0 for i in range(10)}}
+    shards = sharding.assign(skew, 2)
+    assert ["big"] in shards
+
+
+def test_unknown_cases_are_costed_by_what_drives_their_cost():
+    base = next(c for c in gate_cases() if c.offload == "none" and c.world_size == 2)
+    assert sharding.estimate(base.replace(compiled=True)) > sharding.estimate(base)
+    assert sharding.estimate(base.replace(world_size=3)) > sharding.estimate(base)
+
+
+def test_recorded_times_cover_only_known_case_names():
+    times = sharding.load_times()
+    known = {c.name for c in gate_cases(full=True)}
+    stale = sorted(set(times) - known)
+    # A stale entry is harmless for correctness but means the bench was not rerun after a rename.
+    assert len(stale) <= len(times) // 2, f"case_times.json is stale: {stale[:5]}..."
+
+
+def _gate(tmp: Path, name: str, *extra: str) -> Path:
+    report = tmp / f"{name}.html"
+    proc = subprocess.run([sys.executable, "-m", "harness", "gate", "--only", "z1-none-fp32", "--no-mutate", "-q",
+                           "--report", str(report), *extra], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp / f"{name}-results"
+
+
+def _statuses(folder: Path) -> dict[tuple[str, str], str]:
+    return {(r.case_name, r.column): r.status for r in load_records(folder)}
+
+
+@pytest.mark.pipeline
+def test_two_shards_in_separate_processes_merge_into_the_unsharded_statuses(tmp_path):
+    whole = _statuses(_gate(tmp_path, "whole"))
+    s1 = _gate(tmp_path, "s1", "--shard", "1/2")
+    s2 = _gate(tmp_path, "s2", "--shard", "2/2")
+    one, two = _statuses(s1), _statuses(s2)
+    assert one and two and not set(one) & set(two)  # both shards ran something, nothing twice
+    merged_html = tmp_path / "merged.html"
+    proc = subprocess.run([sys.executable, "-m", "harness", "report", str(s1), str(s2), "-o", str(merged_html)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    merged = _statuses(tmp_path / "merged-results")
+    assert merged == whole
+    bad = any(s in ("failed", "error", "xpassed") for s in whole.values())
+    assert proc.returncode == (1 if bad else 0), proc.stdout + proc.stderr
+    assert merged_html.exists() and "verdict: " in proc.stdout
