@@ -193,7 +193,8 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
         print(f"  {g:10s} {count[g]:5d} {tot / count[g]:10.3f} "
               + " ".join(f"{per_group[g][b]:12.1f}s" for b in buckets))
     sums = {b: sum(per_group[g][b] for g in per_group) for b in buckets}
-    print(f"  {'all':10s} {n:5d} {sum(sums.values()) / max(n, 1):10.3f} " + " ".join(f"{sums[b]:12.1f}s" for b in buckets))
+    print(f"  {'all':10s} {n:5d} {sum(sums.values()) / max(n, 1):10.3f} "
+          + " ".join(f"{sums[b]:12.1f}s" for b in buckets))
     print(f"  report: {report_s:.1f}s ({(tmp / 'bench.html').stat().st_size / 1e6:.1f} MB)")
     if write_times and not only:
         sharding.write_times(per_case, "python -m harness bench --gate" + (" --full" if full else ""))

@@ -499,7 +499,8 @@ BUGS: tuple[Bug, ...] = (
         model=None,
         where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
         fix="bf16-optimizer-muon-norm",
-        reproducer="pipeline_case(1, 'none', 'bf16', 2) with data_types.grad_accum_dtype fp32 (harness.matrix.bf16opt_cases)",
+        reproducer="pipeline_case(1, 'none', 'bf16', 2) with data_types.grad_accum_dtype fp32 "
+                   "(harness.matrix.bf16opt_cases)",
     ),
     Bug(
         id="DSM-014",

@@ -58,7 +58,8 @@ What is rewritten in the config (always said in the output)
   given -> it must be an existing, writable directory (else bad input), and each run uses a fresh
   private sub-folder of it, removed afterwards;
 * ``scheduler`` kept (the oracle computes each group's lr per step, ``oracles.schedules``; a schedule
-  it cannot compute is bad input); monitors and profilers (tensorboard, wandb, csv_monitor, comet, flops_profiler, comms_logger) and
+  it cannot compute is bad input); monitors and profilers (tensorboard, wandb, csv_monitor, comet,
+  flops_profiler, comms_logger) and
   ``elasticity`` disabled; ``optimizer.params.per_head_muon`` removed (the synthetic model has no
   attention module for DeepSpeed to tag); ``steps_per_print`` / ``wall_clock_breakdown`` silenced.
 

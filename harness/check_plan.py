@@ -150,8 +150,8 @@ def validate(args) -> Plan:
         if off.get("nvme_path") not in (None, ""):
             nvme_user[key] = check_writable_dir(f"{key}.nvme_path", off["nvme_path"])
     run_shapes, factor = scale_shapes(requested, W) if spec is None else (requested, 1.0)
-    notes: list[str] = auto_notes + [f"{key}.nvme_path {path}: writable; each run swaps into a private sub-folder of it "
-                        "(removed afterwards)" for key, path in nvme_user.items()]
+    notes: list[str] = auto_notes + [f"{key}.nvme_path {path}: writable; each run swaps into a private "
+                                     "sub-folder of it (removed afterwards)" for key, path in nvme_user.items()]
     new_cfg = _rewrite(cfg, W, factor, notes, total_numel=sum(math.prod(s) for s in requested))
     # DeepSpeed's own validation, in this process, before any rank exists.
     os.environ.update(torchrun.launch_env(accel))

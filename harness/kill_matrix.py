@@ -63,7 +63,8 @@ def default_kill_cases() -> list[Case]:
     out = []
     for c in cases:
         extra = ("-heads" if any(p.num_heads for p in c.params) else "") + \
-                ("-wd" if case_weight_decay(c) and not c.groups else "") + (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
+                ("-wd" if case_weight_decay(c) and not c.groups else "") + \
+                (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
         out.append(c.replace(name=c.name + extra))
     from harness.models.matrix import kill_cases as model_kill_cases
 
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="harness mutate", description=main.__doc__.splitlines()[0])
     ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
     ap.add_argument("--only", default=None, help="substring filter on case names")
-    ap.add_argument("--stock", action="store_true", help="run on stock DeepSpeed with the gate's decision (bug-affected "
+    ap.add_argument("--stock", action="store_true",
+                    help="run on stock DeepSpeed with the gate's decision (bug-affected "
                     "cases must still match their bug models); default mutants: STOCK_KILL_MUTANTS")
     ap.add_argument("--case", action="append", default=None,
                     help="gate case names to use instead of the default kill set (repeatable)")

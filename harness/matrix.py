@@ -209,7 +209,8 @@ def schedule_cases(full: bool = False) -> list[Case]:
     out = []
     for key in SCHEDULES:
         if full:
-            combos = [(st, off, dt, ws) for st, off in [(0, "none")] + [(s_, o) for s_ in STAGES for o in ("none", "cpu")]
+            combos = [(st, off, dt, ws)
+                      for st, off in [(0, "none")] + [(s_, o) for s_ in STAGES for o in ("none", "cpu")]
                       for dt in DTYPES for ws in ((1, 2, 3) if dt == "fp32" else (2,))]
         else:
             combos = [(st, off, dt, 2) for st, off, dt in ci[key]]

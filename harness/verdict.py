@@ -292,7 +292,8 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
                            # loss term once (prediction, residual, product, output) before the sum: 4 u_lp
                            # of the term scale, doubled for the two terms of a matrix loss.
                            grad_term_scale=term, backward_term_err=8.0 * oracles.unit_roundoff(case.dtype),
-                           ns_method=next(sc.hyper(p) for p in sc.params if p.name == name).get("ns_method", sc.ns_method))
+                           ns_method=next(sc.hyper(p) for p in sc.params if p.name == name).get(
+                               "ns_method", sc.ns_method))
     return a.grad
 
 

@@ -223,7 +223,8 @@ class Conventions:
 
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm"), "scaled_update_dtype": ("float64", "model"),
-                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"),"clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
+                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"),
+                  "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
                   "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
         for name, allowed in checks.items():
@@ -295,7 +296,8 @@ class ParamRecord:
 @dataclass(frozen=True)
 class StepRecord:
     skipped: bool
-    skip_reason: Optional[str]            # "nonfinite_grad" | "fp16_overflow" | "nonfinite_norm" | "update_overflow" | None
+    # "nonfinite_grad" | "fp16_overflow" | "nonfinite_norm" | "update_overflow" | None
+    skip_reason: Optional[str]
     loss_scale_used: float                # S of this step's backward
     loss_scale_after: float               # S after update_scale
     global_norm: Optional[float]          # true units, of the vectors clip_norm_source names

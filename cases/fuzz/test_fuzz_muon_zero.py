@@ -183,7 +183,8 @@ FUZZ_004_CI = ('{"batch": 2, "checkpoint_at": null, "compiled": false, "ds_confi
              'me": "m1.weight3", "num_heads": null, "shape": [1, 1]}, {"name": "m2.bias4", "num_heads": null, "sha'
              'pe": [1]}, {"name": "m3.bias5", "num_heads": null, "shape": [1]}], "patched": false, "seed": 1108, "'
              'steps": 2, "timeout_s": 120.0, "world_size": 3}')
-FUZZ_004_NIGHTLY = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_config": {"gradient_accumulation_steps": '
+FUZZ_004_NIGHTLY = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_config": '
+             '{"gradient_accumulation_steps": '
              '1, "gradient_clipping": 0.0, "optimizer": {"params": {"adam_lr": 0.001, "lr": 0.02, "momentum": 0.5,'
              ' "muon_lr": 0.02, "ns_method": "gram", "weight_decay": 0.0}, "type": "Muon"}, "steps_per_print": 100'
              '0000000, "train_batch_size": 3, "train_micro_batch_size_per_gpu": 1, "wall_clock_breakdown": false, '
@@ -197,7 +198,8 @@ FUZZ_004_NIGHTLY = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_
 
 
 @pytest.mark.xfail(strict=True, reason="FUZZ-004 open: hpns momentum allowance omits lerp's g - M rounding")
-@pytest.mark.parametrize("text", [FUZZ_004_CI, FUZZ_004_NIGHTLY], ids=["ci-z1-cpu-bf16-ws3", "nightly-z1-none-fp32-ws3"])
+@pytest.mark.parametrize("text", [FUZZ_004_CI, FUZZ_004_NIGHTLY],
+                         ids=["ci-z1-cpu-bf16-ws3", "nightly-z1-none-fp32-ws3"])
 def test_fuzz_004_hpns_momentum_of_a_scalar(text, pool_manager):
     from harness.case import Case
     from harness.verdict import judge
@@ -282,7 +284,8 @@ def test_fuzz_finds_padded_tail_mutant(pool_manager):
         pytest.skip(f"mutant {MUTANT!r} unavailable: {reason}")
     # the free-form half of the search: the layout-aimed half starts from the sweep's multi-matrix
     # layouts, which by design do not shrink to one matrix
-    strategy = S.fuzz_cases(runtimes=("stock",)).map(lambda c: c.replace(name=f"{c.name}-mutant-{MUTANT}", mutant=MUTANT))
+    strategy = S.fuzz_cases(runtimes=("stock",)).map(
+        lambda c: c.replace(name=f"{c.name}-mutant-{MUTANT}", mutant=MUTANT))
     shrunk, worst = search_for_failure(pool_manager, strategy)
     assert shrunk.mutant == MUTANT
     assert_one_small_matrix(shrunk, worst)

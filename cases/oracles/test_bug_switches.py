@@ -24,7 +24,8 @@ def _grads(seed=4, scale=1e-3):
 
 
 def test_reported_norm_after_the_scale_update_is_halved_on_a_growth_step_only():
-    cfg = StepConfig(SPECS, model_dtype="fp16", loss_scaler=LossScalerConfig(initial_scale_power=8, loss_scale_window=1))
+    cfg = StepConfig(SPECS, model_dtype="fp16",
+                     loss_scaler=LossScalerConfig(initial_scale_power=8, loss_scale_window=1))
     conv = Conventions(scale_update_before_unscale=True, reported_norm="clip_norm")
     st, first = oracle_step(initial_state(cfg, _weights(), conv), _grads(), cfg, conv)
     assert first.loss_scale_after == first.loss_scale_used and first.reported_norm == first.global_norm

@@ -109,7 +109,8 @@ def test_layout_sweep(case, column, pool_manager, seed, request, record_property
 # --------------------------------------------------------------------------------------------------
 # DSM-017, found by this sweep (sweep-z3-none-ws4-L0-ga2): its minimal reproducer, stock and patched
 
-DSM_017 = pipeline_case(3, "none", "fp32", 4, params=(ParamShape("w.weight", (1, 5)),)).replace(name="z3-none-fp32-ws4-1x5")
+DSM_017 = pipeline_case(3, "none", "fp32", 4, params=(ParamShape("w.weight", (1, 5)),)).replace(
+    name="z3-none-fp32-ws4-1x5")
 
 
 @pytest.mark.pipeline

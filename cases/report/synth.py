@@ -109,7 +109,8 @@ def failing(name_suffix: str = "", *, stage: int = 1, dtype: str = "fp16", world
                 checks.append(_check(p.name, q, s, m, 1e-6 * scale, p.numel))
     for q in ("grad", "model"):
         checks.append(_check("layer0.bias", q, steps, np.array([0.3]), 1e-3, 6))
-    checks.append(CheckRow("<step>", "global_norm", steps, None, None, {}, _record(0.9, 5e-3, 5.6e-3, 3.85, 3.84, 0, 1)))
+    checks.append(CheckRow("<step>", "global_norm", steps, None, None, {},
+                           _record(0.9, 5e-3, 5.6e-3, 3.85, 3.84, 0, 1)))
     worst = max(c.worst_ratio for c in checks)
     first = min((c for c in checks if c.n_bad), key=lambda c: (c.step, -c.worst_ratio))
     cmd = reproduce(case)

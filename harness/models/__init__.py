@@ -44,7 +44,8 @@ BUILTIN: dict[str, str] = {
     "gpt2": "harness.models.lm:gpt2",  # GPT-2 style, tied input/output embedding, Conv1D projections
     "llama": "harness.models.lm:llama",  # Llama style, untied embed_tokens / lm_head, RMSNorm, GQA, RoPE
     "resnet": "harness.models.resnet:resnet",  # ResNet style conv net: 4-D kernels, BatchNorm buffers
-    "moe": "harness.models.moe:moe",  # mixture-of-experts LM block: 3-D expert weights, embed/lm_head, groups (plain torch)
+    # mixture-of-experts LM block: 3-D expert weights, embed/lm_head, groups (plain torch)
+    "moe": "harness.models.moe:moe",
 }
 NEEDS_TRANSFORMERS = ("gpt2", "llama")
 

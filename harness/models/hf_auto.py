@@ -62,14 +62,16 @@ def resolve(cfg: dict, world_size: int, *, hidden_size: int | None = None, train
             notes.append(f'"auto" {path} -> {value!r} from {why}')
 
     mb, gas = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
-    fill(cfg, "train_micro_batch_size_per_gpu", mb, "train_micro_batch_size_per_gpu", src("per_device_train_batch_size"))
+    fill(cfg, "train_micro_batch_size_per_gpu", mb, "train_micro_batch_size_per_gpu",
+         src("per_device_train_batch_size"))
     fill(cfg, "gradient_accumulation_steps", gas, "gradient_accumulation_steps", src("gradient_accumulation_steps"))
     fill(cfg, "train_batch_size", mb * gas * world_size, "train_batch_size",
          f"micro x accumulation x world size {world_size}")
     fill(cfg, "gradient_clipping", args["max_grad_norm"], "gradient_clipping", src("max_grad_norm"))
     params = (cfg.get("optimizer") or {}).get("params") or {}
     fill(params, "lr", args["learning_rate"], "optimizer.params.lr", src("learning_rate"))
-    fill(params, "betas", [args["adam_beta1"], args["adam_beta2"]], "optimizer.params.betas", src("adam_beta1", "adam_beta2"))
+    fill(params, "betas", [args["adam_beta1"], args["adam_beta2"]], "optimizer.params.betas",
+         src("adam_beta1", "adam_beta2"))
     fill(params, "eps", args["adam_epsilon"], "optimizer.params.eps", src("adam_epsilon"))
     fill(params, "weight_decay", args["weight_decay"], "optimizer.params.weight_decay", src("weight_decay"))
     for sec, flag in (("fp16", "fp16"), ("bf16", "bf16")):
@@ -78,7 +80,8 @@ def resolve(cfg: dict, world_size: int, *, hidden_size: int | None = None, train
     for key in list(sched):
         if sched[key] == "auto":
             value = args["learning_rate"] if key == "warmup_max_lr" else 0
-            fill(sched, key, value, f"scheduler.params.{key}", "the Trainer's schedule (the harness removes the scheduler)")
+            fill(sched, key, value, f"scheduler.params.{key}",
+                 "the Trainer's schedule (the harness removes the scheduler)")
     zero = cfg.get("zero_optimization") or {}
     if hidden_size:
         h = int(hidden_size)

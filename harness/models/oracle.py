@@ -169,7 +169,8 @@ class ModuleOracle:
             for n, b in self.m64.named_buffers():
                 exp[n] = b.detach().to(torch.float64).clone()
                 if lp_buf[n].is_floating_point():
-                    berr[n] = (float((lp_buf[n].to(torch.float64) - exp[n]).abs().max()), oracles.unit_roundoff(self.case.dtype))
+                    berr[n] = (float((lp_buf[n].to(torch.float64) - exp[n]).abs().max()),
+                               oracles.unit_roundoff(self.case.dtype))
                 else:
                     berr[n] = (0.0, 0.0)
             self.expected_buffers.append(exp)

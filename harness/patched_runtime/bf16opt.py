@@ -27,7 +27,8 @@ def make_step(orig):
         if not (active(NAME) and getattr(self, "_uses_muon", False)) or self.has_moe_layers or closure is not None:
             return orig(self, closure)
         from deepspeed import comm as dist
-        from deepspeed.runtime.utils import clip_tensors_by_global_norm, get_global_norm_of_tensors, is_invalid_grad_norm
+        from deepspeed.runtime.utils import (clip_tensors_by_global_norm, get_global_norm_of_tensors,
+                                             is_invalid_grad_norm)
 
         self.overflow = False
         raw, _ = self.get_grads_for_norm()
