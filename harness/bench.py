@@ -127,7 +127,6 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
     from harness.matrix import gate_cases, group_of
     from harness.report import render
     from harness.results import ResultStore
-    from harness.verdict import judge
 
     cases = [c for c in gate_cases(full) if not only or only in c.name]
     cols = columns()

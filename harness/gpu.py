@@ -70,7 +70,7 @@ class PrelaunchedManager:
         by_ws: dict[tuple[int, bool], list[Case]] = {}
         for c in cases:
             by_ws.setdefault((c.world_size, c.compiled), []).append(c)
-        for (ws, compiled), group in sorted(by_ws.items()):
+        for (ws, _compiled), group in sorted(by_ws.items()):
             t0 = time.perf_counter()
             try:
                 trajs = run_cases_with_torchrun(group, ws, accelerator=self.accelerator, root=self.root)
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     import torch
 
     from harness import results
-    from harness.gate import columns, evaluate, record, environment
+    from harness.gate import columns, evaluate, record
+    from harness.main_job import environment
     from harness.report import render, save_extra
 
     if args.accelerator == "cuda" and not torch.cuda.is_available():

@@ -447,7 +447,7 @@ def run_cases_with_torchrun(cases: list[Case], nproc: int | None = None, *, acce
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                     # A parent killed from outside (a CI timeout) takes the launcher with
                                     # it; the ranks follow their launcher the same way (rank_main).
-                                    preexec_fn=_set_parent_death_signal)
+                                    preexec_fn=set_parent_death_signal)
             try:
                 rc = proc.wait(timeout=deadline_s)
             except subprocess.TimeoutExpired:

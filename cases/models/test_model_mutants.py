@@ -13,7 +13,8 @@ import json
 import pytest
 
 from harness.case import canonical_json
-from harness.known_bugs import MUTANTS, default_kill_cases, kill_matrix
+from harness.kill_matrix import default_kill_cases, kill_matrix
+from harness.known_bugs import MUTANTS
 from harness.models.matrix import kill_cases as model_kill_cases
 from harness.models.mutants import INSTALL
 
