@@ -47,6 +47,15 @@ def build_ops(names=OPS, say=_say) -> dict[str, float]:
         if not builder.is_compatible(verbose=True):
             hint = " (install Debian's libaio-dev)" if name == "AsyncIOBuilder" else ""
             raise RuntimeError(f"op {builder.NAME} is not compatible with this machine{hint}")
+        built = buildenv.extensions_dir() / builder.NAME / f"{builder.NAME}.so"
+        if built.exists():
+            # Already built for this torch and DeepSpeed (the cache is keyed by both). A JIT load would
+            # rebuild it whenever the checkout's path differs from the one that built it (the build
+            # file names absolute include paths): minutes per op in every fresh clone, and two
+            # checkouts taking turns rebuild each other's ops. Ranks import the .so directly.
+            seconds[builder.NAME] = time.perf_counter() - t0
+            say(f"warmup: op {builder.NAME} already built ({built})")
+            continue
         builder.load(verbose=False)
         seconds[builder.NAME] = time.perf_counter() - t0
         say(f"warmup: op {builder.NAME} ready in {seconds[builder.NAME]:.1f}s")
