@@ -392,6 +392,7 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: c.stage == 3 and c.offload == "none" and len(_muon_group_ns_methods(c)) > 1,
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         where="stage3.py _create_fp16_partitions_with_defragmentation (:919-933), _muon_update_sub_group (:1758)",
+        model=lambda c: {"muon_ns_method": _last_muon_group_ns_method(c)},
         fix="z3-per-group-ns-method",
         reproducer="cases/patched/test_plain_script.py (two Muon param groups, gram and standard)",
     ),
@@ -568,6 +569,13 @@ def _muon_group_ns_methods(c: Case) -> set:
     default = c.config.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
     return {g.ns_method or default for g in getattr(c, "groups", ())
             if any(_is_muon(p) for p in c.params if p.name in g.params)}
+
+
+def _last_muon_group_ns_method(c: Case) -> str:
+    """The ns_method of the last user param group holding a Muon parameter: the one ZeRO-3 keeps."""
+    default = c.config.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
+    last = [g.ns_method or default for g in c.groups if any(_is_muon(p) for p in c.params if p.name in g.params)]
+    return last[-1]
 
 
 def _z0_unfused(c: Case) -> bool:

@@ -123,7 +123,14 @@ def expected_group_lrs(case: Case, sc: oracles.StepConfig) -> dict[str, float]:
     each incoming group split into its Muon and Adam halves, named "<half>-params" for one incoming
     group and "group<i>-<half>-params" for several (``engine.py _muon_param_groups``)."""
     spec = {p.name: p for p in sc.params}
-    incoming = [g.params for g in case.groups] if case.groups else [tuple(spec)]
+    if case.groups:
+        incoming = [g.params for g in case.groups]
+    elif case.model:  # the groups the model's factory declares (harness.models.incoming_groups)
+        from harness import models
+
+        incoming = models.incoming_groups(models.build_spec(case.model, case.seed))
+    else:
+        incoming = [tuple(spec)]
     out = {}
     for i, names in enumerate(incoming):
         for half, label in ((True, "muon"), (False, "adam")):

@@ -220,10 +220,14 @@ class Conventions:
     reported_norm: str = "norm"
     scaled_update_dtype: str = "float64"
     padded_tail_momentum_dtype: Optional[str] = None
+    # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_
+    # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
+    # parameter's own (its group's, else the config's).
+    muon_ns_method: Optional[str] = None
 
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm"), "scaled_update_dtype": ("float64", "model"),
-                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"),
+                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"), "muon_ns_method": (None, "gram", "standard"),
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
                   "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
@@ -442,6 +446,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     for spec in muon_specs:
         n = spec.name
         hp = cfg.hyper(spec)
+        if conv.muon_ns_method is not None:
+            hp = {**hp, "ns_method": conv.muon_ns_method}
         beta = hp["momentum"]
         g = Gs[n] / pre_k * units
         heads = spec.num_heads if conv.honor_num_heads else None

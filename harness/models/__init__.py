@@ -177,6 +177,17 @@ def param_shapes(spec: ModelSpec):
     return tuple(ParamShape(n, tuple(p.shape)) for n, p in spec.module.named_parameters())
 
 
+def incoming_groups(spec: ModelSpec) -> list[tuple[str, ...]]:
+    """The parameter names of each group ``model_parameters`` hands DeepSpeed, in order (one group of
+    every parameter when the model declares none): what DeepSpeed splits into Muon and Adam halves."""
+    names = [n for n, _ in spec.module.named_parameters()]
+    if not spec.param_groups:
+        return [tuple(names)]
+    grouped = [tuple(g.names) for g in spec.param_groups]
+    rest = tuple(n for n in names if not any(n in g for g in grouped))
+    return grouped + ([rest] if rest else [])
+
+
 def model_parameters(spec: ModelSpec, module: torch.nn.Module | None = None):
     """What ``deepspeed.initialize`` gets as ``model_parameters``: the groups, or all parameters."""
     module = module if module is not None else spec.module
