@@ -710,6 +710,60 @@ MUTANTS.update({m.name: m for m in (
            "plausible: a reduction that skips a rank / a wrong process group"),
 )})
 
+# ------------------------------------------------------------------------------------------------
+# real-model mutants (harness.models.mutants): only model cases can kill them
+
+
+def _model_mutant(name: str):
+    def install():
+        from harness.models import mutants
+
+        return mutants.INSTALL[name]()
+    return install
+
+
+def _model_catches(pred: str):
+    def catches(case: Case) -> bool:
+        from harness.models import mutants
+
+        return getattr(mutants, pred)(case)
+    return catches
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("muon-tag-from-placeholder",
+           "Muon decided from the parameter's shape as it reports it: under zero.Init a 1-D placeholder, so every "
+           "matrix goes to Adam", _model_mutant("muon-tag-from-placeholder"), _model_catches("catches_placeholder"),
+           "historical: DeepSpeed tagged on param.dim() before reading the layer shape (deepspeed/__init__.py)"),
+    Mutant("muon-on-embeddings",
+           "the name rule dropped: embeddings and lm_head get Muon", _model_mutant("muon-on-embeddings"),
+           _model_catches("catches_embeddings"), "historical: the rule excluding embed/lm_head came later"),
+    Mutant("param-group-overrides-dropped",
+           "model_parameters groups flattened before the Muon/Adam split: each group's lr / weight_decay replaced "
+           "by the config's", _model_mutant("param-group-overrides-dropped"), _model_catches("catches_groups"),
+           "historical: engine.py _muon_param_groups flattened the incoming groups"),
+)})
+
+
+def _model_group_decays_muon(case: Case) -> bool:
+    """A model case whose parameter groups give the Muon half a weight decay the config does not."""
+    if not case.model:
+        return False
+    from harness import models
+
+    return any(dict(g.settings).get("weight_decay", 0.0) > 0
+               for g in models.build_spec(case.model, case.seed).param_groups)
+
+
+# weight-decay-twice also shows wherever a parameter group (not the config) decays the Muon half.
+MUTANTS["weight-decay-twice"] = Mutant(
+    MUTANTS["weight-decay-twice"].name, MUTANTS["weight-decay-twice"].description,
+    MUTANTS["weight-decay-twice"].install,
+    (lambda old: lambda c: old.expected(c) or (_model_group_decays_muon(c) and bool(_muon(c))))(
+        MUTANTS["weight-decay-twice"]),
+    MUTANTS["weight-decay-twice"].history)
+
+
 def install(name: str) -> Callable[[], None]:
     """Install mutant ``name``; returns the callable that undoes it."""
     if name not in MUTANTS:
