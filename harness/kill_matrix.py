@@ -131,57 +131,64 @@ class KillMatrix:
         return "\n".join(lines)
 
 
-def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched: bool = True,
-                progress=None) -> KillMatrix:
-    """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
-    when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
-    patched runtime so the baseline is clean. ``manager``: a launcher (a ``PoolManager`` is made and closed
-    if None)."""
+def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatrix:
+    """Baselines first, then every mutant on every case whose baseline is good. ``baseline(case)``
+    says whether the unmutated case is good; ``outcome(case)`` gives (killed, detail) for a mutated
+    one. ``manager``: a launcher (a ``PoolManager`` is made and closed if None)."""
     from harness.pool import PoolManager
-    from harness.verdict import judge
 
-    names = list(mutants) if mutants is not None else list(MUTANTS)
     own = manager is None
     manager = manager or PoolManager()
-    km = KillMatrix(cases=[c.name for c in cases], mutants=names)
+    km = KillMatrix(cases=[c.name for c in cases], mutants=list(names))
     t_all = time.perf_counter()
     try:
         for c in cases:
-            base = c.replace(patched=patched, mutant=None)
-            try:
-                v = judge(base, manager.run(base).result)
-                km.baseline[c.name] = v.passed
-            except CaseFailure as e:
-                km.baseline[c.name] = False
-                if progress:
-                    progress(f"baseline {c.name}: error {str(e)[:200]}")
+            km.baseline[c.name], detail = baseline(c, manager)
             if progress:
-                progress(f"baseline {c.name}: {'pass' if km.baseline[c.name] else 'FAIL'}")
-        for m in names:
-            mut = MUTANTS[m]
+                progress(f"baseline {c.name}: {detail}")
+        for m in km.mutants:
             for c in cases:
-                expected = mut.expected(c)
+                expected = MUTANTS[m].expected(c)
                 if not km.baseline.get(c.name):
                     km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
                     continue
-                run = c.replace(patched=patched, mutant=m)
                 t0 = time.perf_counter()
-                try:
-                    v = judge(run, manager.run(run).result)
-                    killed = not v.passed
-                    first = v.first
-                    detail = (f"{first.param}.{first.quantity}@{first.step} x{first.worst_ratio:.3g}"
-                              if first is not None else "")
-                except CaseFailure as e:
-                    killed, detail = True, "crashed: " + str(e).splitlines()[0][:160]
+                killed, detail = outcome(c.replace(mutant=m), manager)
                 km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
                 if progress:
-                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} {detail}")
+                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} ({detail})")
     finally:
         km.seconds = time.perf_counter() - t_all
         if own:
             manager.close()
     return km
+
+
+def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched: bool = True,
+                progress=None) -> KillMatrix:
+    """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
+    when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
+    patched runtime so the baseline is clean."""
+    from harness.verdict import judge
+
+    def judged(case, manager):
+        try:
+            v = judge(case, manager.run(case).result)
+        except CaseFailure as e:
+            return False, "crashed: " + str(e).splitlines()[0][:160]
+        first = v.first
+        return v.passed, (f"{first.param}.{first.quantity}@{first.step} x{first.worst_ratio:.3g}"
+                          if first is not None else "pass")
+
+    def baseline(c, manager):
+        return judged(c.replace(patched=patched, mutant=None), manager)
+
+    def outcome(c, manager):
+        passed, detail = judged(c.replace(patched=patched), manager)
+        return not passed, detail
+
+    names = list(mutants) if mutants is not None else list(MUTANTS)
+    return _run_matrix(cases, names, manager, baseline, outcome, progress)
 
 
 STOCK_KILL_MUTANTS = ("nesterov-dropped", "momentum-beta-offset-1e-3", "rank-contribution-dropped")
@@ -204,36 +211,17 @@ def stock_kill_matrix(cases, mutants=STOCK_KILL_MUTANTS, manager=None, progress=
     baseline of a case is good when it passes or is an xfail whose divergence matched its bug model;
     a mutant kills a case when the case then fails (or errors, or the expected bug no longer shows)."""
     from harness.gate import evaluate
-    from harness.pool import PoolManager
 
-    own = manager is None
-    manager = manager or PoolManager()
-    km = KillMatrix(cases=[c.name for c in cases], mutants=list(mutants))
-    t_all = time.perf_counter()
-    try:
-        for c in cases:
-            o = evaluate(c.replace(mutant=None), "stock", manager)
-            km.baseline[c.name] = o.status in ("passed", "xfailed")
-            if progress:
-                progress(f"baseline {c.name}: {o.status}")
-        for m in mutants:
-            for c in cases:
-                expected = MUTANTS[m].expected(c)
-                if not km.baseline.get(c.name):
-                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
-                    continue
-                t0 = time.perf_counter()
-                o = evaluate(c.replace(mutant=m), "stock", manager)
-                killed = o.status in ("failed", "error", "xpassed")
-                detail = o.status + (": " + o.message.splitlines()[0][:160] if o.message else "")
-                km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
-                if progress:
-                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} ({detail})")
-    finally:
-        km.seconds = time.perf_counter() - t_all
-        if own:
-            manager.close()
-    return km
+    def baseline(c, manager):
+        o = evaluate(c.replace(mutant=None), "stock", manager)
+        return o.status in ("passed", "xfailed"), o.status
+
+    def outcome(c, manager):
+        o = evaluate(c, "stock", manager)
+        return (o.status in ("failed", "error", "xpassed"),
+                o.status + (": " + o.message.splitlines()[0][:160] if o.message else ""))
+
+    return _run_matrix(cases, mutants, manager, baseline, outcome, progress)
 
 
 def main(argv=None) -> int:

@@ -10,41 +10,16 @@ from __future__ import annotations
 
 import pytest
 
+from cases.pipelines._support import run_case, suite
 from harness import matrix
-from harness.bugs import bugs_for
-from harness.gate import columns, evaluate
 from harness.models.matrix import missing_extra_note
 
 pytestmark = pytest.mark.pipeline
 
 
-class KnownBugDivergence(AssertionError):
-    """Raised only for divergences (or the crash) a registered bug explains."""
-
-
-def _params():
-    ci = matrix.model_cases(False)
-    ci_names = {c.name for c in ci}
-    extra = [c for c in matrix.model_cases(True) if c.name not in ci_names]
-    out = []
-    for col in columns():
-        for c in ci + extra:
-            bugs = bugs_for(c.replace(patched=col == "patched"), patched=col == "patched")
-            marks = [] if c.name in ci_names else [pytest.mark.full]
-            if bugs:
-                marks.append(pytest.mark.xfail(strict=True, raises=KnownBugDivergence,
-                                               reason=", ".join(b.id for b in bugs)))
-            out.append(pytest.param(c, col, marks=marks, id=f"{col}-{c.name}"))
-    return out
-
-
-@pytest.mark.parametrize("case,column", _params())
-def test_model(case, column, pool_manager, seed):
-    o = evaluate(case.replace(seed=seed), column, pool_manager)
-    if o.status in ("error", "failed"):
-        pytest.fail(o.message, pytrace=False)
-    if o.status == "xfailed":
-        raise KnownBugDivergence(o.message)
+@pytest.mark.parametrize("case,column", suite(matrix.model_cases))
+def test_model(case, column, pool_manager, seed, request):
+    run_case(case, column, pool_manager, seed, request)
 
 
 def test_models_extra():

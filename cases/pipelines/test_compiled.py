@@ -5,35 +5,22 @@ from __future__ import annotations
 
 import pytest
 
+from cases.pipelines._support import gate_params, settle
 from harness import matrix
-from harness.bugs import bugs_for
 from harness.gate import evaluate
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.compiled]
 
 
-class KnownBugDivergence(AssertionError):
-    pass
-
-
 def _params():
-    ci = {c.name for c in matrix.compiled_cases(False)}
-    out = []
-    for c in matrix.compiled_cases(True):
-        marks = [] if c.name in ci else [pytest.mark.full]
-        bugs = bugs_for(c)
-        if bugs:
-            marks.append(pytest.mark.xfail(strict=True, raises=KnownBugDivergence,
-                                           reason=", ".join(b.id for b in bugs)))
-        out.append(pytest.param(c, marks=marks, id=c.name))
-    return out
+    ci = matrix.compiled_cases(False)
+    ci_names = {c.name for c in ci}
+    extra = [c for c in matrix.compiled_cases(True) if c.name not in ci_names]
+    return gate_params(ci + extra, {c.name for c in extra}, cols=["stock"])
 
 
-@pytest.mark.parametrize("case", _params())
-def test_compiled(case, pool_manager, seed):
-    o = evaluate(case.replace(seed=seed), "stock", pool_manager)
+@pytest.mark.parametrize("case,column", _params())
+def test_compiled(case, column, pool_manager, seed, request):
+    o = evaluate(case.replace(seed=seed), column, pool_manager)
     assert o.verdict is None or o.verdict.mode == "exact"
-    if o.status in ("error", "failed"):
-        pytest.fail(o.message, pytrace=False)
-    if o.status == "xfailed":
-        raise KnownBugDivergence(o.message)
+    settle(o, request)

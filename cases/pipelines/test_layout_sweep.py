@@ -15,20 +15,17 @@ import json
 import pytest
 
 from cases.fuzz.plugin import SWEEP_KEY
+from cases.pipelines._support import gate_params, settle
 from harness import sweep
 from harness.bugs import BY_ID, bugs_for
 from harness.case import ParamShape
-from harness.gate import columns, evaluate, record
+from harness.gate import evaluate
 from harness.pool import RankFailed
 from harness.scenarios import pipeline_case
 from harness.verdict import judge
 
 CASES = sweep.sweep_cases()
 
-
-
-class KnownBugDivergence(AssertionError):
-    """Raised only for divergences (or crashes) a registered bug explains."""
 
 
 def test_sweep_covers_every_cell():
@@ -70,40 +67,13 @@ def test_sweep_takes_stage_zero_when_it_exists():
     assert "n/a" in sweep.coverage_table(with_zero)
 
 
-def _params():
-    out = []
-    for col in columns():
-        for c in CASES:
-            bugs = bugs_for(c.replace(patched=col == "patched"), patched=col == "patched")
-            marks = []
-            if bugs:
-                ids = ", ".join(b.id for b in bugs)
-                marks.append(pytest.mark.xfail(strict=True, raises=KnownBugDivergence,
-                                               reason=f"{ids}: " + "; ".join(b.title for b in bugs)))
-            out.append(pytest.param(c, col, marks=marks, id=f"{col}-{c.name}"))
-    return out
-
-
-try:
-    from harness.pytest_plugin import RESULT_STORE_KEY
-except ImportError:  # the report plugin is optional
-    RESULT_STORE_KEY = None
-
-
-@pytest.mark.pipeline
-@pytest.mark.parametrize("case,column", _params())
+@pytest.mark.parametrize("case,column", gate_params(CASES))
 def test_layout_sweep(case, column, pool_manager, seed, request, record_property):
     o = evaluate(case.replace(seed=seed), column, pool_manager)
-    store = request.config.stash.get(RESULT_STORE_KEY, None) if RESULT_STORE_KEY else None
-    if store is not None:
-        record(store, o)
     status = o.status + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids else "")
     record_property(SWEEP_KEY, json.dumps({"case": case.name, "column": column, "status": status,
                                            "seconds": o.seconds}))
-    if o.status in ("error", "failed"):
-        pytest.fail(o.message, pytrace=False)
-    if o.status == "xfailed":
-        raise KnownBugDivergence(o.message)
+    settle(o, request)
 
 
 # --------------------------------------------------------------------------------------------------

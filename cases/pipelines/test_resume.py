@@ -8,31 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cases.pipelines._support import KnownBugDivergence, gate_params
 from harness import matrix
-from harness.bugs import bugs_for
-from harness.gate import columns, evaluate
+from harness.gate import evaluate
 
 pytestmark = pytest.mark.pipeline
 
 QUANTITIES = ("master", "model", "momentum")
-
-
-class KnownBugDivergence(AssertionError):
-    pass
-
-
-def _params():
-    out = []
-    for col in columns():
-        for c in matrix.resume_cases():
-            bugs = bugs_for(c.replace(patched=col == "patched"), patched=col == "patched")
-            marks = []
-            if bugs:
-                marks.append(pytest.mark.xfail(strict=True, raises=KnownBugDivergence,
-                                               reason=", ".join(b.id for b in bugs) + ": "
-                                               + "; ".join(b.title for b in bugs)))
-            out.append(pytest.param(c, col, marks=marks, id=f"{col}-{c.name}"))
-    return out
 
 
 def _differences(resumed, straight, after_step):
@@ -56,7 +38,7 @@ def _differences(resumed, straight, after_step):
     return diffs
 
 
-@pytest.mark.parametrize("case,column", _params())
+@pytest.mark.parametrize("case,column", gate_params(matrix.resume_cases()))
 def test_resume_equals_uninterrupted(case, column, pool_manager, seed):
     resumed = evaluate(case.replace(seed=seed), column, pool_manager)
     straight = evaluate(case.replace(seed=seed, checkpoint_at=None, name=case.name + "-straight"), column,
