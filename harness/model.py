@@ -270,6 +270,32 @@ def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: 
     return out
 
 
+def gradient_magnitudes(params_f64: dict[str, torch.Tensor], case, rank: int, step: int,
+                        micro: int) -> dict[str, torch.Tensor]:
+    """Per gradient element, the sum of the absolute values of everything that adds up to it in
+    ``local_gradients`` (every product, residual part and elementwise term taken positive). The
+    model-dtype backward rounds those intermediates, so its error is relative to this scale, not to
+    the gradient itself, which cancellation can make far smaller (a 1x1 matrix whose batch rows
+    nearly cancel: FUZZ-005)."""
+    data = batch_data(case, rank, step, micro)
+    B = case.batch
+    out = {}
+    for p in case.params:
+        w = params_f64[p.name].to(torch.float64).abs()
+        d = {k: v.to(torch.float64).abs() for k, v in data[p.name].items()}
+        if len(p.shape) >= 2:
+            r, c = matrix_view(p.shape)
+            w2 = w.reshape(r, c)
+            R = d["X"] @ w2.T + d["T"]
+            g = (2.0 / (B * r)) * (R.T @ d["X"]) + (2.0 / (r * c)) * d["D"] * (w2 + d["C"])
+            out[p.name] = g.reshape(p.shape)
+        else:
+            n = p.shape[0]
+            R = w * d["Z"] + d["T"]
+            out[p.name] = (2.0 / (B * n)) * (R * d["Z"]).sum(dim=0)
+    return out
+
+
 def backward_overflows(lp_weights: dict[str, torch.Tensor], case, rank: int, step: int, micro: int,
                        scale: float) -> bool:
     """Whether this rank's half-precision backward of ``scale * loss / GAS`` produces a non-finite

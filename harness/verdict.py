@@ -287,12 +287,15 @@ def grad_store_dtype(case: Case) -> str:
     return "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
 
 
-def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: str) -> oracles.Allowance:
+def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: str,
+                   magnitudes=None) -> oracles.Allowance:
     """The allowance of the averaged gradient of parameter ``name`` (``grads[rank][micro][name]``: the
-    float64 per-micro gradients), from that parameter's own addends (``oracles.tolerance``, "grad")."""
+    float64 per-micro gradients), from that parameter's own addends (``oracles.tolerance``, "grad").
+    ``magnitudes`` (same layout): the cancellation-free scale of each addend where the model can give
+    it (``harness.model.gradient_magnitudes``); the backward's rounding is relative to that scale."""
     spec = sc.spec(name)
     grad_store = grad_store_dtype(case)
-    term = oracles.grad_term_scale(g[name] for per_rank in grads for g in per_rank)
+    term = oracles.grad_term_scale(g[name] for per_rank in (magnitudes or grads) for g in per_rank)
     a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec.shape, world_size=case.world_size,
                            gas=case.grad_accum, grad_dtype=grad_store if spec.use_muon else case.dtype,
                            # The model-dtype backward rounds each of the ~4 intermediate results of the
@@ -335,6 +338,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
             [{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
             for r in range(W)]
+        mags = None if mo is not None else [
+            [model_mod.gradient_magnitudes(lp, case, r, s, mu) for mu in range(GAS)] for r in range(W)]
         if case.dtype == "fp16" and mo is None:
             # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
             # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
@@ -362,12 +367,20 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``
 
         for note in rec.notes:
+            if mode == "exact" and case.compiled and " update of " in note and " differs between rank" in note:
+                # Inductor compiles muon_update per process and per first-seen shapes, so two ranks that
+                # orthogonalise the same matrix can run differently fused kernels and round apart; exact
+                # mode judges the update only to the 16-bit Newton-Schulz allowance, which the captured
+                # (lowest-rank) copy must meet. Kept visible, not a hole: the grad and momentum fed to
+                # both were bit-equal, or the capture would have said so.
+                verdict.notes.append(f"step {s}: {note} (compiled kernels per rank; judged on the captured copy)")
+                continue
             verdict.checks.append(missing(case.name, "<step>", "capture", s, f"capture note: {note}"))
 
         # Judge DeepSpeed's gradient against the float64 one (only on steps it was finite).
         for n in spec:
             if n in forced and bool(torch.isfinite(true_G[n]).all()):
-                a = grad_allowance(case, sc, n, grads, mode)
+                a = grad_allowance(case, sc, n, grads, mode, mags)
                 add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a if mo is None else mo.grad_allowance(n, a))
 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
@@ -420,8 +433,12 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             u_store = oracles.unit_roundoff(grad_store)
             direction = oracles.Allowance(a.direction.atol, a.direction.rtol + 2.0 * u_store,
                                           a.direction.derivation + f" + 2 u_store ({grad_store})", a.direction.cap)
+            # DeepSpeed creates the momentum buffer at the first applied step: before it, a skipped
+            # step has no momentum to capture, and the oracle's is still zero.
+            never_applied = orec.skipped and state.step_count == state.skipped_steps
             if p.use_muon and ps.momentum is None:
-                verdict.checks.append(missing(case.name, n, "momentum", s, "the Muon momentum was not captured"))
+                if not (never_applied and not bool(o.momentum.any())):
+                    verdict.checks.append(missing(case.name, n, "momentum", s, "the Muon momentum was not captured"))
             elif p.use_muon:
                 o_mom = o.momentum / (orec.loss_scale_used if scaled_momentum else 1.0)
                 add(n, "momentum", s, _t(ps.momentum).numpy() / float(ps.momentum_scale), o_mom.numpy(), a.momentum)
