@@ -654,7 +654,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "The user's param groups are flattened into one list before the Muon/Adam split: every group's own "
            "lr, momentum, weight_decay and ns_method is replaced by the config's.",
            _install_groups_flattened,
-           lambda c: any(g.options() for g in c.groups),
+           # the user's groups (Case.groups) or a real model's own (harness.models.mutants.catches_groups)
+           lambda c: any(g.options() for g in c.groups) or _model_catches("catches_groups")(c),
            "historical: engine.py _muon_param_groups docstring (groups flattened, recipes' no-decay groups ignored)"),
     Mutant("scheduler-stepped-early",
            "The lr scheduler is advanced before the optimizer step as well as after it: every step runs at the "
@@ -738,10 +739,6 @@ MUTANTS.update({m.name: m for m in (
     Mutant("muon-on-embeddings",
            "the name rule dropped: embeddings and lm_head get Muon", _model_mutant("muon-on-embeddings"),
            _model_catches("catches_embeddings"), "historical: the rule excluding embed/lm_head came later"),
-    Mutant("param-group-overrides-dropped",
-           "model_parameters groups flattened before the Muon/Adam split: each group's lr / weight_decay replaced "
-           "by the config's", _model_mutant("param-group-overrides-dropped"), _model_catches("catches_groups"),
-           "historical: engine.py _muon_param_groups flattened the incoming groups"),
 )})
 
 

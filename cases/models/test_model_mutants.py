@@ -31,7 +31,7 @@ def test_model_mutants_killed_only_by_model_cases(pool_manager):
     model_names = {c.name for c in model_kill_cases()}
     cases = [_standard(c) for c in default_kill_cases()]
     assert model_names <= {c.name for c in cases}, "the model kill case is part of the default kill set"
-    km = kill_matrix(cases, list(INSTALL), manager=pool_manager)
+    km = kill_matrix(cases, list(INSTALL) + ["param-groups-flattened"], manager=pool_manager)
     print(km.table())
     assert all(km.baseline[n] for n in model_names), km.baseline
     # A synthetic case whose unmutated baseline fails says nothing either way (on a CPU without fp16
@@ -42,3 +42,7 @@ def test_model_mutants_killed_only_by_model_cases(pool_manager):
         assert killers, f"{m} survived every kill case"
         assert killers <= model_names, f"{m} killed by synthetic cases {sorted(killers - model_names)}"
         assert all(MUTANTS[m].expected(c) == (c.name in killers) for c in cases if km.baseline[c.name]), km.surprises()
+    # Group overrides dropped is one mutant for user groups and a model's own groups (issue 13's
+    # param-groups-flattened): the model kill case must kill it as well as the synthetic groups case.
+    assert model_names & set(km.killed_by("param-groups-flattened")), km.table()
+    assert not km.surprises(), km.table()

@@ -18,7 +18,10 @@ def _snapshot():
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.muon import muon_optimizer
 
-    out = {"muon_update": original_muon.muon_update, "muon_optimizer.muon_update": muon_optimizer.muon_update}
+    import deepspeed
+
+    out = {"muon_update": original_muon.muon_update, "muon_optimizer.muon_update": muon_optimizer.muon_update,
+           "deepspeed.set_optimizer_flags": deepspeed.set_optimizer_flags}
     for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, MuonWithAuxAdam, DeepSpeedEngine,
                 BF16_Optimizer):
         for k, v in vars(cls).items():

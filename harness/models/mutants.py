@@ -51,33 +51,9 @@ def install_tag_ignores_names() -> Callable[[], None]:
     return _retag(lambda name, p: len(shape(p)) >= 2)
 
 
-def install_groups_flattened() -> Callable[[], None]:
-    """``model_parameters`` groups flattened into one list before the Muon/Adam split, so every
-    group's own ``lr`` / ``weight_decay`` is replaced by the config's (``engine.py``
-    ``_muon_param_groups``, as it was before it kept the incoming groups)."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    saved = DeepSpeedEngine.__dict__["_muon_param_groups"]
-    orig = saved.__func__
-
-    def _muon_param_groups(model_parameters, optimizer_parameters):
-        flat = []
-        for item in model_parameters:
-            flat.extend(item["params"] if isinstance(item, dict) else [item])
-        return orig(flat, optimizer_parameters)
-
-    DeepSpeedEngine._muon_param_groups = staticmethod(_muon_param_groups)
-
-    def undo():
-        DeepSpeedEngine._muon_param_groups = saved
-
-    return undo
-
-
 INSTALL = {
     "muon-tag-from-placeholder": install_tag_from_placeholder,
     "muon-on-embeddings": install_tag_ignores_names,
-    "param-group-overrides-dropped": install_groups_flattened,
 }
 
 
