@@ -541,21 +541,45 @@ def _z3_momentum(engine, p, swap: SwapCounter):
         tdist.all_gather_into_tensor(out, local, group=group)
         # rank r holds elements [r * ceil(n/W), (r+1) * ceil(n/W)) of the flattened parameter
         return out.narrow(0, 0, p.ds_numel).view(p.ds_shape), str(buf.dtype).replace("torch.", "")
-    # INTERNAL: the sub-group's fp32 partition is the optimizer-state key. The entry survives a swap-out
-    # (only its storage is released), so its presence can be tested without swapping in; it is
-    # absent until Muon first ran for a swapped sub-group (created lazily, stage3.py:1122-1124).
-    st = opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[group_idx], {})
-    if "momentum_buffer" not in st:
+    dtype = _z3_state_momentum_dtype(opt, group_idx)
+    if dtype is None:
         return None, None
-    if opt._swappable_optimizer_subgroup(group_idx):  # INTERNAL
-        # After the first swap-in the buffer lives in the swapper's fp32 pinned buffers (it is
-        # created in communication_data_type, swapped out through fp32 buffers and comes back fp32).
-        dtype = "float32(nvme-swapped)"
-    else:
-        dtype = str(st["momentum_buffer"].dtype).replace("torch.", "")
     with swap.pause():
         full = safe_get_full_optimizer_state(p, "momentum_buffer")
     return full, dtype
+
+
+def _momentum_by_path(engine, info, case, named, id_to_name, rank, z3_read):
+    """(fragments, dtypes, ZeRO-3 values by name) of the Muon momentum on this path. ``z3_read(p)``
+    gives a ZeRO-3 parameter's (value, dtype): this rank's piece (coalesced capture) or the gathered
+    whole (reference capture)."""
+    frags, dtypes, z3 = [], {}, {}
+    if info.kind in ("z12", "z12_offload", "bf16_opt"):
+        frags, dtypes = _z12_momentum_fragments(engine, info, id_to_name, rank)
+    elif info.kind == "z0":
+        frags, dtypes = _z0_momentum_fragments(engine, id_to_name, named)
+    elif info.kind in ("z3", "z3_offload"):
+        for ps in case.params:
+            p = named[ps.name]
+            if getattr(p, "use_muon", False):
+                z3[ps.name], dtypes[ps.name] = z3_read(p)
+    return frags, dtypes, z3
+
+
+def _z3_state_momentum_dtype(opt, group_idx: int) -> str | None:
+    """The storage dtype of a ZeRO-3 sub-group's optimizer-state momentum, None while it has none.
+
+    INTERNAL: the sub-group's fp32 partition is the optimizer-state key. The entry survives a swap-out
+    (only its storage is released), so its presence can be tested without swapping in; it is absent
+    until Muon first ran for a swapped sub-group (created lazily, stage3.py:1122-1124). After the
+    first swap-in the buffer lives in the swapper's fp32 pinned buffers (it is created in
+    communication_data_type, swapped out through fp32 buffers and comes back fp32)."""
+    st = opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[group_idx], {})
+    if "momentum_buffer" not in st:
+        return None
+    if opt._swappable_optimizer_subgroup(group_idx):  # INTERNAL
+        return "float32(nvme-swapped)"
+    return str(st["momentum_buffer"].dtype).replace("torch.", "")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -719,14 +743,9 @@ def z3_momentum_piece(engine, p, swap: SwapCounter):
             return None, None
         return (_cat_piece(opt, p, buf.narrow(0, dest_offset, num_elements), torch.float32),
                 str(buf.dtype).replace("torch.", ""))
-    # INTERNAL: as in _z3_momentum (state entry of the sub-group's fp32 partition)
-    st = opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[group_idx], {})
-    if "momentum_buffer" not in st:
+    dtype = _z3_state_momentum_dtype(opt, group_idx)
+    if dtype is None:
         return None, None
-    if opt._swappable_optimizer_subgroup(group_idx):  # INTERNAL
-        dtype = "float32(nvme-swapped)"
-    else:
-        dtype = str(st["momentum_buffer"].dtype).replace("torch.", "")
     with swap.pause():
         v = safe_get_local_optimizer_state(p, "momentum_buffer")
     return _cat_piece(opt, p, v, _z3_helper_dtype(opt)), dtype
@@ -883,16 +902,8 @@ def read_step(engine, case, step: int, rank: int, *, named: dict, id_to_name: di
         model_w = {k: ("full", v if rank == 0 else None) for k, v in full.items()}
     else:
         model_w = {ps.name: model_piece(engine, named[ps.name], rank) for ps in case.params}
-    mom_frags, mom_dtypes, mom_z3 = [], {}, {}
-    if info.kind in ("z12", "z12_offload", "bf16_opt"):
-        mom_frags, mom_dtypes = _z12_momentum_fragments(engine, info, id_to_name, rank)
-    elif info.kind == "z0":
-        mom_frags, mom_dtypes = _z0_momentum_fragments(engine, id_to_name, named)
-    elif info.kind in ("z3", "z3_offload"):
-        for ps in case.params:
-            p = named[ps.name]
-            if getattr(p, "use_muon", False):
-                mom_z3[ps.name], mom_dtypes[ps.name] = z3_momentum_piece(engine, p, swap)
+    mom_frags, mom_dtypes, mom_z3 = _momentum_by_path(engine, info, case, named, id_to_name, rank,
+                                                      lambda p: z3_momentum_piece(engine, p, swap))
     return {
         "rank": rank,
         "calls": calls,
@@ -946,21 +957,16 @@ def capture_step(engine, case, step: int, rank: int, world_size: int, *, named: 
     masters = capture_masters(engine, case, named, swap)
     model_w = capture_model_weights(engine, case, named)
 
-    # momentum
-    mom_frags, mom_dtypes, mom_full = [], {}, {}
-    if info.kind in ("z12", "z12_offload", "bf16_opt"):
-        mom_frags, mom_dtypes = _z12_momentum_fragments(engine, info, id_to_name, rank)
-    elif info.kind == "z0":
-        mom_frags, mom_dtypes = _z0_momentum_fragments(engine, id_to_name, named)
-    elif info.kind in ("z3", "z3_offload"):
-        for ps in case.params:
-            p = named[ps.name]
-            if not getattr(p, "use_muon", False):
-                continue
-            full, dt = _z3_momentum(engine, p, swap)
-            if full is not None:
-                mom_full[ps.name] = to_np(full.reshape(ps.shape)) if rank == 0 else None
-                mom_dtypes[ps.name] = dt
+    # momentum (ZeRO-3: the gathered whole; a sub-group without a buffer yet records nothing)
+    mom_frags, mom_dtypes, z3_full = _momentum_by_path(engine, info, case, named, id_to_name, rank,
+                                                       lambda p: _z3_momentum(engine, p, swap))
+    shapes = {ps.name: ps.shape for ps in case.params}
+    mom_full = {}
+    for name, full in z3_full.items():
+        if full is None:
+            del mom_dtypes[name]
+        else:
+            mom_full[name] = to_np(full.reshape(shapes[name])) if rank == 0 else None
 
     local = {
         "rank": rank,
