@@ -225,7 +225,11 @@ class MuonCallRecorder:
                            f"({frame.f_code.co_name}); cannot tell which parameter (candidates {sorted(cands)})")
 
     def _wrapper(self, grad, momentum, *args, **kwargs):
-        frame = sys._getframe(1)
+        return self._record_from(sys._getframe(1), grad, momentum, args, kwargs)
+
+    def _record_from(self, frame, grad, momentum, args, kwargs):
+        """Identify the parameter from the caller's ``frame`` (dropped at once: frames hold tensors),
+        then record the call."""
         try:
             name = self._identify(frame, grad)
         finally:
@@ -276,12 +280,7 @@ class MuonCallRecorder:
             saved = self._orig
             self._orig = cur
             try:
-                frame = sys._getframe(1)
-                try:
-                    name = self._identify(frame, grad)
-                finally:
-                    del frame
-                return self._record(name, grad, momentum, args, kwargs)
+                return self._record_from(sys._getframe(1), grad, momentum, args, kwargs)
             finally:
                 self._orig = saved
 
