@@ -59,6 +59,10 @@ def main(argv=None) -> int:
                          "report with one verdict (the shards of a gate)")
     rp.add_argument("-o", "--out", default=None, help="output HTML (default: divergence.html next to the folder)")
     rp.add_argument("--title", default=None)
+    rp.add_argument("--only", default=None, metavar="SUBSTR",
+                    help="only the cases whose name contains SUBSTR (the verdict is then the subset's)")
+    rp.add_argument("--all-plots", action="store_true",
+                    help="inline the plots of every outcome shown (by default the worst few per kind)")
 
     sub.add_parser("gpu", help="the fixed GPU subset through torchrun (NCCL); see scripts/gpu.sh", add_help=False)
 
@@ -121,8 +125,9 @@ def main(argv=None) -> int:
         if len(folders) > 1:
             out_html = Path(args.out or "reports/merged.html")
             results = merge_results(folders, out_html.parent / (out_html.stem + "-results"))
-        out = render(results, args.out or results.resolve().parent / "divergence.html", title=args.title)
-        ok, reasons = report_verdict(results)
+        out = render(results, args.out or results.resolve().parent / "divergence.html", title=args.title,
+                     only=args.only, all_plots=args.all_plots)
+        ok, reasons = report_verdict(results, only=args.only)
         print(out)
         print("verdict: " + ("PASS" if ok else "FAIL: " + "; ".join(reasons)))
         return 0 if ok else 1

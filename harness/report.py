@@ -19,6 +19,10 @@ Layout of the page, summary first:
   parameter (rank partition boundaries and padded tail drawn), and the case JSON;
 * the passing outcomes as compact rows with their worst error-to-allowance ratio.
 
+Plots are inlined under a budget (``report_html.plotted_outcomes``: the worst few outcomes of each
+kind of failure and of each bug), so that a ``--full`` run's page stays a few MB and renders in
+seconds; the other outcomes name the ``--only NAME --all-plots`` command that draws theirs.
+
 Where it lives: this module reads the stored results (``render``, the ``extra`` files);
 ``harness.report_html`` builds the page, ``harness.report_plots`` draws the plots, and the page's
 styles and script are plain files in ``harness/report_static/``.
@@ -54,17 +58,25 @@ from harness.results import load_records
 
 
 def render(records_root, out_html, *, title: str | None = None, extra: dict | None = None,
-           heatmaps_per_param: int = 1) -> Path:
+           heatmaps_per_param: int = 1, only: str | None = None, all_plots: bool = False) -> Path:
     """Render the report of the results stored under ``records_root`` into ``out_html``.
 
     ``extra`` is merged over what is stored in ``records_root/extra-*.json`` (see the module doc).
-    Returns the path written. Works on an empty or missing results folder (an empty report).
+    ``only``: keep the outcomes whose case name contains it (the page then says so: its verdict is
+    the subset's). ``all_plots``: lift the plot budget (``report_html.plotted_outcomes``), for a
+    page of a few cases. Returns the path written. Works on an empty or missing results folder.
     """
     root = Path(records_root)
     records = load_records(root) if root.exists() else []
     merged = merge_extra(load_stored_extra(root), extra or {})
+    if only:
+        records = [r for r in records if only in r.case_name]
+        merged = merge_extra(merged, {"notes": [f"Only the outcomes of cases whose name contains {only!r}: "
+                                                "the verdict is this subset's, not the run's."]})
+        merged.pop("mutations", None)
     page = build_html(records, lambda key: _LazyMaps(root / "maps" / f"{key}.npz"),
-                      title=title, extra=merged, source=str(root), heatmaps_per_param=heatmaps_per_param)
+                      title=title, extra=merged, source=str(root), heatmaps_per_param=heatmaps_per_param,
+                      all_plots=all_plots)
     out = Path(out_html)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -73,13 +85,18 @@ def render(records_root, out_html, *, title: str | None = None, extra: dict | No
     return out
 
 
-def verdict(records_root) -> tuple[bool, list[str]]:
+def verdict(records_root, only: str | None = None) -> tuple[bool, list[str]]:
     """The report's PASS/FAIL and its reasons, without rendering: the exit code of ``python -m
     harness report`` (a CI job that merges shards fails exactly when the merged report says FAIL)."""
     from harness.report_html import page_verdict
 
     root = Path(records_root)
-    return page_verdict(load_records(root) if root.exists() else [], load_stored_extra(root))
+    records = load_records(root) if root.exists() else []
+    extra = load_stored_extra(root)
+    if only:
+        records = [r for r in records if only in r.case_name]
+        extra.pop("mutations", None)
+    return page_verdict(records, extra)
 
 
 class _LazyMaps(Mapping):

@@ -23,6 +23,15 @@ DETAIL_STATUSES = ("failed", "xpassed", "error", "xfailed")  # statuses that get
 BAD_STATUSES = ("failed", "xpassed", "error")  # statuses that make the verdict FAIL
 MAIN_COLUMNS = ("stock", "patched")  # other columns are mutants: they feed the kill matrix
 MAX_HEATMAPS_PER_CASE = 4
+# The plot budget. Plots are ~95% of a report's bytes and nearly all of its render time (matplotlib),
+# and a --full run has hundreds of expected failures whose plots all look alike (DSM-001 on every
+# 16-bit case). So the page inlines plots only for the outcomes a reader opens first: the worst few
+# of each kind of unexpected failure and of each bug's strict xfails. Every other outcome keeps its
+# text (message, reproducer, quantities) and names the command that renders its plots.
+PLOTS_PER_FAILURE_KIND = 3  # failed / xpassed outcomes with the same status and worst quantity
+PLOTS_PER_BUG = 2  # strict xfails with the same bug ids
+MAX_PLOTTED = 40  # outcomes with plots in one page, failures first
+MAX_CHECK_ROWS = 12  # quantity rows of an outcome shown without plots (the worst first)
 _KNOWN_EXTRA = ("environment", "mutations", "mutation_cases", "notes", "verdict_reasons", "title")
 GRID_ROWS = 40  # rows per table of the case x column grid (longer grids wrap into side-by-side tables)
 
@@ -62,12 +71,13 @@ def _cpu_name() -> str:
 
 
 def build_html(records: list[CaseRecord], maps_for, *, title: str | None = None, extra: dict | None = None,
-               source: str = "", heatmaps_per_param: int = 1) -> str:
+               source: str = "", heatmaps_per_param: int = 1, all_plots: bool = False) -> str:
     """The whole page as a string; ``maps_for(key)`` returns the stored maps of a record."""
     extra = extra or {}
     title = title or extra.get("title") or "Muon / DeepSpeed ZeRO divergence report"
-    main = [r for r in records if not _is_mutant(r)]
-    mutant_recs = [r for r in records if r not in main]
+    main, mutant_recs = [], []
+    for r in records:
+        (mutant_recs if _is_mutant(r) else main).append(r)
     anchors = _anchors(main)
     mutations = _mutation_rows(extra, mutant_recs)
     verdict_ok, reasons = _verdict(main, mutations, extra)
@@ -81,7 +91,7 @@ def build_html(records: list[CaseRecord], maps_for, *, title: str | None = None,
         parts.append(_mutation_block(mutations, extra))
     parts.append(_env_block(extra, main))
     parts.append(_grid_block(main, anchors))
-    parts.append(_details_block(main, anchors, maps_for, heatmaps_per_param))
+    parts.append(_details_block(main, anchors, maps_for, heatmaps_per_param, all_plots, source))
     parts.append(_passed_block(main))
     if extra.get("notes"):
         parts.append("<section id='notes'><h2>Notes</h2><ul>" + "".join(
@@ -380,20 +390,73 @@ def _passed_block(main) -> str:
 # ------------------------------------------------------------------------------------ case details
 
 
-def _details_block(main, anchors, maps_for, heatmaps_per_param) -> str:
+def _details_block(main, anchors, maps_for, heatmaps_per_param, all_plots=False, source="") -> str:
+    """Every unexpected outcome in full (plots within the budget); strict xfails in full only where
+    they are plotted, the rest as one compact row each (they matched their bug's model: the row, its
+    ratio and the command to draw it are what a reader needs of the 900th DSM-001 case)."""
     bad = sorted((r for r in main if r.status in DETAIL_STATUSES),
                  key=lambda r: (DETAIL_STATUSES.index(r.status), r.case_name, _col_order(r.column)))
     if not bad:
         return ""
+    plotted = {r.key for r in bad} if all_plots else plotted_outcomes(bad)
+    full = [r for r in bad if r.status != "xfailed" or r.key in plotted]
+    compact = [r for r in bad if r.status == "xfailed" and r.key not in plotted]
+    n_unplotted = sum(1 for r in full if r.key not in plotted and r.status != "error")
     parts = [f"<section id='details'><h2>Details of the outcomes that did not pass ({len(bad)})</h2>"]
-    for r in bad:
-        parts.append(case_details(r, anchors[r.key], maps_for(r.key) if r.status != "error" else {},
-                                  heatmaps_per_param=heatmaps_per_param))
+    if n_unplotted or compact:
+        parts.append(f"<p class='hint'>Plots are inlined for {len(plotted)} outcome(s): the worst "
+                     f"{PLOTS_PER_FAILURE_KIND} of each kind of failure and the worst {PLOTS_PER_BUG} of each bug's "
+                     f"strict xfails, at most {MAX_PLOTTED}. Every element map stays in the results folder; "
+                     f"<code>python -m harness report {_e(source or 'RESULTS_DIR')} --only NAME --all-plots</code> "
+                     "draws any case's.</p>")
+    for r in full:
+        if r.key in plotted or r.status == "error":
+            parts.append(case_details(r, anchors[r.key], maps_for(r.key) if r.status != "error" else {},
+                                      heatmaps_per_param=heatmaps_per_param))
+        else:
+            parts.append(case_details(r, anchors[r.key], {}, plots=False, source=source))
+    if compact:
+        rows = "".join(
+            f"<tr id='{anchors[r.key]}' class='st-{r.status}' data-case='{_e(r.case_name)}'><td>{_badge(r.status)}</td>"
+            f"<td class='cname'>{_e(r.case_name)}</td><td>{_e(r.column)}</td><td>{_bugs(r.bug_ids)}</td>"
+            f"<td class='num'>{_ratio_txt(r.worst_ratio)}</td><td class='msg1'>{_e(_first_line(r))}</td></tr>"
+            for r in compact)
+        parts.append(f"<h3 id='more-xfails'>Other strict xfails ({len(compact)}), each matching its bug's model</h3>"
+                     "<table class='passed xfails'><thead><tr><th></th><th>case</th><th>column</th><th>bug</th>"
+                     f"<th>worst ratio</th><th>first line</th></tr></thead><tbody>{rows}</tbody></table>")
     parts.append("</section>")
     return "\n".join(parts)
 
 
-def case_details(r: CaseRecord, anchor: str, maps: dict, *, heatmaps_per_param: int = 1) -> str:
+def failure_kind(r: CaseRecord) -> tuple:
+    """What makes two not-passing outcomes "the same kind" for the plot budget: a strict xfail by its
+    bugs; a failure by its status and the quantity of its worst check (a second bug in momentum
+    on another case is another example of the same kind; one in the gradient is not)."""
+    if r.status == "xfailed":
+        return ("xfailed", tuple(sorted(r.bug_ids)))
+    worst = max(r.checks, key=lambda c: _finite(c.worst_ratio), default=None)
+    return (r.status, worst.quantity if worst is not None else "-")
+
+
+def plotted_outcomes(bad: list[CaseRecord]) -> set[str]:
+    """The keys of the outcomes whose plots the page inlines: per kind (``failure_kind``) the worst
+    few, unexpected failures before strict xfails, at most ``MAX_PLOTTED`` in all."""
+    by_kind: dict[tuple, list[CaseRecord]] = defaultdict(list)
+    for r in bad:
+        if r.status != "error":  # an error has no element maps to draw
+            by_kind[failure_kind(r)].append(r)
+    picks = []
+    for kind, rs in by_kind.items():
+        per = PLOTS_PER_BUG if kind[0] == "xfailed" else PLOTS_PER_FAILURE_KIND
+        rs.sort(key=lambda r: (-_finite(r.worst_ratio), r.case_name, _col_order(r.column)))
+        picks += [(DETAIL_STATUSES.index(r.status), i, -_finite(r.worst_ratio), r.case_name, r.key)
+                  for i, r in enumerate(rs[:per])]
+    picks.sort()  # failures first, then each kind's worst before any kind's second
+    return {p[-1] for p in picks[:MAX_PLOTTED]}
+
+
+def case_details(r: CaseRecord, anchor: str, maps: dict, *, heatmaps_per_param: int = 1, plots: bool = True,
+                 source: str = "") -> str:
     first = _first_line(r)
     out = [f"<details class='case st-{r.status}' id='{anchor}' data-case='{_e(r.case_name)}' "
            f"data-column='{_e(r.column)}'><summary>{_badge(r.status)} <b class='cname'>{_e(r.case_name)}</b> "
@@ -408,14 +471,22 @@ def case_details(r: CaseRecord, anchor: str, maps: dict, *, heatmaps_per_param: 
     out.append("<h4>Reproduce</h4><div class='repro'><button type='button' class='copy'>copy</button>"
                f"<pre class='cmd'>{_e(r.reproduce)}</pre></div>")
     out.append(f"<h4>Message</h4><pre class='message'>{_e(r.message)}</pre>")
-    if r.checks:
+    if not plots:
+        if r.checks:
+            out.append("<h4>Quantities</h4>" + _checks_table(r.checks, max_rows=MAX_CHECK_ROWS))
+        cmd = (f"python -m harness report {source or 'RESULTS_DIR'} --only {r.case_name} "
+               f"-o {r.case_name}.html --all-plots")
+        out.append("<p class='hint'>Plots not inlined (plot budget). Render them with:</p>"
+                   f"<div class='repro'><button type='button' class='copy'>copy</button>"
+                   f"<pre class='cmd'>{_e(cmd)}</pre></div>")
+    elif r.checks:
         out.append("<h4>Quantities</h4>" + _checks_table(r.checks))
         svg = steps_svg(r.checks, case=r.case_name)
         if svg:
             out.append("<h4>Error vs step <span class='hint'>(solid: worst error; dashed: its allowance; "
                        "steps without a point stayed within tolerance and are not stored)</span></h4>"
                        f"<div class='plot steps'>{_lazy(svg)}</div>")
-    chosen = choose_maps(r, maps, per_param=heatmaps_per_param)
+    chosen = choose_maps(r, maps, per_param=heatmaps_per_param) if plots else []
     if chosen:
         out.append("<h4>Element-wise error / allowance over the flattened ZeRO layout</h4>")
         for key, (param, quantity, step) in chosen:
@@ -436,7 +507,7 @@ def case_details(r: CaseRecord, anchor: str, maps: dict, *, heatmaps_per_param: 
             out.append(f"<p class='hint'>{n_more} more element map(s) stored for this outcome "
                        "(other quantities/steps); "
                        "shown: the first divergence of each parameter.</p>")
-    elif r.status != "error":
+    elif r.status != "error" and plots:
         out.append("<p class='hint'>No element-wise map stored (only step-level quantities diverged, "
                    "or maps were not kept).</p>")
     out.append(f"<h4>Config (case JSON)</h4><pre class='config'>{_e(_pretty(r.case_json))}</pre>")
@@ -492,7 +563,7 @@ def choose_maps(r: CaseRecord, maps: dict, *, per_param: int = 1, limit: int = M
     return [(c[2], c[3]) for c in chosen[:limit]]
 
 
-def _checks_table(checks: list[CheckRow]) -> str:
+def _checks_table(checks: list[CheckRow], max_rows: int | None = None) -> str:
     groups: dict[tuple[str, str], list[CheckRow]] = defaultdict(list)
     for c in checks:
         groups[(c.param, c.quantity)].append(c)
@@ -503,7 +574,9 @@ def _checks_table(checks: list[CheckRow]) -> str:
         bad = [c for c in cs if c.n_bad]
         return (0 if bad else 1, min((c.step for c in bad), default=0), -max(c.worst_ratio for c in cs), p, q)
 
-    for (param, quantity), cs in sorted(groups.items(), key=sort_key):
+    ordered = sorted(groups.items(), key=sort_key)
+    hidden = len(ordered) - max_rows if max_rows is not None and len(ordered) > max_rows else 0
+    for (param, quantity), cs in ordered[:len(ordered) - hidden]:
         bad = [c for c in cs if c.n_bad]
         worst = max(cs, key=lambda c: c.worst_ratio)
         steps = _ranges(sorted({c.step for c in bad}))
@@ -523,7 +596,9 @@ def _checks_table(checks: list[CheckRow]) -> str:
     return ("<table class='checks'><thead><tr><th>param</th><th>quantity</th><th>failing steps</th><th>worst ratio</th>"
             "<th>worst error</th><th>allowance</th><th>at step</th><th>where</th><th>bad elements</th>"
             "<th>bad by region (all steps)</th><th>actual</th><th>oracle</th></tr></thead><tbody>"
-            + "".join(rows) + "</tbody></table>")
+            + "".join(rows) + "</tbody></table>"
+            + (f"<p class='hint'>{hidden} more (param, quantity) row(s), all in the results folder.</p>"
+               if hidden else ""))
 
 
 def _heat_caption(r: CaseRecord, param, quantity, step, ratio) -> str:

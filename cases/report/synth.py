@@ -157,18 +157,23 @@ def write(root: Path, items, writer: str = "main") -> ResultStore:
     return store
 
 
-def gate_sized(root: Path, *, n_cases: int = 75, n_failing: int = 40, big_every: int = 10) -> None:
+BUG_MIX = ("DSM-001", "DSM-001", "DSM-001", "DSM-003", "DSM-005", "DSM-009", "DSM-004", "DSM-006")
+
+
+def gate_sized(root: Path, *, n_cases: int = 75, n_failing: int = 40, big_every: int = 10, n_failed: int = 0) -> None:
     """A gate-sized result set: ``n_cases`` cases x (stock, patched) = 150 outcomes, ``n_failing``
-    of the stock ones not passing (every ``big_every``-th with the 0.5 M-element matrix), the
-    patched ones passing; two writers, as under pytest-xdist."""
+    of the stock ones not passing (every ``big_every``-th with the 0.5 M-element matrix; strict
+    xfails of the bugs in ``BUG_MIX``, DSM-001 the most common as on a real gate, and the first
+    ``n_failed`` unexpected failures), the patched ones passing; two writers, as under pytest-xdist."""
     stock_items, patched_items = [], []
     for i in range(n_cases):
         stage, dtype, ws = (1, 2, 3)[i % 3], ("fp16", "bf16", "fp32")[(i // 3) % 3], (1, 2, 4)[(i // 9) % 3]
         suffix = f"-v{i}"
         if i < n_failing:
+            bad = dict(status="failed", bug_ids=()) if i < n_failed else dict(bug_ids=(BUG_MIX[i % len(BUG_MIX)],))
             stock_items.append(failing(suffix, stage=stage, dtype="bf16" if dtype == "fp32" else dtype,
-                                       world_size=max(ws, 2), big=(i % big_every == big_every - 1),
-                                       pattern="edges" if i % 7 == 3 else "noise"))
+                                       world_size=max(ws, 2), big=bool(big_every) and i % big_every == big_every - 1,
+                                       pattern="edges" if i % 7 == 3 else "noise", **bad))
         else:
             stock_items.append(passing(suffix, stage=stage, dtype=dtype, world_size=ws, ratio=0.05 + (i % 9) / 10))
         patched_items.append(passing(suffix, stage=stage, dtype=dtype, world_size=ws, column="patched",

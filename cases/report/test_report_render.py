@@ -10,13 +10,15 @@ import base64
 import html
 import re
 import struct
+import time
 import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
 
 import synth
-from harness import report
+from harness import report, report_html
+from harness.report_html import plotted_outcomes
 from harness.results import load_records
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -337,6 +339,75 @@ def test_gate_sized_report_is_under_5_mb(gate_report):
     n_heat = len(re.findall(r"<figure class='heatmap'", page))
     print(f"\ngate-sized report: {size / MB:.2f} MB, {n_details} detailed outcomes, {n_heat} heatmaps, "
           f"rendered in {seconds:.1f} s")
-    assert n_details == 40 and n_heat >= 80
+    stock_bad = [r for r in load_records(results) if r.status == "xfailed"]
+    plotted = plotted_outcomes(stock_bad)
+    assert n_details == len(plotted) == report_html.PLOTS_PER_BUG * len(set(synth.BUG_MIX))
+    assert n_heat >= 2 * n_details  # two Muon matrices per plotted outcome
+    compact = re.findall(r"<tr id='case-[^']+' class='st-xfailed' data-case=", page)
+    assert len(compact) == len(stock_bad) - n_details  # every other strict xfail keeps a row and an anchor
     assert len(re.findall(r"<tr class='st-passed' data-case=", page)) == 110
     assert size < 5 * MB
+
+
+def test_plot_budget_picks_failures_first_then_the_worst_of_each_kind():
+    recs = []
+    for i in range(30):  # 30 DSM-001 xfails, ratios 1..30
+        r, _ = synth.failing(f"-a{i}")
+        r.worst_ratio = float(i + 1)
+        recs.append(r)
+    for i in range(5):  # 5 unexpected failures in momentum, and one in the gradient
+        r, _ = synth.failing(f"-f{i}", status="failed", bug_ids=())
+        recs.append(r)
+    g, _ = synth.failing("-g", status="failed", bug_ids=())
+    g.checks = [c for c in g.checks if c.quantity == "grad"]
+    recs.append(g)
+    chosen = plotted_outcomes(recs)
+    by_key = {r.key: r for r in recs}
+    assert sorted(by_key[k].case_name for k in chosen if by_key[k].status == "xfailed") == sorted(
+        [recs[29].case_name, recs[28].case_name])  # the two worst of the bug
+    failed = [by_key[k] for k in chosen if by_key[k].status == "failed"]
+    assert g.key in chosen and len(failed) == report_html.PLOTS_PER_FAILURE_KIND + 1
+    many = [synth.failing(f"-m{i}", status="failed", bug_ids=())[0] for i in range(3)]
+    for i, r in enumerate(many):  # 3 kinds x ... the cap holds whatever the kinds
+        r.checks = [c for c in r.checks if c.quantity == ("grad", "model", "global_norm")[i]]
+    assert len(plotted_outcomes(recs + many)) <= report_html.MAX_PLOTTED
+
+
+def test_full_sized_report_is_under_5_mb(tmp_path):
+    """A ``--full``-sized run (1500 cases x 2 columns, 600 stock outcomes not passing, 20 of them
+    unexpected failures) stays under 5 MB under the plot budget; the render time is printed (the
+    bench measures it on real results), not asserted."""
+    root = tmp_path / "results"
+    synth.gate_sized(root, n_cases=1500, n_failing=600, big_every=0, n_failed=20)
+    t0 = time.perf_counter()
+    out = report.render(root, tmp_path / "full.html")
+    seconds = time.perf_counter() - t0
+    page = out.read_text()
+    size = out.stat().st_size
+    print(f"\nfull-sized report: {size / MB:.2f} MB, rendered in {seconds:.1f} s")
+    assert size < 5 * MB
+    not_passing = [r for r in load_records(root) if r.status != "passed"]
+    ids = set(re.findall(r"id='(case-[^']+)'", page))
+    anchors = report_html._anchors(not_passing)
+    assert all(anchors[r.key] in ids for r in not_passing)  # the grid's link of every one lands somewhere
+    assert len(re.findall(r"<details class='case st-failed'", page)) == 20  # failures always in full
+    assert page.count("--only NAME --all-plots") == 1 and "Plots not inlined" in page
+
+
+def test_only_and_all_plots_draw_one_case_outside_the_budget(tmp_path):
+    """The command a budgeted page names for an unplotted outcome really draws that outcome."""
+    from harness.__main__ import main
+
+    root = tmp_path / "results"
+    items = [synth.failing(f"-b{i}") for i in range(5)]  # one kind: only the worst 2 are plotted
+    synth.write(root, items)
+    page = report.render(root, tmp_path / "all.html").read_text()
+    unplotted = [r for r, _ in items if r.key not in plotted_outcomes([x for x, _ in items])]
+    assert unplotted and f"<details class='case st-xfailed' id='{report_html._anchors(unplotted)[unplotted[0].key]}'" \
+        not in page
+    name = unplotted[0].case_name
+    out = tmp_path / "one.html"
+    assert main(["report", str(root), "--only", name, "--all-plots", "-o", str(out)]) == 0
+    one = out.read_text()
+    assert one.count("<details class='case ") == 1 and f"data-case='{name}'" in one
+    assert "<figure class='heatmap'" in one and "Only the outcomes of cases whose name contains" in one
