@@ -243,6 +243,8 @@ def bf16opt_cases(full: bool = False) -> list[Case]:
 
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
+    ("sweep", lambda n: n.startswith("sweep-")),
+    ("models", lambda n: _is_model_case(n)),
     ("bf16opt", lambda n: n.endswith("-gad32") or n.endswith("-comm32")),
     ("schedules", lambda n: "-sched-" in n),
     ("groups", lambda n: n.endswith("-groups")),
@@ -254,6 +256,12 @@ GROUPS = (
     ("resume", lambda n: "-resume" in n),
     ("compiled", lambda n: n.endswith("-compiled")),
 )
+
+
+def _is_model_case(name: str) -> bool:
+    from harness.models import BUILTIN  # a model case is named after its module (harness.models.matrix)
+
+    return name.split("-", 1)[0] in BUILTIN
 
 
 def group_of(name: str) -> str:
