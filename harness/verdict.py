@@ -326,7 +326,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
     ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
     ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
-    mo = _module_oracle().ModuleOracle(case, traj) if case.model else None  # float64 autograd of the module
+    mo = _module_oracle().module_oracle_for(case, traj) if case.model else None  # float64 autograd of the module
 
     def add(param, quantity, step, actual, expected, allowance):
         verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, allowance,

@@ -53,7 +53,18 @@ def test_small_gradient_and_buffer_errors_are_reported(pool_manager):
     by 1 %, fails on exactly that quantity."""
     c = models.model_case("resnet", 2, "none", "fp32", 2, ns_method="standard").replace(patched=True)
     traj = pool_manager.run(c).result
-    assert judge(c, traj).passed
+    first = judge(c, traj)
+    assert first.passed
+    # Judged again (as the stock column judges a bug's model), the module's backward passes are reused
+    # and give the same checks; a copied (possibly edited) trajectory gets its own replay.
+    from harness.models.oracle import module_oracle_for
+
+    mo = module_oracle_for(c, traj)
+    assert module_oracle_for(c, traj) is mo and len(mo._memo) == c.steps
+    again = judge(c, traj)
+    assert [(x.param, x.quantity, x.step, x.worst_ratio) for x in again.checks] == [
+        (x.param, x.quantity, x.step, x.worst_ratio) for x in first.checks]
+    assert module_oracle_for(c, copy.deepcopy(traj)) is not mo
     bad = copy.deepcopy(traj)
     ps = bad.steps[0].params["bn.weight"]
     ps.grad = np.asarray(ps.grad) * 1.01
