@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     g.add_argument("--no-mutate", action="store_true", help="skip the mutation self-check")
     g.add_argument("--shard", default=None, metavar="K/N",
                    help="run only shard K of N cost-balanced shards (merge with: python -m harness report DIR...)")
+    g.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run the gate as N local shards side by side and merge them into one report "
+                        "(overlaps one shard's oracle replay with another's ranks; 2 on a 2-core machine)")
+    g.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: the parent renders
 
     mu = sub.add_parser("mutate", help="run every known-bug mutant against the kill cases; print the kill matrix")
     mu.add_argument("rest", nargs=argparse.REMAINDER,
@@ -95,8 +99,13 @@ def main(argv=None) -> int:
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
+        if args.jobs < 1 or (args.jobs > 1 and args.shard):
+            print(f"error: --jobs {args.jobs}: N must be >= 1, and a --shard K/N is already one part of a "
+                  "split (run the N shards side by side with --jobs N instead)", file=sys.stderr)
+            return 2
         return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
-                        mutate=not args.no_mutate, shard=args.shard)
+                        mutate=not args.no_mutate, shard=args.shard, jobs=args.jobs,
+                        render_report=not args.no_report)
     if args.cmd == "run":
         from harness.case import Case
         from harness.main_job import run_single

@@ -50,13 +50,16 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
 
 
 def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
-             quiet: bool = False, mutate: bool = True, shard: str | None = None) -> int:
+             quiet: bool = False, mutate: bool = True, shard: str | None = None, jobs: int = 1,
+             render_report: bool = True) -> int:
     from harness import results
     from harness import shard as sharding
-    from harness.matrix import gate_cases, group_of
+    from harness.matrix import gate_cases
 
     cases = [c.replace(seed=seed) for c in gate_cases(full) if not only or only in c.name]
     part = sharding.Shard.parse(shard) if shard else None
+    if jobs > 1 and part is None:
+        return _run_jobs(jobs, cases, Path(report), full=full, seed=seed, only=only, quiet=quiet, mutate=mutate)
     if part is not None:
         # Every machine computes the same split; the mutation self-checks run once, on shard 1.
         cases = sharding.select(cases, part)
@@ -71,14 +74,10 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
         shutil.rmtree(results_dir)
     store = results.ResultStore(results_dir, writer="gate" if part is None else f"gate-shard{part.index}of{part.count}")
     manager = PoolManager()
-    counts: dict[str, int] = {}
-    group_time: dict[str, tuple[int, float]] = {}  # path group -> (case runs, seconds), both columns
-    sweep_runs: dict[str, dict] = {}  # column -> case name -> (status, seconds), for the layout sweep table
-    # Only the messages of what went wrong stay in memory: every outcome (verdict, trajectory, error
-    # maps) goes to the store on disk and is dropped before the next case, so the parent stays flat
-    # however many cases fail.
-    bad: list[str] = []
-    strengths: list[tuple[str, str | None]] = []
+    # Nothing of an outcome stays in memory: every outcome (verdict, trajectory, error maps) goes to
+    # the store on disk and is dropped before the next case, so the parent stays flat however many
+    # cases fail; the summary is read back from the store (``summary``).
+    mutation_failed = False
     t0 = time.perf_counter()
     try:
         total = len(cases) * len(cols)
@@ -88,14 +87,6 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                 n += 1
                 o = evaluate(case, col, manager)
                 record(store, o)
-                counts[o.status] = counts.get(o.status, 0) + 1
-                n_g, s_g = group_time.get(group_of(case.name), (0, 0.0))
-                group_time[group_of(case.name)] = (n_g + 1, s_g + o.seconds)
-                tag = o.status + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids else "")
-                sweep_runs.setdefault(col, {})[case.name] = (tag, o.seconds)
-                strengths.append((o.column, o.strength))
-                if o.status in ("failed", "error", "xpassed"):
-                    bad.append(o.message)
                 if not quiet:
                     ids = f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else ""
                     print(f"[{n}/{total}] {col:7s} {case.name:55s} {o.status.upper()}{ids} ({o.seconds:.1f}s)",
@@ -109,27 +100,18 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
             km = kill_matrix(default_kill_cases(), manager=manager)
             print(km.table(), flush=True)
             if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
-                counts["mutation-check-failed"] = 1
+                mutation_failed = True
             print("\nmutation self-check (STOCK DeepSpeed, gate decision: bug-affected cases must still fail):",
                   flush=True)
             skm = stock_kill_matrix([c.replace(seed=seed) for c in stock_kill_cases()], manager=manager)
             print(skm.table(), flush=True)
             if skm.kill_rate < 1.0 or skm.surprises() or not all(skm.baseline.values()):
-                counts["mutation-check-failed"] = 1
+                mutation_failed = True
     finally:
         manager.close()
     elapsed = time.perf_counter() - t0
-    from harness import sweep
-
-    for col, runs in sweep_runs.items():
-        table = sweep.gate_summary(col, runs)
-        if table:
-            print(table, flush=True)
     env = environment()
     env["seed"] = seed
-    from harness.results import strength_line, strength_summary
-
-    strength = strength_summary(strengths)
     extra = {"environment": env, "elapsed_s": elapsed}
     if km is not None:
         extra.update(mutation_extra(km, skm))
@@ -138,16 +120,65 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
         from harness.report import save_extra
 
         save_extra(results_dir, extra, name=f"shard{part.index}of{part.count}")
-    rendered = _render(results_dir, report_path, extra)
-    print(f"\ngate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s: "
-          + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    print(strength_line(strength))
+    rendered = _render(results_dir, report_path, extra) if render_report else None
+    bad = summary(results_dir, f"gate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s")
+    if mutation_failed:
+        print("the mutation self-check failed (tables above)")
+    print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))
+    return 1 if bad or mutation_failed else 0
+
+
+def summary(results_dir: Path, headline: str) -> int:
+    """Print the gate's summary from its stored outcomes: the layout sweep tables, the counts, the
+    full-strength share, the time per path group and every unexpected outcome's message. One reading
+    for a gate run in one process and for its shards merged; returns how many outcomes were bad."""
+    from collections import Counter
+
+    from harness import sweep
+    from harness.matrix import group_of
+    from harness.report_html import BAD_STATUSES, MAIN_COLUMNS
+    from harness.results import load_records, strength_line, strength_summary
+
+    records = [r for r in load_records(results_dir) if r.column in MAIN_COLUMNS]
+    by_col: dict[str, dict] = {}
+    group_time: dict[str, list] = {}
+    for r in records:
+        tag = r.status + (f" [{', '.join(r.bug_ids)}]" if r.bug_ids else "")
+        by_col.setdefault(r.column, {})[r.case_name] = (tag, r.seconds)
+        g = group_time.setdefault(group_of(r.case_name), [0, 0.0])
+        g[0] += 1
+        g[1] += r.seconds
+    for col in sorted(by_col, key=MAIN_COLUMNS.index):
+        table = sweep.gate_summary(col, by_col[col])
+        if table:
+            print(table, flush=True)
+    counts = Counter(r.status for r in records)
+    print(f"\n{headline}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    print(strength_line(strength_summary((r.column, r.strength) for r in records)))
     print("time per group (case runs over all columns, seconds): " + ", ".join(
         f"{g} {n}/{sec:.0f}s" for g, (n, sec) in sorted(group_time.items(), key=lambda kv: -kv[1][1])))
-    for message in bad:
-        print("\n" + message)
-    print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))
-    return 1 if bad or "mutation-check-failed" in counts else 0
+    bad = [r for r in records if r.status in BAD_STATUSES]
+    for r in bad:
+        print("\n" + r.message)
+    return len(bad)
+
+
+def _run_jobs(jobs: int, cases: list, report_path: Path, *, full: bool, seed: int, only: str | None, quiet: bool,
+              mutate: bool) -> int:
+    """The gate as ``jobs`` local shards (``harness.jobs``); the summary is read from the merged results."""
+    from harness.jobs import run_shards
+
+    results_dir = report_path.parent / (report_path.stem + "-results")
+    print(f"gate: {len(cases)} cases as {jobs} local shards (python -m harness gate --shard K/{jobs})", flush=True)
+    codes, elapsed = run_shards(jobs, report_path, results_dir, full=full, seed=seed, only=only, quiet=quiet,
+                                mutate=mutate)
+    rendered = _render(results_dir, report_path, {"elapsed_s": elapsed})
+    bad = summary(results_dir, f"gate (all {jobs} shards merged): {len(cases)} cases in {elapsed:.0f}s wall")
+    failed_shards = [f"shard {k}/{jobs} exited with {c}" for k, c in enumerate(codes, start=1) if c != 0]
+    for line in failed_shards:  # a shard's own failure (its mutation self-check, a crash) is in its output above
+        print(line)
+    print(f"results: {results_dir}\nreport: {rendered}")
+    return 1 if failed_shards or bad else 0
 
 
 def run_single(case: Case, report: str | None = None) -> int:

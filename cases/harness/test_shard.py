@@ -69,11 +69,13 @@ def test_recorded_times_cover_only_known_case_names():
     assert len(stale) <= len(times) // 2, f"case_times.json is stale: {stale[:5]}..."
 
 
-def _gate(tmp: Path, name: str, *extra: str) -> Path:
+def _gate(tmp: Path, name: str, *extra: str, out: list | None = None) -> Path:
     report = tmp / f"{name}.html"
     proc = subprocess.run([sys.executable, "-m", "harness", "gate", "--only", "z1-none-fp32", "--no-mutate", "-q",
                            "--report", str(report), *extra], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    if out is not None:
+        out.append(proc.stdout)
     return tmp / f"{name}-results"
 
 
@@ -96,3 +98,9 @@ def test_two_shards_in_separate_processes_merge_into_the_unsharded_statuses(tmp_
     bad = any(s in ("failed", "error", "xpassed") for s in whole.values())
     assert proc.returncode == (1 if bad else 0), proc.stdout + proc.stderr
     assert merged_html.exists() and "verdict: " in proc.stdout
+    # --jobs 2: the same two shards run side by side by one command, merged into one report
+    out: list[str] = []
+    jobs = _statuses(_gate(tmp_path, "jobs", "--jobs", "2", out=out))
+    assert jobs == whole
+    assert "gate (all 2 shards merged)" in out[0] and (tmp_path / "jobs.html").exists()
+    assert not (tmp_path / "jobs-shards").exists()  # the shards' own folders are merged, then removed
