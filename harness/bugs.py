@@ -304,11 +304,12 @@ BUGS: tuple[Bug, ...] = (
         # does across a scale change): in fp16 a true-unit value below 2^-14 would be subnormal, the
         # scaled one is not, so the units decide the rounding even at a constant scale.
         # ZeRO-3 without offload with communication_data_type fp32 but a 16-bit gradient partition is
-        # another shape of the bug (measured on z3-none-bf16-ws2-comm32: the momentum matches fp32
-        # storage except the DSM-009 tail, the masters are ~330x off, consistent with the update being
-        # rounded into the 16-bit partition); no oracle switch models that yet, so there the bug
-        # excuses by quantity and the case does not count as full strength.
-        model=lambda c: None if (c.stage == 3 and c.offload == "none" and _comm(c) == "fp32") else
+        # another shape of the bug: the momentum is fp32 (the communication dtype) and Newton-Schulz
+        # reads the fp32 gather, but its update is copied back into the gradient partition of
+        # gradient_accumulation_dtype (stage3.py:1855-1859) and rounded there before the norm and the
+        # step (measured on z3-none-bf16-ws2-comm32: masters ~330x off the intended oracle).
+        model=lambda c: {"update_store_dtype": _gad(c)} if (c.stage == 3 and c.offload == "none"
+                                                            and _comm(c) == "fp32") else
         {"momentum_dtype": "model", **({"momentum_units": "scaled"} if c.offload == "none" else {})},
         where="stage_1_and_2.py _muon_momentum_buffer (buffer follows the grad dtype); "
               "stage3.py _create_momentum_buffer (communication_data_type), _apply_muon_to_accumulated_grads "

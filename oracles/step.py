@@ -205,6 +205,11 @@ class Conventions:
         Muon matrix holds the padded tail writes its momentum slice through a buffer of
         gradient_accumulation_dtype, so that slice alone (flat elements ``r*ceil(n/W)`` to ``n``) is rounded
         to it after every step (DSM-009).
+    update_store_dtype: ``None`` (default) or a storage dtype (``"fp16"``/``"bf16"``): accident of ZeRO-3
+        without offload (``stage3.py`` ``_apply_muon_to_accumulated_grads``): Newton-Schulz runs on the
+        gradient gathered in communication_data_type, but its update ``O`` is copied back into the
+        gradient partition, which is gradient_accumulation_dtype; with communication_data_type fp32 over
+        a 16-bit partition ``O`` is rounded to 16 bit there, before the norm and the step read it (DSM-001).
     """
     clip_norm_source: str = "muon_update"
     scale_update_before_unscale: bool = False
@@ -220,6 +225,7 @@ class Conventions:
     reported_norm: str = "norm"
     scaled_update_dtype: str = "float64"
     padded_tail_momentum_dtype: Optional[str] = None
+    update_store_dtype: Optional[str] = None
     # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_
     # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
     # parameter's own (its group's, else the config's).
@@ -227,7 +233,8 @@ class Conventions:
 
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm"), "scaled_update_dtype": ("float64", "model"),
-                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"), "muon_ns_method": (None, "gram", "standard"),
+                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"),
+                  "update_store_dtype": (None, "fp16", "bf16"), "muon_ns_method": (None, "gram", "standard"),
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
                   "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
@@ -473,6 +480,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
             m_new = _round_padded_tail(m_new, cfg.world_size, MODEL_DTYPES[conv.padded_tail_momentum_dtype])
         new_mom[n] = m_new
         directions[n] = O.to(torch.float64)
+        if conv.update_store_dtype is not None:
+            directions[n] = round_to(directions[n], MODEL_DTYPES[conv.update_store_dtype])
 
     if (conv.scaled_update_dtype == "model" and cfg.model_dtype == "fp16"
             and any(bool((directions[p.name].abs() * S >= FP16_OVERFLOW).any()) for p in muon_specs)):

@@ -73,8 +73,26 @@ def test_padded_tail_momentum_rounds_only_the_tail_rank_slice():
     assert torch.equal(a.params["w"].momentum, b.params["w"].momentum)  # 24 = 2 x 12: no padded tail
 
 
+def test_update_stored_in_a_16_bit_partition_rounds_the_applied_update_only():
+    """DSM-001 on ZeRO-3 with communication_data_type fp32 over a bf16 partition: the momentum is the
+    intended one, the direction the norm and the step read is the intended direction rounded to bf16."""
+    cfg = StepConfig(SPECS, model_dtype="bf16", world_size=2, muon_lr=0.05)
+    grads = _grads() * 2
+    st = initial_state(cfg, _weights())
+    _, exact = oracle_step(st, grads, cfg, Conventions())
+    _, stored = oracle_step(st, grads, cfg, Conventions(update_store_dtype="bf16"))
+    e, s = exact.params["w"], stored.params["w"]
+    assert torch.equal(s.momentum, e.momentum)
+    assert torch.equal(s.direction, round_to(e.direction, torch.bfloat16))
+    assert not torch.equal(s.direction, e.direction)
+    assert torch.equal(s.master, round_to(st.master["w"] - 0.05 * s.direction, torch.float32))
+    assert stored.params["b"].master.equal(exact.params["b"].master)  # Adam is not a Muon update
+    assert stored.global_norm != exact.global_norm  # the norm reads the rounded update
+
+
 def test_switch_values_are_checked():
-    for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"}):
+    for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"},
+                {"update_store_dtype": "fp32"}):
         try:
             Conventions(**bad)
         except ValueError as e:

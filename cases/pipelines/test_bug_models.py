@@ -53,7 +53,7 @@ def test_bug_models_compose_into_valid_conventions(case):
 
 
 STOCK_CASES = ["z2-none-bf16-ws1", "z3-none-bf16-ws2-ga2-clip0.05", "z3-cpu-bf16-ws2-heads",
-               "z1-none-fp16-ws2-overflow", "z1-cpu-fp16-ws2-growth"]
+               "z1-none-fp16-ws2-overflow", "z1-cpu-fp16-ws2-growth", "z3-none-bf16-ws2-comm32"]
 
 
 def _gate_case(name):
