@@ -514,6 +514,7 @@ BUGS: tuple[Bug, ...] = (
                 "(1.7e3x) at step 1.",
         trigger=lambda c: _z0_unfused(c) and (_has_adam(c) or _wd_of(c) > 0),
         quantities=frozenset({"master", "model"}),
+        model=lambda c: {"warmup_step_at_init": True},
         where="fp16/unfused_optimizer.py initialize_optimizer_states (:412-433), called from __init__ (:108)",
         fix="z0-no-init-step",
         reproducer="pipeline_case(0, 'none', 'bf16', 1, steps=3)",
@@ -528,6 +529,7 @@ BUGS: tuple[Bug, ...] = (
                 "gradients 1/256 of the true ones (40x-60x their allowance).",
         trigger=lambda c: c.stage == 0 and c.dtype == "fp16",
         quantities=frozenset({"grad", "global_norm"}),
+        model=lambda c: {"backward_loss_scaled": False},
         where="engine.py backward (:3415-3418, scale only for ZeROOptimizer); fp16/unfused_optimizer.py "
               "unscale_and_clip_grads (:243-258)",
         fix="z0-fp16-loss-scale",
@@ -543,6 +545,12 @@ BUGS: tuple[Bug, ...] = (
                 "clips the raw gradients too (engine clip_fp32_gradients) and reports no norm.",
         trigger=lambda c: c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0),
         quantities=frozenset({"global_norm"}),
+        # The clip before Muon over the raw gradients, and their norm reported as the backward left them
+        # (times the loss scale, where the backward was scaled: DSM-015 fixed). fp32 stage 0 reports no
+        # norm, so the clip DeepSpeed applied to the captured gradient cannot be undone from its own
+        # coefficient: not modelled there (no gate case takes that route).
+        model=lambda c: {"clip_norm_source": "gradient", "reported_norm": "raw"} if c.dtype in ("fp16", "bf16")
+        else None,
         where="fp16/unfused_optimizer.py step (:209-228); engine.py _take_model_step (:3505-3510)",
         reproducer="pipeline_case(0, 'none', 'bf16', 2, steps=3)",
     ),

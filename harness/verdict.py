@@ -343,7 +343,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         if case.dtype == "fp16" and mo is None:
             # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
             # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
-            S = float(state.scaler.scale)
+            # (a raw-loss backward, DSM-015's model, runs at scale 1 whatever the scaler says)
+            S = float(state.scaler.scale) if conv.backward_loss_scaled else 1.0
             for r in range(W):
                 for mu in range(GAS):
                     if model_mod.backward_overflows(lp, case, r, s, mu, S):
@@ -355,13 +356,19 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         for n, ps in rec.params.items():
             if ps.grad is not None:
                 forced[n] = _t(ps.grad) / float(ps.grad_scale)
+        if not conv.backward_loss_scaled:
+            # The raw-loss backward divided by S anyway (DSM-015's model): DeepSpeed's gradient is G/S.
+            # Judged and fed in true units (times S, exact: a power of two); the oracle divides again.
+            forced = {n: g * float(state.scaler.scale) for n, g in forced.items()}
         if conv.clip_norm_source == "gradient" and sc.gradient_clipping > 0:
             # Clip before Muon (the BF16_Optimizer route, DSM-013's model): what muon_update received is
             # the clipped gradient G/k. Teacher forcing undoes DeepSpeed's own k (from the norm it
             # reports, itself checked against the oracle's below), so the gradient check and the replay
             # start from the averaged gradient, as on every other path.
             if rec.global_norm is not None and math.isfinite(rec.global_norm):
-                k_ds = oracles.clip_coefficient(float(rec.global_norm), sc.gradient_clipping)
+                # (a reported raw norm carries the backward's scale; the clip divides it by S: DSM-016)
+                k_units = float(state.scaler.scale) if conv.reported_norm == "raw" else 1.0
+                k_ds = oracles.clip_coefficient(float(rec.global_norm) / k_units, sc.gradient_clipping)
                 forced = {n: (g * k_ds if spec[n].use_muon else g) for n, g in forced.items()}
         feed = {n: forced.get(n, true_G[n]) for n in true_G}
         feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``

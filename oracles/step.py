@@ -192,9 +192,11 @@ class Conventions:
         ``parameter_alignment``; ``muon_optimizer.py`` without ZeRO; ``bf16_optimizer.py``).
     conv_aspect: 4-D kernels: ``"reshaped"`` (default, the aspect scale of the orthogonalised
         ``(out, in*kh*kw)`` matrix) or ``"last_two_dims"`` (Keller's inherited ``s(kh, kw)``).
-    reported_norm: what ``get_global_grad_norm()`` returns: ``"norm"`` (default, the norm in true units)
-        or ``"clip_norm"`` (accident of ``stage3.py`` ``step``: the norm divided by the scale *after*
-        ``update_scale``, so halved on a growth step; DSM-003).
+    reported_norm: what ``get_global_grad_norm()`` returns: ``"norm"`` (default, the norm in true units),
+        ``"clip_norm"`` (accident of ``stage3.py`` ``step``: the norm divided by the scale *after*
+        ``update_scale``, so halved on a growth step; DSM-003) or ``"raw"`` (``fp16/unfused_optimizer.py``
+        ``step``: the norm of the gradients as the backward left them, i.e. times the backward's loss
+        scale; DSM-016).
     scaled_update_dtype: where the offload paths form the loss-scaled Muon update ``S*O`` before
         unscaling: ``"float64"`` (default: exact) or ``"model"`` (accident of ZeRO-3 cpu/nvme offload,
         ``stage3.py`` ``_apply_muon_updates_cpu_offload``: in gradient_accumulation_dtype, so an fp16
@@ -210,6 +212,17 @@ class Conventions:
         gradient gathered in communication_data_type, but its update ``O`` is copied back into the
         gradient partition, which is gradient_accumulation_dtype; with communication_data_type fp32 over
         a 16-bit partition ``O`` is rounded to 16 bit there, before the norm and the step read it (DSM-001).
+    warmup_step_at_init: accident of stage 0 in fp16/bf16 (``fp16/unfused_optimizer.py``
+        ``initialize_optimizer_states``): at initialize the inner MuonWithAuxAdam steps once on zero
+        gradients, without the loss scaler: Adam's step count starts at 1 (the first real step is
+        bias-corrected as step 2), and each half's decoupled weight decay (AdamW's, Muon's) shrinks the
+        fp32 masters once; the model weights are not refreshed until the first real step (DSM-014).
+        Applied by :func:`initial_state`.
+    backward_loss_scaled: True (default) or False -- accident of stage-0 fp16 (``engine.py`` ``backward``
+        scales the loss only for a ZeRO optimizer; ``fp16/unfused_optimizer.py`` ``unscale_and_clip_grads``
+        divides by ``S`` anyway): the backward runs on the raw loss, so the fp16 overflow test sees the
+        raw gradients, the optimizer reads ``G / S`` and the clip coefficient comes from ``||G|| / S``
+        (DSM-015).
     """
     clip_norm_source: str = "muon_update"
     scale_update_before_unscale: bool = False
@@ -226,13 +239,15 @@ class Conventions:
     scaled_update_dtype: str = "float64"
     padded_tail_momentum_dtype: Optional[str] = None
     update_store_dtype: Optional[str] = None
+    warmup_step_at_init: bool = False
+    backward_loss_scaled: bool = True
     # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_
     # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
     # parameter's own (its group's, else the config's).
     muon_ns_method: Optional[str] = None
 
     def __post_init__(self):
-        checks = {"reported_norm": ("norm", "clip_norm"), "scaled_update_dtype": ("float64", "model"),
+        checks = {"reported_norm": ("norm", "clip_norm", "raw"), "scaled_update_dtype": ("float64", "model"),
                   "padded_tail_momentum_dtype": (None, "fp16", "bf16"),
                   "update_store_dtype": (None, "fp16", "bf16"), "muon_ns_method": (None, "gram", "standard"),
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
@@ -348,7 +363,26 @@ def initial_state(cfg: StepConfig, weights: Mapping[str, torch.Tensor],
         else:
             am[spec.name] = zeros
             av[spec.name] = zeros.clone()
-    return OracleState(master, mom, am, av, 0, scaler_initial_state(cfg.loss_scaler))
+    state = OracleState(master, mom, am, av, 0, scaler_initial_state(cfg.loss_scaler))
+    return _warmup_step(state, cfg, conv) if conv.warmup_step_at_init else state
+
+
+def _warmup_step(state: OracleState, cfg: StepConfig, conv: Conventions) -> OracleState:
+    """The inner optimizer's step on zero gradients at initialize (``Conventions.warmup_step_at_init``):
+    Muon's momentum and direction stay zero, so only its decoupled decay acts; Adam takes a full step on
+    a zero gradient (``t = 1``; its L2 decay, if any, feeds ``m, v``). No loss-scaler step, no applied
+    optimizer step counted."""
+    master, am, av = dict(state.master), dict(state.adam_m), dict(state.adam_v)
+    for spec in cfg.params:
+        n, hp = spec.name, cfg.hyper(spec)
+        theta = state.master[n].to(torch.float64)
+        if spec.use_muon:
+            master[n] = round_master(theta * (1.0 - hp["lr"] * hp["weight_decay"]), conv)
+            continue
+        res = adam_step(theta, torch.zeros_like(theta), state.adam_m[n], state.adam_v[n], 1, lr=hp["lr"],
+                        betas=cfg.betas, eps=cfg.eps, weight_decay=hp["weight_decay"], adam_w_mode=cfg.adam_w_mode)
+        master[n], am[n], av[n] = round_master(res.theta, conv), res.m, res.v
+    return replace(state, master=master, adam_m=am, adam_v=av, adam_step=1)
 
 
 def accumulate(grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig) -> dict[str, torch.Tensor]:
@@ -426,12 +460,16 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     nonfinite = any(not bool(torch.isfinite(g).all()) for g in G.values())
     if nonfinite and (conv.skip_on_nonfinite == "always" or cfg.model_dtype == "fp16"):
         return _skip(state, cfg, conv, G, "nonfinite_grad")
-    if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, S):
+    backward_scale = S if conv.backward_loss_scaled else 1.0
+    if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, backward_scale):
         return _skip(state, cfg, conv, G, "fp16_overflow")
 
     # -- 2. the gradient the optimizer reads (storage rounding in DeepSpeed's x S units) -----------
     gdt = _resolve_dtype(conv.grad_dtype, cfg)
-    Gs = {n: (round_to(g * S, gdt) / S if gdt != torch.float64 else g) for n, g in G.items()}
+    Gs = {n: (round_to(g * backward_scale, gdt) / backward_scale if gdt != torch.float64 else g) for n, g in G.items()}
+    # the raw-loss backward divided by S anyway (DSM-015): the optimizer reads G / S, norms included
+    read = 1.0 if conv.backward_loss_scaled else 1.0 / S
+    Gs = {n: g * read for n, g in Gs.items()}
 
     muon_specs = [p for p in cfg.params if p.use_muon]
     adam_specs = [p for p in cfg.params if not p.use_muon]
@@ -530,7 +568,7 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],
                               round_to(master[n], lp), res.m, res.v)
     new_state = OracleState(master, momentum, adam_m, adam_v, t, scaler, state.step_count + 1, state.skipped_steps)
-    reported = clip_norm if conv.reported_norm == "clip_norm" else norm
+    reported = {"norm": norm, "clip_norm": clip_norm, "raw": norm / read * backward_scale}[conv.reported_norm]
     return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs, reported)
 
 

@@ -90,9 +90,53 @@ def test_update_stored_in_a_16_bit_partition_rounds_the_applied_update_only():
     assert stored.global_norm != exact.global_norm  # the norm reads the rounded update
 
 
+def test_warmup_step_at_init_starts_adam_at_step_one_and_decays_the_masters_once():
+    """DSM-014: the inner optimizer's step on zero gradients at initialize: Adam's count is 1, its moments
+    stay zero (AdamW), each half's decoupled decay shrinks the masters once; the scaler does not move."""
+    cfg = StepConfig(SPECS, model_dtype="bf16", weight_decay=0.1, muon_lr=0.02, adam_lr=1e-3)
+    plain = initial_state(cfg, _weights())
+    warm = initial_state(cfg, _weights(), Conventions(warmup_step_at_init=True))
+    assert plain.adam_step == 0 and warm.adam_step == 1 and warm.step_count == 0
+    assert warm.scaler == plain.scaler
+    assert torch.equal(warm.adam_m["b"], plain.adam_m["b"]) and torch.equal(warm.adam_v["b"], plain.adam_v["b"])
+    assert torch.equal(warm.master["w"], round_to(plain.master["w"] * (1 - 0.02 * 0.1), torch.float32))
+    assert torch.equal(warm.master["b"], round_to(plain.master["b"] * (1 - 1e-3 * 0.1), torch.float32))
+    # the first real step is then Adam's second: bias correction 1 - beta^2, not 1 - beta
+    _, r0 = oracle_step(plain, _grads(), cfg, Conventions())
+    _, r1 = oracle_step(warm, _grads(), cfg, Conventions(warmup_step_at_init=True))
+    d0, d1 = r0.params["b"].direction, r1.params["b"].direction
+    (b1, b2) = cfg.betas
+    expected = d0 * ((1 - b1) / (1 - b1 ** 2)) / ((1 - b2) / (1 - b2 ** 2)) ** 0.5
+    assert torch.allclose(d1, expected, rtol=1e-6) and not torch.allclose(d1, d0, rtol=1e-3)
+    nodecay = StepConfig(SPECS, model_dtype="bf16")
+    w0 = initial_state(nodecay, _weights(), Conventions(warmup_step_at_init=True))
+    assert torch.equal(w0.master["w"], initial_state(nodecay, _weights()).master["w"])
+
+
+def test_unscaled_backward_feeds_g_over_s_and_reports_the_raw_norm():
+    """DSM-015 (+ DSM-016's raw norm): the loss is never scaled but the gradients are divided by S: the
+    optimizer reads G/S (Muon's momentum holds it), the raw norm is ||G||; with a scaled backward the
+    raw norm carries S."""
+    cfg = StepConfig(SPECS, model_dtype="fp16", loss_scaler=LossScalerConfig(initial_scale_power=8))
+    S = 256.0
+    base = Conventions(clip_norm_source="gradient", reported_norm="raw")
+    bug = Conventions(clip_norm_source="gradient", reported_norm="raw", backward_loss_scaled=False)
+    st = initial_state(cfg, _weights())
+    _, ok = oracle_step(st, _grads(), cfg, base)
+    _, r = oracle_step(st, _grads(), cfg, bug)
+    assert torch.allclose(r.params["w"].momentum, ok.params["w"].momentum / S, rtol=1e-12, atol=0)
+    assert torch.allclose(r.params["b"].adam_m, ok.params["b"].adam_m / S, rtol=1e-12, atol=0)
+    assert r.global_norm == ok.global_norm / S
+    assert r.reported_norm == ok.global_norm and ok.reported_norm == S * ok.global_norm
+    # the fp16 overflow test sees the raw gradient: S*g beyond fp16 no longer skips
+    huge = _grads(scale=400.0)  # S*|g| >= 65520 somewhere, |g| itself far below
+    assert oracle_step(st, huge, cfg, base)[1].skipped
+    assert not oracle_step(st, huge, cfg, bug)[1].skipped
+
+
 def test_switch_values_are_checked():
     for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"},
-                {"update_store_dtype": "fp32"}):
+                {"update_store_dtype": "fp32"}, {"reported_norm": "scaled"}):
         try:
             Conventions(**bad)
         except ValueError as e:
