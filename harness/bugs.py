@@ -493,12 +493,11 @@ BUGS: tuple[Bug, ...] = (
                 "norm 1.70 vs 3.85; with clip 0.05 the Muon master is 0.029 off (2e5x).",
         trigger=lambda c: _bf16_optimizer(c) and _has_muon(c),
         quantities=frozenset({"global_norm", "grad", "master", "model", "update", "momentum"}),
-        # Not yet a model the gate uses: with clip_norm_source="gradient" (clip before Muon, reported norm
-        # over the raw gradients) the momentum and the norm match stock on seeds 0-2 at the usual
-        # tolerances, but the replay re-derives k from the forced gradient, so Newton-Schulz's 16-bit
-        # input differs from DeepSpeed's in the last fp32 bit and the emulated (bit-faithful) update and
-        # master allowances fail (1e3x). No CI gate case takes this route.
-        model=None,
+        # The clip before Muon over the raw gradients, their norm reported. The replay clips with the k
+        # DeepSpeed applied (from its reported norm, checked against the oracle's), so Newton-Schulz reads
+        # exactly DeepSpeed's 16-bit input (``oracles.step`` ``forced_clip_coef``): a k re-derived from the
+        # oracle's norm moved that input by an fp32 ulp and the emulated update by 1e3x its allowance.
+        model=lambda c: {"clip_norm_source": "gradient"},
         where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
         fix="bf16-optimizer-muon-norm",
         reproducer="pipeline_case(1, 'none', 'bf16', 2) with data_types.grad_accum_dtype fp32 "

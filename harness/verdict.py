@@ -360,6 +360,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             # The raw-loss backward divided by S anyway (DSM-015's model): DeepSpeed's gradient is G/S.
             # Judged and fed in true units (times S, exact: a power of two); the oracle divides again.
             forced = {n: g * float(state.scaler.scale) for n, g in forced.items()}
+        k_ds = None
         if conv.clip_norm_source == "gradient" and sc.gradient_clipping > 0:
             # Clip before Muon (the BF16_Optimizer route, DSM-013's model): what muon_update received is
             # the clipped gradient G/k. Teacher forcing undoes DeepSpeed's own k (from the norm it
@@ -392,7 +393,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
         sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode)
+        # ... and the replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input.
+        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds)
         # The lr each optimizer group really used (captured before the step), against the schedule:
         # the same closed form evaluated in float64 in another order, a few roundings apart (16 u_64).
         lr_allow = oracles.Allowance(0.0, 16 * 2.0 ** -53, "lr: float64 evaluation of the schedule's formula")

@@ -444,12 +444,20 @@ def _skip(state: OracleState, cfg: StepConfig, conv: Conventions, G: Mapping[str
 
 
 def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig,
-         conv: Conventions = Conventions(), ns_mode: str = "exact") -> tuple[OracleState, StepRecord]:
+         conv: Conventions = Conventions(), ns_mode: str = "exact",
+         forced_clip_coef: Optional[float] = None) -> tuple[OracleState, StepRecord]:
     """One optimizer step. ``ns_mode``: ``"exact"`` (float64 Newton-Schulz) or ``"emulated"``
     (:mod:`oracles.emulate`: DeepSpeed's 16-bit iteration with its rounding points; when
     ``momentum_dtype`` is a storage dtype the momentum lerps are then also evaluated as DeepSpeed
     does, with ``torch.lerp`` in that dtype). Raises :class:`oracles.loss_scaler.LossScaleAtMinimum`
-    where DeepSpeed would."""
+    where DeepSpeed would.
+
+    ``forced_clip_coef``: teacher forcing of the clip coefficient where the clip acts before Muon
+    (``clip_norm_source="gradient"``): the ``k`` the implementation applied, from its own norm (which
+    the caller checks against this step's). Newton-Schulz then reads exactly the clipped gradient the
+    implementation fed it; a ``k`` re-derived from a norm a few roundings apart would move that 16-bit
+    input by an ulp, and the emulated iteration amplifies one flipped rounding far beyond its
+    allowance. None: ``k`` from this step's norm."""
     if ns_mode not in NS_MODES:
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
     S = float(state.scaler.scale)
@@ -482,7 +490,7 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         norm = global_norm(Gs.values())
         # the growth-step accident divides by S' where S was meant
         grow = _scale_ratio(state, cfg, conv)
-        pre_k = clip_coefficient(norm * grow, c)
+        pre_k = clip_coefficient(norm * grow, c) if forced_clip_coef is None else forced_clip_coef
 
     # -- 4. Muon momentum and direction ------------------------------------------------------------
     mdt = _resolve_dtype(conv.momentum_dtype, cfg)

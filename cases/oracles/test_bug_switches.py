@@ -134,6 +134,23 @@ def test_unscaled_backward_feeds_g_over_s_and_reports_the_raw_norm():
     assert not oracle_step(st, huge, cfg, bug)[1].skipped
 
 
+def test_gradient_clip_source_clips_before_muon_with_the_forced_coefficient():
+    """DSM-013/016: the clip acts on the raw gradients before Muon; teacher forcing hands the replay the
+    k the implementation applied, and Muon's momentum then holds exactly (1-beta) G / k."""
+    cfg = StepConfig(SPECS, model_dtype="bf16", gradient_clipping=1e-4)
+    conv = Conventions(clip_norm_source="gradient")
+    st = initial_state(cfg, _weights())
+    _, own = oracle_step(st, _grads(), cfg, conv)
+    assert own.clip_coef > 1  # the clip is active
+    _, same = oracle_step(st, _grads(), cfg, conv, forced_clip_coef=own.clip_coef)
+    assert torch.equal(same.params["w"].momentum, own.params["w"].momentum)
+    _, forced = oracle_step(st, _grads(), cfg, conv, forced_clip_coef=2 * own.clip_coef)
+    g = _grads()[0][0]["w"]
+    assert torch.allclose(forced.params["w"].momentum, (1 - cfg.momentum) * g / (2 * own.clip_coef), rtol=1e-12)
+    assert forced.global_norm == own.global_norm  # the norm is the step's own, checked on its own
+    assert forced.clip_coef == 2 * own.clip_coef
+
+
 def test_switch_values_are_checked():
     for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"},
                 {"update_store_dtype": "fp32"}, {"reported_norm": "scaled"}):
