@@ -408,6 +408,9 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: (c.stage == 3 and c.offload in ("none", "cpu") and _z3_inmem(c) and _has_muon(c)
                            and _resumes(c) and any(not sk for _, _, sk in scale_plan(c)[:c.checkpoint_at])),
         quantities=WEIGHTS,
+        # What the resume loses: the Muon momentum, once; the step after the resume starts from zero and
+        # the run goes on from the (relinked) buffer it wrote.
+        model=lambda c: {"muon_momentum_lost_after": c.checkpoint_at},
         where="stage3.py _rigid_load_state_dict (optimizer.load_state_dict replaces the state tensor; nothing "
               "relinks muon_momentum_buffer_partitioned_groups_flat)",
         fix="z3-inmemory-momentum-resume",

@@ -223,6 +223,10 @@ class Conventions:
         divides by ``S`` anyway): the backward runs on the raw loss, so the fp16 overflow test sees the
         raw gradients, the optimizer reads ``G / S`` and the clip coefficient comes from ``||G|| / S``
         (DSM-015).
+    muon_momentum_lost_after: ``None`` (default) or a step count ``k``: accident of a ZeRO-3 resume with
+        ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
+        optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
+        relinks): the run resumed after step ``k`` starts step ``k + 1`` from zero Muon momentum (DSM-007).
     """
     clip_norm_source: str = "muon_update"
     scale_update_before_unscale: bool = False
@@ -241,6 +245,7 @@ class Conventions:
     update_store_dtype: Optional[str] = None
     warmup_step_at_init: bool = False
     backward_loss_scaled: bool = True
+    muon_momentum_lost_after: Optional[int] = None
     # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_
     # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
     # parameter's own (its group's, else the config's).
@@ -460,6 +465,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     allowance. None: ``k`` from this step's norm."""
     if ns_mode not in NS_MODES:
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
+    if conv.muon_momentum_lost_after is not None and state.step_count == conv.muon_momentum_lost_after:
+        state = replace(state, momentum={n: torch.zeros_like(m) for n, m in state.momentum.items()})
     S = float(state.scaler.scale)
     lp = _model_torch_dtype(cfg)
     G = accumulate(grads, cfg)

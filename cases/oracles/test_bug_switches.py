@@ -4,6 +4,7 @@ Expected values come from the intended step and the bug's stated mechanism, not 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 
 import torch
 
@@ -149,6 +150,28 @@ def test_gradient_clip_source_clips_before_muon_with_the_forced_coefficient():
     assert torch.allclose(forced.params["w"].momentum, (1 - cfg.momentum) * g / (2 * own.clip_coef), rtol=1e-12)
     assert forced.global_norm == own.global_norm  # the norm is the step's own, checked on its own
     assert forced.clip_coef == 2 * own.clip_coef
+
+
+def test_momentum_lost_at_resume_restarts_muon_from_zero_once():
+    """DSM-007: the step after the resume (step count k) starts from zero Muon momentum; other steps, the
+    Adam state and the masters read are untouched."""
+    cfg = StepConfig(SPECS, model_dtype="fp32")
+    conv = Conventions(muon_momentum_lost_after=1)
+    st0 = initial_state(cfg, _weights())
+    st1, _ = oracle_step(st0, _grads(), cfg, Conventions())
+    assert bool(st1.momentum["w"].any())
+    a1, lost = oracle_step(st1, _grads(5), cfg, conv)
+    fresh = replace(st1, momentum={"w": torch.zeros_like(st1.momentum["w"])})
+    _, ref = oracle_step(fresh, _grads(5), cfg, Conventions())
+    _, kept = oracle_step(st1, _grads(5), cfg, Conventions())
+    assert torch.equal(lost.params["w"].momentum, ref.params["w"].momentum)
+    assert not torch.equal(lost.params["w"].momentum, kept.params["w"].momentum)
+    assert torch.equal(lost.params["b"].master, kept.params["b"].master)
+    _, later = oracle_step(a1, _grads(6), cfg, conv)  # step count 2: nothing lost any more
+    _, later_ref = oracle_step(a1, _grads(6), cfg, Conventions())
+    assert torch.equal(later.params["w"].momentum, later_ref.params["w"].momentum)
+    _, first = oracle_step(st0, _grads(), cfg, conv)  # step count 0: not the resume step
+    assert torch.equal(first.params["w"].momentum, oracle_step(st0, _grads(), cfg, Conventions())[1].params["w"].momentum)
 
 
 def test_switch_values_are_checked():
