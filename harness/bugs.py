@@ -254,6 +254,24 @@ def _nvme_resume_loses_state(c: Case) -> bool:
     return scale_plan(c)[c.checkpoint_at:] != scale_plan(c, restart_at=c.checkpoint_at)[c.checkpoint_at:]
 
 
+def _nvme_resume_model(c: Case) -> dict | None:
+    """DSM-010's model: the parameters of the sub-groups that were not swapped hold a fresh engine's state
+    after the resume, in-memory Muon momentum is lost, the loss scaler restarts. None (not modelled) for
+    a module case (its fresh init is the module's), or where only part of the Adam parameters restart."""
+    from harness.nvme import predict_swapped_subgroups
+
+    if c.model:
+        return None
+    fresh = tuple(n for s in predict_swapped_subgroups(c) if not s["swapped"] for n in s["params"])
+    adam = {p.name for p in c.params if not _is_muon(p)}
+    if adam & set(fresh) and not adam <= set(fresh):
+        return None
+    out = {"fresh_after": c.checkpoint_at, "fresh_params": fresh}
+    if _z3_inmem(c) and _has_muon(c):
+        out["muon_momentum_lost_after"] = c.checkpoint_at
+    return out
+
+
 def _z3_momentum_tail_past_end(c: Case) -> bool:
     """ZeRO-3 without offload writes a rank's momentum share with ``buffer[:n - r q]`` (stage3.py:1798-1801):
     a rank whose share starts past the end of a Muon matrix (``r q > n`` with ``r q - n < q``) raises. With
@@ -457,6 +475,7 @@ BUGS: tuple[Bug, ...] = (
                 "restarts. Measured (z3-nvme-fp32-ws2, save after step 1): Adam masters 0.88 off (5.5e6x).",
         trigger=_nvme_resume_loses_state,
         quantities=WEIGHTS | SCALER | frozenset({"grad"}),
+        model=_nvme_resume_model,
         where="engine.py load_checkpoint (:4456 'not self.zero_nvme_offload_optimizer()', :4469-4482)",
         fix="nvme-resume-unswapped-state",
         reproducer="pipeline_case(3, 'nvme', 'fp32', 2, steps=3).replace(checkpoint_at=1); "

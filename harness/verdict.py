@@ -31,6 +31,7 @@ import oracles
 from harness import device
 from harness import model as model_mod
 from oracles import schedules
+from oracles.step import fresh_engine_state
 from harness.case import Case
 from harness.compare import Check, LayoutView, compare_arrays, describe, first_divergence, missing
 from harness.trajectory import Trajectory
@@ -259,6 +260,11 @@ def _t(a) -> torch.Tensor:
     return torch.as_tensor(np.asarray(a), dtype=torch.float64)
 
 
+def round_to_lp(w: torch.Tensor, case: Case) -> torch.Tensor:
+    """``w`` as the model-dtype weights of the case hold it (as float64)."""
+    return w.to(oracles.MODEL_DTYPES[case.dtype]).to(torch.float64)
+
+
 def _lp_weights(case: Case, traj: Trajectory, step: int) -> dict[str, torch.Tensor]:
     """The model-dtype weights DeepSpeed's forward saw in ``step`` (as float64)."""
     if step == 1:
@@ -335,6 +341,12 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     for rec in traj.steps:
         s = rec.step
         lp = _lp_weights(case, traj, s)
+        if conv.fresh_after is not None and s == conv.fresh_after + 1:
+            # DSM-010's model: what the resume left of a fresh engine (built on the variant-1 init,
+            # harness.ds_run) -- its masters, weights and optimizer state for the unrestored parameters.
+            fresh = {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case, variant=1).items()}
+            state = fresh_engine_state(state, sc, fresh, conv)
+            lp = {n: (round_to_lp(fresh[n], case) if n in conv.fresh_params else w) for n, w in lp.items()}
         grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
             [{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
             for r in range(W)]

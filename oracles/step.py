@@ -227,6 +227,13 @@ class Conventions:
         ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
         optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
         relinks): the run resumed after step ``k`` starts step ``k + 1`` from zero Muon momentum (DSM-007).
+    fresh_after / fresh_params: accident of a ZeRO-3 NVMe resume (``engine.py`` ``load_checkpoint`` copies
+        only the swap files back): after step ``fresh_after`` the parameters of ``fresh_params`` (the
+        sub-groups below the swap threshold) hold the fresh engine's masters, model weights and optimizer
+        state (zero momentum and moments), Adam's step count restarts where every Adam parameter is among
+        them, and the loss scaler restarts (DSM-010). What a fresh engine holds is the caller's to supply
+        (its initial weights are the harness's choice): :func:`fresh_engine_state` builds the state, and
+        ``step`` itself does not read these two fields.
     """
     clip_norm_source: str = "muon_update"
     scale_update_before_unscale: bool = False
@@ -246,6 +253,8 @@ class Conventions:
     warmup_step_at_init: bool = False
     backward_loss_scaled: bool = True
     muon_momentum_lost_after: Optional[int] = None
+    fresh_after: Optional[int] = None
+    fresh_params: tuple = ()
     # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_
     # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
     # parameter's own (its group's, else the config's).
@@ -370,6 +379,25 @@ def initial_state(cfg: StepConfig, weights: Mapping[str, torch.Tensor],
             av[spec.name] = zeros.clone()
     state = OracleState(master, mom, am, av, 0, scaler_initial_state(cfg.loss_scaler))
     return _warmup_step(state, cfg, conv) if conv.warmup_step_at_init else state
+
+
+def fresh_engine_state(state: OracleState, cfg: StepConfig, fresh_weights: Mapping[str, torch.Tensor],
+                       conv: Conventions) -> OracleState:
+    """``state`` with the parameters of ``conv.fresh_params`` replaced by what a fresh engine built on
+    ``fresh_weights`` holds before its first step (``Conventions.fresh_after``): masters from the rounded
+    weights, zero Muon momentum and Adam moments; Adam's step count 0 when every Adam parameter is fresh
+    (else a ValueError: one count cannot hold two histories); a fresh loss scaler."""
+    names = set(conv.fresh_params)
+    adam = {p.name for p in cfg.params if not p.use_muon}
+    if adam & names and not adam <= names:
+        raise ValueError(f"a fresh Adam state for {sorted(adam & names)} only: Adam's single step count "
+                         "cannot model part of the Adam parameters restarting")
+    new = initial_state(cfg, {n: fresh_weights[n] if n in names else state.master[n] for n in state.master},
+                        replace(conv, warmup_step_at_init=False))
+    pick = lambda old, fresh: {n: (fresh[n] if n in names else t) for n, t in old.items()}  # noqa: E731
+    return replace(state, master=pick(state.master, new.master), momentum=pick(state.momentum, new.momentum),
+                   adam_m=pick(state.adam_m, new.adam_m), adam_v=pick(state.adam_v, new.adam_v),
+                   adam_step=0 if (adam and adam <= names) else state.adam_step, scaler=new.scaler)
 
 
 def _warmup_step(state: OracleState, cfg: StepConfig, conv: Conventions) -> OracleState:

@@ -174,6 +174,36 @@ def test_momentum_lost_at_resume_restarts_muon_from_zero_once():
     assert torch.equal(first.params["w"].momentum, oracle_step(st0, _grads(), cfg, Conventions())[1].params["w"].momentum)
 
 
+def test_fresh_engine_state_replaces_only_the_unrestored_parameters():
+    """DSM-010: after an NVMe resume the parameters of unswapped sub-groups hold a fresh engine's masters
+    and zero optimizer state, Adam's count restarts when all of Adam is fresh, the scaler restarts."""
+    from oracles.step import fresh_engine_state
+
+    cfg = StepConfig(SPECS, model_dtype="fp16", loss_scaler=LossScalerConfig(initial_scale_power=8, loss_scale_window=1))
+    st = initial_state(cfg, _weights())
+    for seed in (4, 5):
+        st, _ = oracle_step(st, _grads(seed), cfg, Conventions())
+    assert st.adam_step == 2 and st.scaler.scale == 512  # window 1: grown once by the second step
+    other = {n: w * 2 for n, w in _weights().items()}
+    new = fresh_engine_state(st, cfg, other, Conventions(fresh_after=2, fresh_params=("b",)))
+    assert torch.equal(new.master["b"], round_to(round_to(other["b"], torch.float16), torch.float32))
+    assert not bool(new.adam_m["b"].any()) and not bool(new.adam_v["b"].any()) and new.adam_step == 0
+    assert torch.equal(new.master["w"], st.master["w"]) and torch.equal(new.momentum["w"], st.momentum["w"])
+    assert new.scaler.scale == 256 and new.step_count == st.step_count
+    both = fresh_engine_state(st, cfg, other, Conventions(fresh_after=2, fresh_params=("w", "b")))
+    assert not bool(both.momentum["w"].any())
+    none = fresh_engine_state(st, cfg, other, Conventions(fresh_after=2))
+    assert none.adam_step == 2 and torch.equal(none.master["b"], st.master["b"]) and none.scaler.scale == 256
+    two_adam = StepConfig(SPECS + (ParamSpec("c", (3,), False),))
+    st2 = initial_state(two_adam, {**_weights(), "c": torch.ones(3, dtype=torch.float64)})
+    try:
+        fresh_engine_state(st2, two_adam, {**other, "c": torch.ones(3)}, Conventions(fresh_after=1, fresh_params=("b",)))
+    except ValueError as e:
+        assert "step count" in str(e)
+    else:
+        raise AssertionError("part of Adam restarting accepted")
+
+
 def test_switch_values_are_checked():
     for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"},
                 {"update_store_dtype": "fp32"}, {"reported_norm": "scaled"}):

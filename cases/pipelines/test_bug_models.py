@@ -22,14 +22,14 @@ from harness.scenarios import pipeline_case
 from harness.verdict import bug_model, judge
 
 MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009",
-            "DSM-013", "DSM-014", "DSM-015", "DSM-016"}
+            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016"}
 
 
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():
     assert {b.id for b in BUGS if b.model is not None} == MODELLED
     assert {b.id for b in BUGS if b.modelled == "crash"} == {"DSM-012", "DSM-017"}
-    # Not modelled, and why: DSM-010 loses checkpoint state (resume only); DSM-011 is about files on disk.
-    assert {b.id for b in BUGS if b.modelled == "no"} == {"DSM-010", "DSM-011"}
+    # Not modelled, and why: DSM-011 is about files left on disk, no trajectory quantity.
+    assert {b.id for b in BUGS if b.modelled == "no"} == {"DSM-011"}
     for b in BUGS:
         if b.model is not None and b.id != "DSM-002":
             assert b.quantities & NUMERIC, b.id
