@@ -254,6 +254,24 @@ def _nvme_resume_loses_state(c: Case) -> bool:
     return scale_plan(c)[c.checkpoint_at:] != scale_plan(c, restart_at=c.checkpoint_at)[c.checkpoint_at:]
 
 
+def _nvme_resume_model(c: Case) -> dict | None:
+    """DSM-010's model: the parameters of the sub-groups that were not swapped hold a fresh engine's state
+    after the resume, in-memory Muon momentum is lost, the loss scaler restarts. None (not modelled) for
+    a module case (its fresh init is the module's), or where only part of the Adam parameters restart."""
+    from harness.nvme import predict_swapped_subgroups
+
+    if c.model:
+        return None
+    fresh = tuple(n for s in predict_swapped_subgroups(c) if not s["swapped"] for n in s["params"])
+    adam = {p.name for p in c.params if not _is_muon(p)}
+    if adam & set(fresh) and not adam <= set(fresh):
+        return None
+    out = {"fresh_after": c.checkpoint_at, "fresh_params": fresh}
+    if _z3_inmem(c) and _has_muon(c):
+        out["muon_momentum_lost_after"] = c.checkpoint_at
+    return out
+
+
 def _z3_momentum_tail_past_end(c: Case) -> bool:
     """ZeRO-3 without offload writes a rank's momentum share with ``buffer[:n - r q]`` (stage3.py:1798-1801):
     a rank whose share starts past the end of a Muon matrix (``r q > n`` with ``r q - n < q``) raises. With
@@ -304,11 +322,12 @@ BUGS: tuple[Bug, ...] = (
         # does across a scale change): in fp16 a true-unit value below 2^-14 would be subnormal, the
         # scaled one is not, so the units decide the rounding even at a constant scale.
         # ZeRO-3 without offload with communication_data_type fp32 but a 16-bit gradient partition is
-        # another shape of the bug (measured on z3-none-bf16-ws2-comm32: the momentum matches fp32
-        # storage except the DSM-009 tail, the masters are ~330x off, consistent with the update being
-        # rounded into the 16-bit partition); no oracle switch models that yet, so there the bug
-        # excuses by quantity and the case does not count as full strength.
-        model=lambda c: None if (c.stage == 3 and c.offload == "none" and _comm(c) == "fp32") else
+        # another shape of the bug: the momentum is fp32 (the communication dtype) and Newton-Schulz
+        # reads the fp32 gather, but its update is copied back into the gradient partition of
+        # gradient_accumulation_dtype (stage3.py:1855-1859) and rounded there before the norm and the
+        # step (measured on z3-none-bf16-ws2-comm32: masters ~330x off the intended oracle).
+        model=lambda c: {"update_store_dtype": _gad(c)} if (c.stage == 3 and c.offload == "none"
+                                                            and _comm(c) == "fp32") else
         {"momentum_dtype": "model", **({"momentum_units": "scaled"} if c.offload == "none" else {})},
         where="stage_1_and_2.py _muon_momentum_buffer (buffer follows the grad dtype); "
               "stage3.py _create_momentum_buffer (communication_data_type), _apply_muon_to_accumulated_grads "
@@ -407,6 +426,9 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: (c.stage == 3 and c.offload in ("none", "cpu") and _z3_inmem(c) and _has_muon(c)
                            and _resumes(c) and any(not sk for _, _, sk in scale_plan(c)[:c.checkpoint_at])),
         quantities=WEIGHTS,
+        # What the resume loses: the Muon momentum, once; the step after the resume starts from zero and
+        # the run goes on from the (relinked) buffer it wrote.
+        model=lambda c: {"muon_momentum_lost_after": c.checkpoint_at},
         where="stage3.py _rigid_load_state_dict (optimizer.load_state_dict replaces the state tensor; nothing "
               "relinks muon_momentum_buffer_partitioned_groups_flat)",
         fix="z3-inmemory-momentum-resume",
@@ -453,6 +475,7 @@ BUGS: tuple[Bug, ...] = (
                 "restarts. Measured (z3-nvme-fp32-ws2, save after step 1): Adam masters 0.88 off (5.5e6x).",
         trigger=_nvme_resume_loses_state,
         quantities=WEIGHTS | SCALER | frozenset({"grad"}),
+        model=_nvme_resume_model,
         where="engine.py load_checkpoint (:4456 'not self.zero_nvme_offload_optimizer()', :4469-4482)",
         fix="nvme-resume-unswapped-state",
         reproducer="pipeline_case(3, 'nvme', 'fp32', 2, steps=3).replace(checkpoint_at=1); "
@@ -492,12 +515,11 @@ BUGS: tuple[Bug, ...] = (
                 "norm 1.70 vs 3.85; with clip 0.05 the Muon master is 0.029 off (2e5x).",
         trigger=lambda c: _bf16_optimizer(c) and _has_muon(c),
         quantities=frozenset({"global_norm", "grad", "master", "model", "update", "momentum"}),
-        # Not yet a model the gate uses: with clip_norm_source="gradient" (clip before Muon, reported norm
-        # over the raw gradients) the momentum and the norm match stock on seeds 0-2 at the usual
-        # tolerances, but the replay re-derives k from the forced gradient, so Newton-Schulz's 16-bit
-        # input differs from DeepSpeed's in the last fp32 bit and the emulated (bit-faithful) update and
-        # master allowances fail (1e3x). No CI gate case takes this route.
-        model=None,
+        # The clip before Muon over the raw gradients, their norm reported. The replay clips with the k
+        # DeepSpeed applied (from its reported norm, checked against the oracle's), so Newton-Schulz reads
+        # exactly DeepSpeed's 16-bit input (``oracles.step`` ``forced_clip_coef``): a k re-derived from the
+        # oracle's norm moved that input by an fp32 ulp and the emulated update by 1e3x its allowance.
+        model=lambda c: {"clip_norm_source": "gradient"},
         where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
         fix="bf16-optimizer-muon-norm",
         reproducer="pipeline_case(1, 'none', 'bf16', 2) with data_types.grad_accum_dtype fp32 "
@@ -513,6 +535,7 @@ BUGS: tuple[Bug, ...] = (
                 "(1.7e3x) at step 1.",
         trigger=lambda c: _z0_unfused(c) and (_has_adam(c) or _wd_of(c) > 0),
         quantities=frozenset({"master", "model"}),
+        model=lambda c: {"warmup_step_at_init": True},
         where="fp16/unfused_optimizer.py initialize_optimizer_states (:412-433), called from __init__ (:108)",
         fix="z0-no-init-step",
         reproducer="pipeline_case(0, 'none', 'bf16', 1, steps=3)",
@@ -527,6 +550,7 @@ BUGS: tuple[Bug, ...] = (
                 "gradients 1/256 of the true ones (40x-60x their allowance).",
         trigger=lambda c: c.stage == 0 and c.dtype == "fp16",
         quantities=frozenset({"grad", "global_norm"}),
+        model=lambda c: {"backward_loss_scaled": False},
         where="engine.py backward (:3415-3418, scale only for ZeROOptimizer); fp16/unfused_optimizer.py "
               "unscale_and_clip_grads (:243-258)",
         fix="z0-fp16-loss-scale",
@@ -542,6 +566,12 @@ BUGS: tuple[Bug, ...] = (
                 "clips the raw gradients too (engine clip_fp32_gradients) and reports no norm.",
         trigger=lambda c: c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0),
         quantities=frozenset({"global_norm"}),
+        # The clip before Muon over the raw gradients, and their norm reported as the backward left them
+        # (times the loss scale, where the backward was scaled: DSM-015 fixed). fp32 stage 0 reports no
+        # norm, so the clip DeepSpeed applied to the captured gradient cannot be undone from its own
+        # coefficient: not modelled there (no gate case takes that route).
+        model=lambda c: {"clip_norm_source": "gradient", "reported_norm": "raw"} if c.dtype in ("fp16", "bf16")
+        else None,
         where="fp16/unfused_optimizer.py step (:209-228); engine.py _take_model_step (:3505-3510)",
         reproducer="pipeline_case(0, 'none', 'bf16', 2, steps=3)",
     ),

@@ -194,9 +194,11 @@ def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched
 STOCK_KILL_MUTANTS = ("nesterov-dropped", "momentum-beta-offset-1e-3", "rank-contribution-dropped")
 # Stock xfail cases of the CI gate, one per bug model combination that is cheap to run (world size 2,
 # so a dropped rank reaches each): DSM-001 on ZeRO-1 and on ZeRO-3 offload, DSM-001+004 across an
-# overflow, DSM-003 across a growth step on offload.
+# overflow, DSM-003 across a growth step on offload, DSM-001 as the 16-bit update store of ZeRO-3 comm32,
+# DSM-014/015/016 without ZeRO (fp16 and bf16), DSM-013 on the BF16_Optimizer route with clipping.
 STOCK_KILL_CASES = ("z1-none-bf16-ws2-ga2-clip0.05-standard", "z3-cpu-bf16-ws2-heads", "z1-none-fp16-ws2-overflow",
-                    "z1-cpu-fp16-ws2-growth")
+                    "z1-cpu-fp16-ws2-growth", "z3-none-bf16-ws2-comm32", "z0-none-fp16-ws2",
+                    "z0-none-bf16-ws2-ga2-standard", "z1-none-bf16-ws2-ga2-clip0.05-gad32")
 
 
 def stock_kill_cases() -> list[Case]:

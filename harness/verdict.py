@@ -31,6 +31,7 @@ import oracles
 from harness import device
 from harness import model as model_mod
 from oracles import schedules
+from oracles.step import fresh_engine_state
 from harness.case import Case
 from harness.compare import Check, LayoutView, compare_arrays, describe, first_divergence, missing
 from harness.trajectory import Trajectory
@@ -259,6 +260,11 @@ def _t(a) -> torch.Tensor:
     return torch.as_tensor(np.asarray(a), dtype=torch.float64)
 
 
+def round_to_lp(w: torch.Tensor, case: Case) -> torch.Tensor:
+    """``w`` as the model-dtype weights of the case hold it (as float64)."""
+    return w.to(oracles.MODEL_DTYPES[case.dtype]).to(torch.float64)
+
+
 def _lp_weights(case: Case, traj: Trajectory, step: int) -> dict[str, torch.Tensor]:
     """The model-dtype weights DeepSpeed's forward saw in ``step`` (as float64)."""
     if step == 1:
@@ -335,6 +341,12 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     for rec in traj.steps:
         s = rec.step
         lp = _lp_weights(case, traj, s)
+        if conv.fresh_after is not None and s == conv.fresh_after + 1:
+            # DSM-010's model: what the resume left of a fresh engine (built on the variant-1 init,
+            # harness.ds_run) -- its masters, weights and optimizer state for the unrestored parameters.
+            fresh = {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case, variant=1).items()}
+            state = fresh_engine_state(state, sc, fresh, conv)
+            lp = {n: (round_to_lp(fresh[n], case) if n in conv.fresh_params else w) for n, w in lp.items()}
         grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
             [{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
             for r in range(W)]
@@ -343,7 +355,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         if case.dtype == "fp16" and mo is None:
             # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
             # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
-            S = float(state.scaler.scale)
+            # (a raw-loss backward, DSM-015's model, runs at scale 1 whatever the scaler says)
+            S = float(state.scaler.scale) if conv.backward_loss_scaled else 1.0
             for r in range(W):
                 for mu in range(GAS):
                     if model_mod.backward_overflows(lp, case, r, s, mu, S):
@@ -355,13 +368,20 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         for n, ps in rec.params.items():
             if ps.grad is not None:
                 forced[n] = _t(ps.grad) / float(ps.grad_scale)
+        if not conv.backward_loss_scaled:
+            # The raw-loss backward divided by S anyway (DSM-015's model): DeepSpeed's gradient is G/S.
+            # Judged and fed in true units (times S, exact: a power of two); the oracle divides again.
+            forced = {n: g * float(state.scaler.scale) for n, g in forced.items()}
+        k_ds = None
         if conv.clip_norm_source == "gradient" and sc.gradient_clipping > 0:
             # Clip before Muon (the BF16_Optimizer route, DSM-013's model): what muon_update received is
             # the clipped gradient G/k. Teacher forcing undoes DeepSpeed's own k (from the norm it
             # reports, itself checked against the oracle's below), so the gradient check and the replay
             # start from the averaged gradient, as on every other path.
             if rec.global_norm is not None and math.isfinite(rec.global_norm):
-                k_ds = oracles.clip_coefficient(float(rec.global_norm), sc.gradient_clipping)
+                # (a reported raw norm carries the backward's scale; the clip divides it by S: DSM-016)
+                k_units = float(state.scaler.scale) if conv.reported_norm == "raw" else 1.0
+                k_ds = oracles.clip_coefficient(float(rec.global_norm) / k_units, sc.gradient_clipping)
                 forced = {n: (g * k_ds if spec[n].use_muon else g) for n, g in forced.items()}
         feed = {n: forced.get(n, true_G[n]) for n in true_G}
         feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``
@@ -385,7 +405,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
         sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode)
+        # ... and the replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input.
+        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds)
         # The lr each optimizer group really used (captured before the step), against the schedule:
         # the same closed form evaluated in float64 in another order, a few roundings apart (16 u_64).
         lr_allow = oracles.Allowance(0.0, 16 * 2.0 ** -53, "lr: float64 evaluation of the schedule's formula")

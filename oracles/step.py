@@ -192,9 +192,11 @@ class Conventions:
         ``parameter_alignment``; ``muon_optimizer.py`` without ZeRO; ``bf16_optimizer.py``).
     conv_aspect: 4-D kernels: ``"reshaped"`` (default, the aspect scale of the orthogonalised
         ``(out, in*kh*kw)`` matrix) or ``"last_two_dims"`` (Keller's inherited ``s(kh, kw)``).
-    reported_norm: what ``get_global_grad_norm()`` returns: ``"norm"`` (default, the norm in true units)
-        or ``"clip_norm"`` (accident of ``stage3.py`` ``step``: the norm divided by the scale *after*
-        ``update_scale``, so halved on a growth step; DSM-003).
+    reported_norm: what ``get_global_grad_norm()`` returns: ``"norm"`` (default, the norm in true units),
+        ``"clip_norm"`` (accident of ``stage3.py`` ``step``: the norm divided by the scale *after*
+        ``update_scale``, so halved on a growth step; DSM-003) or ``"raw"`` (``fp16/unfused_optimizer.py``
+        ``step``: the norm of the gradients as the backward left them, i.e. times the backward's loss
+        scale; DSM-016).
     scaled_update_dtype: where the offload paths form the loss-scaled Muon update ``S*O`` before
         unscaling: ``"float64"`` (default: exact) or ``"model"`` (accident of ZeRO-3 cpu/nvme offload,
         ``stage3.py`` ``_apply_muon_updates_cpu_offload``: in gradient_accumulation_dtype, so an fp16
@@ -205,6 +207,33 @@ class Conventions:
         Muon matrix holds the padded tail writes its momentum slice through a buffer of
         gradient_accumulation_dtype, so that slice alone (flat elements ``r*ceil(n/W)`` to ``n``) is rounded
         to it after every step (DSM-009).
+    update_store_dtype: ``None`` (default) or a storage dtype (``"fp16"``/``"bf16"``): accident of ZeRO-3
+        without offload (``stage3.py`` ``_apply_muon_to_accumulated_grads``): Newton-Schulz runs on the
+        gradient gathered in communication_data_type, but its update ``O`` is copied back into the
+        gradient partition, which is gradient_accumulation_dtype; with communication_data_type fp32 over
+        a 16-bit partition ``O`` is rounded to 16 bit there, before the norm and the step read it (DSM-001).
+    warmup_step_at_init: accident of stage 0 in fp16/bf16 (``fp16/unfused_optimizer.py``
+        ``initialize_optimizer_states``): at initialize the inner MuonWithAuxAdam steps once on zero
+        gradients, without the loss scaler: Adam's step count starts at 1 (the first real step is
+        bias-corrected as step 2), and each half's decoupled weight decay (AdamW's, Muon's) shrinks the
+        fp32 masters once; the model weights are not refreshed until the first real step (DSM-014).
+        Applied by :func:`initial_state`.
+    backward_loss_scaled: True (default) or False -- accident of stage-0 fp16 (``engine.py`` ``backward``
+        scales the loss only for a ZeRO optimizer; ``fp16/unfused_optimizer.py`` ``unscale_and_clip_grads``
+        divides by ``S`` anyway): the backward runs on the raw loss, so the fp16 overflow test sees the
+        raw gradients, the optimizer reads ``G / S`` and the clip coefficient comes from ``||G|| / S``
+        (DSM-015).
+    muon_momentum_lost_after: ``None`` (default) or a step count ``k``: accident of a ZeRO-3 resume with
+        ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
+        optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
+        relinks): the run resumed after step ``k`` starts step ``k + 1`` from zero Muon momentum (DSM-007).
+    fresh_after / fresh_params: accident of a ZeRO-3 NVMe resume (``engine.py`` ``load_checkpoint`` copies
+        only the swap files back): after step ``fresh_after`` the parameters of ``fresh_params`` (the
+        sub-groups below the swap threshold) hold the fresh engine's masters, model weights and optimizer
+        state (zero momentum and moments), Adam's step count restarts where every Adam parameter is among
+        them, and the loss scaler restarts (DSM-010). What a fresh engine holds is the caller's to supply
+        (its initial weights are the harness's choice): :func:`fresh_engine_state` builds the state, and
+        ``step`` itself does not read these two fields.
     """
     clip_norm_source: str = "muon_update"
     scale_update_before_unscale: bool = False
@@ -220,14 +249,21 @@ class Conventions:
     reported_norm: str = "norm"
     scaled_update_dtype: str = "float64"
     padded_tail_momentum_dtype: Optional[str] = None
+    update_store_dtype: Optional[str] = None
+    warmup_step_at_init: bool = False
+    backward_loss_scaled: bool = True
+    muon_momentum_lost_after: Optional[int] = None
+    fresh_after: Optional[int] = None
+    fresh_params: tuple = ()
     # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_
     # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
     # parameter's own (its group's, else the config's).
     muon_ns_method: Optional[str] = None
 
     def __post_init__(self):
-        checks = {"reported_norm": ("norm", "clip_norm"), "scaled_update_dtype": ("float64", "model"),
-                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"), "muon_ns_method": (None, "gram", "standard"),
+        checks = {"reported_norm": ("norm", "clip_norm", "raw"), "scaled_update_dtype": ("float64", "model"),
+                  "padded_tail_momentum_dtype": (None, "fp16", "bf16"),
+                  "update_store_dtype": (None, "fp16", "bf16"), "muon_ns_method": (None, "gram", "standard"),
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
                   "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
@@ -341,7 +377,45 @@ def initial_state(cfg: StepConfig, weights: Mapping[str, torch.Tensor],
         else:
             am[spec.name] = zeros
             av[spec.name] = zeros.clone()
-    return OracleState(master, mom, am, av, 0, scaler_initial_state(cfg.loss_scaler))
+    state = OracleState(master, mom, am, av, 0, scaler_initial_state(cfg.loss_scaler))
+    return _warmup_step(state, cfg, conv) if conv.warmup_step_at_init else state
+
+
+def fresh_engine_state(state: OracleState, cfg: StepConfig, fresh_weights: Mapping[str, torch.Tensor],
+                       conv: Conventions) -> OracleState:
+    """``state`` with the parameters of ``conv.fresh_params`` replaced by what a fresh engine built on
+    ``fresh_weights`` holds before its first step (``Conventions.fresh_after``): masters from the rounded
+    weights, zero Muon momentum and Adam moments; Adam's step count 0 when every Adam parameter is fresh
+    (else a ValueError: one count cannot hold two histories); a fresh loss scaler."""
+    names = set(conv.fresh_params)
+    adam = {p.name for p in cfg.params if not p.use_muon}
+    if adam & names and not adam <= names:
+        raise ValueError(f"a fresh Adam state for {sorted(adam & names)} only: Adam's single step count "
+                         "cannot model part of the Adam parameters restarting")
+    new = initial_state(cfg, {n: fresh_weights[n] if n in names else state.master[n] for n in state.master},
+                        replace(conv, warmup_step_at_init=False))
+    pick = lambda old, fresh: {n: (fresh[n] if n in names else t) for n, t in old.items()}  # noqa: E731
+    return replace(state, master=pick(state.master, new.master), momentum=pick(state.momentum, new.momentum),
+                   adam_m=pick(state.adam_m, new.adam_m), adam_v=pick(state.adam_v, new.adam_v),
+                   adam_step=0 if (adam and adam <= names) else state.adam_step, scaler=new.scaler)
+
+
+def _warmup_step(state: OracleState, cfg: StepConfig, conv: Conventions) -> OracleState:
+    """The inner optimizer's step on zero gradients at initialize (``Conventions.warmup_step_at_init``):
+    Muon's momentum and direction stay zero, so only its decoupled decay acts; Adam takes a full step on
+    a zero gradient (``t = 1``; its L2 decay, if any, feeds ``m, v``). No loss-scaler step, no applied
+    optimizer step counted."""
+    master, am, av = dict(state.master), dict(state.adam_m), dict(state.adam_v)
+    for spec in cfg.params:
+        n, hp = spec.name, cfg.hyper(spec)
+        theta = state.master[n].to(torch.float64)
+        if spec.use_muon:
+            master[n] = round_master(theta * (1.0 - hp["lr"] * hp["weight_decay"]), conv)
+            continue
+        res = adam_step(theta, torch.zeros_like(theta), state.adam_m[n], state.adam_v[n], 1, lr=hp["lr"],
+                        betas=cfg.betas, eps=cfg.eps, weight_decay=hp["weight_decay"], adam_w_mode=cfg.adam_w_mode)
+        master[n], am[n], av[n] = round_master(res.theta, conv), res.m, res.v
+    return replace(state, master=master, adam_m=am, adam_v=av, adam_step=1)
 
 
 def accumulate(grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig) -> dict[str, torch.Tensor]:
@@ -403,14 +477,24 @@ def _skip(state: OracleState, cfg: StepConfig, conv: Conventions, G: Mapping[str
 
 
 def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig,
-         conv: Conventions = Conventions(), ns_mode: str = "exact") -> tuple[OracleState, StepRecord]:
+         conv: Conventions = Conventions(), ns_mode: str = "exact",
+         forced_clip_coef: Optional[float] = None) -> tuple[OracleState, StepRecord]:
     """One optimizer step. ``ns_mode``: ``"exact"`` (float64 Newton-Schulz) or ``"emulated"``
     (:mod:`oracles.emulate`: DeepSpeed's 16-bit iteration with its rounding points; when
     ``momentum_dtype`` is a storage dtype the momentum lerps are then also evaluated as DeepSpeed
     does, with ``torch.lerp`` in that dtype). Raises :class:`oracles.loss_scaler.LossScaleAtMinimum`
-    where DeepSpeed would."""
+    where DeepSpeed would.
+
+    ``forced_clip_coef``: teacher forcing of the clip coefficient where the clip acts before Muon
+    (``clip_norm_source="gradient"``): the ``k`` the implementation applied, from its own norm (which
+    the caller checks against this step's). Newton-Schulz then reads exactly the clipped gradient the
+    implementation fed it; a ``k`` re-derived from a norm a few roundings apart would move that 16-bit
+    input by an ulp, and the emulated iteration amplifies one flipped rounding far beyond its
+    allowance. None: ``k`` from this step's norm."""
     if ns_mode not in NS_MODES:
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
+    if conv.muon_momentum_lost_after is not None and state.step_count == conv.muon_momentum_lost_after:
+        state = replace(state, momentum={n: torch.zeros_like(m) for n, m in state.momentum.items()})
     S = float(state.scaler.scale)
     lp = _model_torch_dtype(cfg)
     G = accumulate(grads, cfg)
@@ -419,12 +503,16 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     nonfinite = any(not bool(torch.isfinite(g).all()) for g in G.values())
     if nonfinite and (conv.skip_on_nonfinite == "always" or cfg.model_dtype == "fp16"):
         return _skip(state, cfg, conv, G, "nonfinite_grad")
-    if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, S):
+    backward_scale = S if conv.backward_loss_scaled else 1.0
+    if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, backward_scale):
         return _skip(state, cfg, conv, G, "fp16_overflow")
 
     # -- 2. the gradient the optimizer reads (storage rounding in DeepSpeed's x S units) -----------
     gdt = _resolve_dtype(conv.grad_dtype, cfg)
-    Gs = {n: (round_to(g * S, gdt) / S if gdt != torch.float64 else g) for n, g in G.items()}
+    Gs = {n: (round_to(g * backward_scale, gdt) / backward_scale if gdt != torch.float64 else g) for n, g in G.items()}
+    # the raw-loss backward divided by S anyway (DSM-015): the optimizer reads G / S, norms included
+    read = 1.0 if conv.backward_loss_scaled else 1.0 / S
+    Gs = {n: g * read for n, g in Gs.items()}
 
     muon_specs = [p for p in cfg.params if p.use_muon]
     adam_specs = [p for p in cfg.params if not p.use_muon]
@@ -437,7 +525,7 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         norm = global_norm(Gs.values())
         # the growth-step accident divides by S' where S was meant
         grow = _scale_ratio(state, cfg, conv)
-        pre_k = clip_coefficient(norm * grow, c)
+        pre_k = clip_coefficient(norm * grow, c) if forced_clip_coef is None else forced_clip_coef
 
     # -- 4. Muon momentum and direction ------------------------------------------------------------
     mdt = _resolve_dtype(conv.momentum_dtype, cfg)
@@ -473,6 +561,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
             m_new = _round_padded_tail(m_new, cfg.world_size, MODEL_DTYPES[conv.padded_tail_momentum_dtype])
         new_mom[n] = m_new
         directions[n] = O.to(torch.float64)
+        if conv.update_store_dtype is not None:
+            directions[n] = round_to(directions[n], MODEL_DTYPES[conv.update_store_dtype])
 
     if (conv.scaled_update_dtype == "model" and cfg.model_dtype == "fp16"
             and any(bool((directions[p.name].abs() * S >= FP16_OVERFLOW).any()) for p in muon_specs)):
@@ -521,7 +611,7 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],
                               round_to(master[n], lp), res.m, res.v)
     new_state = OracleState(master, momentum, adam_m, adam_v, t, scaler, state.step_count + 1, state.skipped_steps)
-    reported = clip_norm if conv.reported_norm == "clip_norm" else norm
+    reported = {"norm": norm, "clip_norm": clip_norm, "raw": norm / read * backward_scale}[conv.reported_norm]
     return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs, reported)
 
 

@@ -4,6 +4,7 @@ Expected values come from the intended step and the bug's stated mechanism, not 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 
 import torch
 
@@ -73,8 +74,139 @@ def test_padded_tail_momentum_rounds_only_the_tail_rank_slice():
     assert torch.equal(a.params["w"].momentum, b.params["w"].momentum)  # 24 = 2 x 12: no padded tail
 
 
+def test_update_stored_in_a_16_bit_partition_rounds_the_applied_update_only():
+    """DSM-001 on ZeRO-3 with communication_data_type fp32 over a bf16 partition: the momentum is the
+    intended one, the direction the norm and the step read is the intended direction rounded to bf16."""
+    cfg = StepConfig(SPECS, model_dtype="bf16", world_size=2, muon_lr=0.05)
+    grads = _grads() * 2
+    st = initial_state(cfg, _weights())
+    _, exact = oracle_step(st, grads, cfg, Conventions())
+    _, stored = oracle_step(st, grads, cfg, Conventions(update_store_dtype="bf16"))
+    e, s = exact.params["w"], stored.params["w"]
+    assert torch.equal(s.momentum, e.momentum)
+    assert torch.equal(s.direction, round_to(e.direction, torch.bfloat16))
+    assert not torch.equal(s.direction, e.direction)
+    assert torch.equal(s.master, round_to(st.master["w"] - 0.05 * s.direction, torch.float32))
+    assert stored.params["b"].master.equal(exact.params["b"].master)  # Adam is not a Muon update
+    assert stored.global_norm != exact.global_norm  # the norm reads the rounded update
+
+
+def test_warmup_step_at_init_starts_adam_at_step_one_and_decays_the_masters_once():
+    """DSM-014: the inner optimizer's step on zero gradients at initialize: Adam's count is 1, its moments
+    stay zero (AdamW), each half's decoupled decay shrinks the masters once; the scaler does not move."""
+    cfg = StepConfig(SPECS, model_dtype="bf16", weight_decay=0.1, muon_lr=0.02, adam_lr=1e-3)
+    plain = initial_state(cfg, _weights())
+    warm = initial_state(cfg, _weights(), Conventions(warmup_step_at_init=True))
+    assert plain.adam_step == 0 and warm.adam_step == 1 and warm.step_count == 0
+    assert warm.scaler == plain.scaler
+    assert torch.equal(warm.adam_m["b"], plain.adam_m["b"]) and torch.equal(warm.adam_v["b"], plain.adam_v["b"])
+    assert torch.equal(warm.master["w"], round_to(plain.master["w"] * (1 - 0.02 * 0.1), torch.float32))
+    assert torch.equal(warm.master["b"], round_to(plain.master["b"] * (1 - 1e-3 * 0.1), torch.float32))
+    # the first real step is then Adam's second: bias correction 1 - beta^2, not 1 - beta
+    _, r0 = oracle_step(plain, _grads(), cfg, Conventions())
+    _, r1 = oracle_step(warm, _grads(), cfg, Conventions(warmup_step_at_init=True))
+    d0, d1 = r0.params["b"].direction, r1.params["b"].direction
+    (b1, b2) = cfg.betas
+    expected = d0 * ((1 - b1) / (1 - b1 ** 2)) / ((1 - b2) / (1 - b2 ** 2)) ** 0.5
+    assert torch.allclose(d1, expected, rtol=1e-6) and not torch.allclose(d1, d0, rtol=1e-3)
+    nodecay = StepConfig(SPECS, model_dtype="bf16")
+    w0 = initial_state(nodecay, _weights(), Conventions(warmup_step_at_init=True))
+    assert torch.equal(w0.master["w"], initial_state(nodecay, _weights()).master["w"])
+
+
+def test_unscaled_backward_feeds_g_over_s_and_reports_the_raw_norm():
+    """DSM-015 (+ DSM-016's raw norm): the loss is never scaled but the gradients are divided by S: the
+    optimizer reads G/S (Muon's momentum holds it), the raw norm is ||G||; with a scaled backward the
+    raw norm carries S."""
+    cfg = StepConfig(SPECS, model_dtype="fp16", loss_scaler=LossScalerConfig(initial_scale_power=8))
+    S = 256.0
+    base = Conventions(clip_norm_source="gradient", reported_norm="raw")
+    bug = Conventions(clip_norm_source="gradient", reported_norm="raw", backward_loss_scaled=False)
+    st = initial_state(cfg, _weights())
+    _, ok = oracle_step(st, _grads(), cfg, base)
+    _, r = oracle_step(st, _grads(), cfg, bug)
+    assert torch.allclose(r.params["w"].momentum, ok.params["w"].momentum / S, rtol=1e-12, atol=0)
+    assert torch.allclose(r.params["b"].adam_m, ok.params["b"].adam_m / S, rtol=1e-12, atol=0)
+    assert r.global_norm == ok.global_norm / S
+    assert r.reported_norm == ok.global_norm and ok.reported_norm == S * ok.global_norm
+    # the fp16 overflow test sees the raw gradient: S*g beyond fp16 no longer skips
+    huge = _grads(scale=400.0)  # S*|g| >= 65520 somewhere, |g| itself far below
+    assert oracle_step(st, huge, cfg, base)[1].skipped
+    assert not oracle_step(st, huge, cfg, bug)[1].skipped
+
+
+def test_gradient_clip_source_clips_before_muon_with_the_forced_coefficient():
+    """DSM-013/016: the clip acts on the raw gradients before Muon; teacher forcing hands the replay the
+    k the implementation applied, and Muon's momentum then holds exactly (1-beta) G / k."""
+    cfg = StepConfig(SPECS, model_dtype="bf16", gradient_clipping=1e-4)
+    conv = Conventions(clip_norm_source="gradient")
+    st = initial_state(cfg, _weights())
+    _, own = oracle_step(st, _grads(), cfg, conv)
+    assert own.clip_coef > 1  # the clip is active
+    _, same = oracle_step(st, _grads(), cfg, conv, forced_clip_coef=own.clip_coef)
+    assert torch.equal(same.params["w"].momentum, own.params["w"].momentum)
+    _, forced = oracle_step(st, _grads(), cfg, conv, forced_clip_coef=2 * own.clip_coef)
+    g = _grads()[0][0]["w"]
+    assert torch.allclose(forced.params["w"].momentum, (1 - cfg.momentum) * g / (2 * own.clip_coef), rtol=1e-12)
+    assert forced.global_norm == own.global_norm  # the norm is the step's own, checked on its own
+    assert forced.clip_coef == 2 * own.clip_coef
+
+
+def test_momentum_lost_at_resume_restarts_muon_from_zero_once():
+    """DSM-007: the step after the resume (step count k) starts from zero Muon momentum; other steps, the
+    Adam state and the masters read are untouched."""
+    cfg = StepConfig(SPECS, model_dtype="fp32")
+    conv = Conventions(muon_momentum_lost_after=1)
+    st0 = initial_state(cfg, _weights())
+    st1, _ = oracle_step(st0, _grads(), cfg, Conventions())
+    assert bool(st1.momentum["w"].any())
+    a1, lost = oracle_step(st1, _grads(5), cfg, conv)
+    fresh = replace(st1, momentum={"w": torch.zeros_like(st1.momentum["w"])})
+    _, ref = oracle_step(fresh, _grads(5), cfg, Conventions())
+    _, kept = oracle_step(st1, _grads(5), cfg, Conventions())
+    assert torch.equal(lost.params["w"].momentum, ref.params["w"].momentum)
+    assert not torch.equal(lost.params["w"].momentum, kept.params["w"].momentum)
+    assert torch.equal(lost.params["b"].master, kept.params["b"].master)
+    _, later = oracle_step(a1, _grads(6), cfg, conv)  # step count 2: nothing lost any more
+    _, later_ref = oracle_step(a1, _grads(6), cfg, Conventions())
+    assert torch.equal(later.params["w"].momentum, later_ref.params["w"].momentum)
+    _, first = oracle_step(st0, _grads(), cfg, conv)  # step count 0: not the resume step
+    assert torch.equal(first.params["w"].momentum, oracle_step(st0, _grads(), cfg, Conventions())[1].params["w"].momentum)
+
+
+def test_fresh_engine_state_replaces_only_the_unrestored_parameters():
+    """DSM-010: after an NVMe resume the parameters of unswapped sub-groups hold a fresh engine's masters
+    and zero optimizer state, Adam's count restarts when all of Adam is fresh, the scaler restarts."""
+    from oracles.step import fresh_engine_state
+
+    cfg = StepConfig(SPECS, model_dtype="fp16", loss_scaler=LossScalerConfig(initial_scale_power=8, loss_scale_window=1))
+    st = initial_state(cfg, _weights())
+    for seed in (4, 5):
+        st, _ = oracle_step(st, _grads(seed), cfg, Conventions())
+    assert st.adam_step == 2 and st.scaler.scale == 512  # window 1: grown once by the second step
+    other = {n: w * 2 for n, w in _weights().items()}
+    new = fresh_engine_state(st, cfg, other, Conventions(fresh_after=2, fresh_params=("b",)))
+    assert torch.equal(new.master["b"], round_to(round_to(other["b"], torch.float16), torch.float32))
+    assert not bool(new.adam_m["b"].any()) and not bool(new.adam_v["b"].any()) and new.adam_step == 0
+    assert torch.equal(new.master["w"], st.master["w"]) and torch.equal(new.momentum["w"], st.momentum["w"])
+    assert new.scaler.scale == 256 and new.step_count == st.step_count
+    both = fresh_engine_state(st, cfg, other, Conventions(fresh_after=2, fresh_params=("w", "b")))
+    assert not bool(both.momentum["w"].any())
+    none = fresh_engine_state(st, cfg, other, Conventions(fresh_after=2))
+    assert none.adam_step == 2 and torch.equal(none.master["b"], st.master["b"]) and none.scaler.scale == 256
+    two_adam = StepConfig(SPECS + (ParamSpec("c", (3,), False),))
+    st2 = initial_state(two_adam, {**_weights(), "c": torch.ones(3, dtype=torch.float64)})
+    try:
+        fresh_engine_state(st2, two_adam, {**other, "c": torch.ones(3)}, Conventions(fresh_after=1, fresh_params=("b",)))
+    except ValueError as e:
+        assert "step count" in str(e)
+    else:
+        raise AssertionError("part of Adam restarting accepted")
+
+
 def test_switch_values_are_checked():
-    for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"}):
+    for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"},
+                {"update_store_dtype": "fp32"}, {"reported_norm": "scaled"}):
         try:
             Conventions(**bad)
         except ValueError as e:

@@ -21,17 +21,15 @@ from harness.matrix import _case
 from harness.scenarios import pipeline_case
 from harness.verdict import bug_model, judge
 
-MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-008", "DSM-009"}
+MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009",
+            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016"}
 
 
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():
     assert {b.id for b in BUGS if b.model is not None} == MODELLED
     assert {b.id for b in BUGS if b.modelled == "crash"} == {"DSM-012", "DSM-017"}
-    # Not modelled, and why: DSM-007/010 lose checkpoint state (resume only); DSM-011 is about files on
-    # disk; DSM-013's switch does not yet replay bit-faithfully (bugs.py); DSM-014/015/016 (stage 0's
-    # warm-up step, unscaled loss, raw-gradient norm) have no oracle switch yet.
-    assert {b.id for b in BUGS if b.modelled == "no"} == {"DSM-007", "DSM-010", "DSM-011", "DSM-013", "DSM-014",
-                                                          "DSM-015", "DSM-016"}
+    # Not modelled, and why: DSM-011 is about files left on disk, no trajectory quantity.
+    assert {b.id for b in BUGS if b.modelled == "no"} == {"DSM-011"}
     for b in BUGS:
         if b.model is not None and b.id != "DSM-002":
             assert b.quantities & NUMERIC, b.id
@@ -53,13 +51,14 @@ def test_bug_models_compose_into_valid_conventions(case):
 
 
 STOCK_CASES = ["z2-none-bf16-ws1", "z3-none-bf16-ws2-ga2-clip0.05", "z3-cpu-bf16-ws2-heads",
-               "z1-none-fp16-ws2-overflow", "z1-cpu-fp16-ws2-growth"]
+               "z1-none-fp16-ws2-overflow", "z1-cpu-fp16-ws2-growth", "z3-none-bf16-ws2-comm32", "z0-none-fp16-ws2",
+               "z0-none-bf16-ws2-ga2-standard", "z1-none-bf16-ws2-ga2-clip0.05-gad32", "z3-none-fp32-ws2-resume-inmem"]
 
 
 def _gate_case(name):
-    from harness.matrix import gate_cases
+    from harness.matrix import gate_cases, resume_cases
 
-    return next(c for c in gate_cases() if c.name == name)
+    return next(c for c in gate_cases() + resume_cases() if c.name == name)
 
 
 pytestmark = pytest.mark.pipeline
