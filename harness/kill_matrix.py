@@ -57,6 +57,13 @@ def _knob_kill_case() -> Case:
     return next(c for c in knob_cases() if c.name == "z3-none-bf16-ws2-knob-buckets")
 
 
+def _gather_kill_case() -> Case:
+    """ZeRO-1 CPU offload with lowered all-gather chunk and cache limits (harness.matrix.gather_cases)."""
+    from harness.matrix import gather_cases
+
+    return next(c for c in gather_cases() if c.name == "z1-cpu-fp32-ws2-gather")
+
+
 def _compiled_kill_case() -> Case:
     """A compiled ZeRO-1 case with float64 Newton-Schulz (harness.matrix.compiled_cases)."""
     from harness.matrix import compiled_cases
@@ -82,6 +89,7 @@ def default_kill_cases() -> list[Case]:
         _bf16_route_kill_case(),
         _subgroups_kill_case(),
         _knob_kill_case(),
+        _gather_kill_case(),
         _compiled_kill_case(),
     ]
     out = []

@@ -930,3 +930,42 @@ MUTANTS.update({m.name: m for m in (
            _z3_muon_in_several_buckets,
            "plausible: a chunk loop that stops after the first bucket (stage3.py #8443 rewrite)"),
 )})
+
+
+def _install_gather_cache_unbounded():
+    """The Muon gather-buffer cache never evicts: its cap is ignored while a gather stores its buffers
+    (ZeRO-1/2 ``_muon_all_gather_partitions``, ZeRO-3 ``_partitioned_buffers_all_gather``), so the
+    cache grows past ``_muon_allgather_max_cached_bytes``. Numbers unchanged; only the cache check sees
+    it, and only where the cap is low enough to matter (``Case.allgather_caps``)."""
+    def make(cur):
+        def gather(self, *args, **kwargs):
+            cap = self._muon_allgather_max_cached_bytes
+            self._muon_allgather_max_cached_bytes = float("inf")
+            try:
+                return cur(self, *args, **kwargs)
+            finally:
+                self._muon_allgather_max_cached_bytes = cap
+        return gather
+
+    Z12, Z3, _ = _ds_classes()
+    undos = [_setattr(Z12, "_muon_all_gather_partitions", make(Z12.__dict__["_muon_all_gather_partitions"]))[1],
+             _setattr(Z3, "_partitioned_buffers_all_gather",
+                      make(Z3.__dict__["_partitioned_buffers_all_gather"]))[1]]
+
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("gather-cache-unbounded",
+           "The Muon all-gather buffer cache ignores its byte cap (no LRU eviction): it grows with every "
+           "distinct chunk shape.",
+           _install_gather_cache_unbounded,
+           # ZeRO-1/2 offload (two entry shapes: gradient only, then gradient + momentum) and ZeRO-3
+           # offload overflow the cap; ZeRO-3 without offload reuses one entry here
+           lambda c: c.allgather_caps is not None and c.stage in (1, 2, 3) and c.offload != "none" and bool(_muon(c)),
+           "plausible: the eviction loop of the gather cache (stage_1_and_2.py _muon_all_gather_partitions)"),
+)})

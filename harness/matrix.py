@@ -364,10 +364,36 @@ def knob_cases(full: bool = False) -> list[Case]:
     return out
 
 
+# Chunked Muon all-gathers (harness.gather_cache): (max_buffer_bytes, max_cached_bytes). On the ZeRO-1/2
+# offload path a chunk holds max_buffer_bytes // ((W+1) * buffers * 4) fp32 elements: 96 bytes give
+# 4 (W=2) or 3 (W=3) elements with gradient and momentum together, so a 30-element matrix (15 or 10
+# per rank) spans 4 chunks with the padded tail in the last; the two cached entries (gradient only
+# at the first step, gradient + momentum after) are 96 bytes each, so a 128-byte cap holds one and
+# evicts on every switch. ZeRO-3 has no chunking; its gather buffers (~300 bytes here) meet a cap
+# that holds about one of them.
+GATHER_CAPS = {(1, 2): (96, 128), 3: (96, 400)}
+
+
+def gather_cases(full: bool = False) -> list[Case]:
+    """Chunked all-gathers and the gather-buffer cache on ZeRO-1/2 (offload, where DeepSpeed chunks) and
+    ZeRO-3 (none, cpu): CI 4 cases at W 2-3; ``--full``: x dtype x ws 2-3 (and ZeRO-1/2 without
+    offload, whose cache is unused)."""
+    combos = [(1, "cpu", "fp32", 2), (2, "cpu", "bf16", 3), (3, "none", "fp16", 2), (3, "cpu", "fp32", 3)]
+    if full:
+        combos = [(st, off, dt, ws) for st in STAGES for off in ("none", "cpu") for dt in DTYPES for ws in (2, 3)]
+    out = []
+    for i, (st, off, dt, ws) in enumerate(combos):
+        caps = GATHER_CAPS[3] if st == 3 else GATHER_CAPS[(1, 2)]
+        c = _case(st, off, dt, ws, grad_accum=1 + i % 2, suffix="-gather")
+        out.append(c.replace(allgather_caps=caps))
+    return out
+
+
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
     ("compiled", lambda n: "-compiled" in n),
     ("knobs", lambda n: "-knob-" in n),
+    ("gathers", lambda n: n.endswith("-gather")),
     ("resume", lambda n: "-resume" in n),
     ("subgroups", lambda n: n.endswith("-subgroups") or n.endswith("-manysmall")),
     ("bf16opt", lambda n: n.endswith("-gad32") or n.endswith("-comm32")),
@@ -407,7 +433,7 @@ def model_cases(full: bool = False) -> list[Case]:
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
-             + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full) + knob_cases(full)
+             + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full) + knob_cases(full) + gather_cases(full)
              + model_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
