@@ -493,6 +493,10 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                         pending[-1]["extra_notes"] += watch[0].check_destroyed()
                     # A fresh engine on a model with a *different* init, and (for NVMe) a fresh swap
                     # folder, so a load that restores nothing shows up in the next step.
+                    # The rebuild's own initialize may call muon_update (stage 0 fp16/bf16: DSM-014's
+                    # warm-up step): with the old engine's parameters forgotten it is counted as an
+                    # initialize call, as on the first build, instead of failing to identify them.
+                    recorder.set_params([])
                     engine, named = build_engine(case, workdir / "nvme-resumed", variant=1)
                     recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
                     info = capture.path_info(engine)
