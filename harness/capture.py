@@ -990,7 +990,7 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
                   S: float, adam_grads: dict, masters: dict, model_w: dict, mom_full: dict, mom_dtypes: dict,
                   skipped: bool, scale_after: float, gn, group_lr: dict | None = None) -> StepRecord:
     """Rank 0, both modes: the StepRecord from the full values and every rank's calls/fragments."""
-    notes = []
+    notes = [f"rank {loc['rank']}: {n}" for loc in gathered for n in loc.get("extra_notes", ())]
     muon_scale = 1.0 if muon_true_units else S
     # Muon calls: first call per (rank, param) in rank order; duplicates checked for agreement.
     per_param_calls: dict[str, list[tuple[int, MuonCall]]] = {}

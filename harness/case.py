@@ -106,6 +106,11 @@ class Case:
     # ``deepspeed.zero.Init`` (ZeRO-3), as Hugging Face builds every ZeRO-3 model.
     model: str | None = None
     zero_init: bool = False
+    # Chunked Muon all-gathers and their buffer cache (harness.gather_cache): (max_buffer_bytes,
+    # max_cached_bytes) set on the ZeRO optimizer after initialize (DeepSpeed reads them from
+    # ``_muon_allgather_max_buffer_bytes`` / ``_muon_allgather_max_cached_bytes``; no config key), so
+    # that a matrix is gathered in several chunks and the cache evicts. None: DeepSpeed's defaults.
+    allgather_caps: tuple[int, int] | None = None
 
     @property
     def schedule(self) -> dict | None:
@@ -198,6 +203,8 @@ class Case:
         d["overflows"] = tuple(Overflow(**o) for o in d.get("overflows", ()))
         d["groups"] = tuple(ParamGroup(**dict(g, params=tuple(g["params"]))) for g in d.get("groups", ()))
         d["ds_config"] = canonical_json(d["ds_config"])
+        if d.get("allgather_caps") is not None:
+            d["allgather_caps"] = tuple(int(x) for x in d["allgather_caps"])
         return cls(**d)
 
 

@@ -1,8 +1,13 @@
 """The compiled path, as users run it: DeepSpeed decorates ``muon_update`` with torch.compile.
 
 Compiled Newton-Schulz rounds differently from eager (inductor fuses the elementwise ops in fp32),
-so it gets its own, small set of cases, each in fresh ranks (``PoolManager`` never reuses a
-compiled pool). Warming fills inductor's on-disk FX-graph cache for the shapes those cases use.
+so it gets its own set of cases (``harness.matrix.compiled_cases``), each in fresh ranks
+(``PoolManager`` never reuses a compiled pool): ``hpns`` cases force the Newton-Schulz compute dtype
+to float64 so the compiled plumbing is judged to fp32 round-off, ``exact`` cases keep DeepSpeed's
+16-bit Newton-Schulz. Warming fills inductor's on-disk FX-graph cache for the shapes, input dtypes
+and Newton-Schulz dtypes those cases use, in both call orders (the first shape compiles static, the
+second recompiles with dynamic sizes), so a case pays dynamo's tracing, not inductor's code
+generation.
 """
 from __future__ import annotations
 
@@ -11,12 +16,22 @@ WARM_SHAPES = ((6, 5), (7, 3))
 
 
 def warm_compiled_muon_update() -> None:
+    """One fresh dynamo per (Newton-Schulz dtype, gradient dtype, momentum dtype): dynamo's recompile
+    limit would otherwise silently fall back to eager part way through, leaving those graphs uncached.
+    The momentum is the gradient's dtype on stock 16-bit paths and fp32 on offload and patched ones;
+    the gate's compiled cases use gram Newton-Schulz."""
     import torch
     from deepspeed.runtime.zero.muon import original_muon
 
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for shape in WARM_SHAPES:
-            for ns_method in ("gram", "standard"):
-                grad = torch.randn(shape).to(dtype)
-                momentum = torch.zeros(shape, dtype=dtype)
-                original_muon.muon_update(grad, momentum, 0.95, ns_method=ns_method)
+    from harness.ds_run import force_ns_dtype
+
+    combos = [(torch.float32, torch.float32)] + [(d, m) for d in (torch.float16, torch.bfloat16)
+                                                 for m in (d, torch.float32)]
+    for ns_dtype in (None, "float64"):
+        with force_ns_dtype(ns_dtype):
+            for dtype, mom_dtype in combos:
+                torch._dynamo.reset()
+                for shape in WARM_SHAPES:
+                    grad = torch.randn(shape).to(dtype)
+                    momentum = torch.zeros(shape, dtype=mom_dtype)
+                    original_muon.muon_update(grad, momentum, 0.95, ns_method="gram")

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import capture, model as model_mod
+from harness import capture, gather_cache, model as model_mod
 from harness.case import NVME_PATH_PLACEHOLDER, Case
 from harness.trajectory import Trajectory
 
@@ -199,6 +199,16 @@ def force_ns_dtype(name: str | None):
         yield
     finally:
         original_muon.ns_compute_dtype = orig
+
+
+@contextlib.contextmanager
+def _gather_watch(case: Case, engine):
+    """``[GatherCacheWatch]`` for ``Case.allgather_caps`` (a list: a resume replaces it), closed on exit."""
+    box = [gather_cache.GatherCacheWatch(case, engine)]
+    try:
+        yield box
+    finally:
+        box[0].close()
 
 
 @contextlib.contextmanager
@@ -430,10 +440,12 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                 if not coalesced and case.model:
                     traj.initial_buffers = initial_buffers
             gas = engine.gradient_accumulation_steps()
+            watch = stack.enter_context(_gather_watch(case, engine))
             step = 1
             while step <= case.steps:
                 recorder.reset()
                 swap.reset()
+                watch[0].before_step()
                 S = capture.loss_scale_of(engine)
                 losses = []
                 adam = {}
@@ -461,6 +473,7 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                                                      recorder=recorder, swap=swap, losses=losses,
                                                      gather_model=gather_model))
                     pending[-1]["buffers"] = read_buffers(engine)
+                    pending[-1]["extra_notes"] = watch[0].check_step(step, gather_cache.chunked(case))
                 else:
                     rec = capture.capture_step(engine, case, step, rank, world_size, named=named,
                                                id_to_name=recorder.id_to_name, info=info, pre=pre,
@@ -476,12 +489,19 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                     engine.save_checkpoint(str(ckpt), tag=tag)
                     destroy_engine(engine)
                     engine = None
+                    if coalesced:
+                        pending[-1]["extra_notes"] += watch[0].check_destroyed()
                     # A fresh engine on a model with a *different* init, and (for NVMe) a fresh swap
                     # folder, so a load that restores nothing shows up in the next step.
+                    # The rebuild's own initialize may call muon_update (stage 0 fp16/bf16: DSM-014's
+                    # warm-up step): with the old engine's parameters forgotten it is counted as an
+                    # initialize call, as on the first build, instead of failing to identify them.
+                    recorder.set_params([])
                     engine, named = build_engine(case, workdir / "nvme-resumed", variant=1)
                     recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
                     info = capture.path_info(engine)
                     engine.load_checkpoint(str(ckpt), tag=tag)
+                    watch[0] = gather_cache.GatherCacheWatch(case, engine)
                     w, r = swap.reset()
                     if rank == 0:
                         traj.notes.append(f"checkpoint saved after step {step} and loaded into a fresh engine"
@@ -490,6 +510,8 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             t_steps = time.perf_counter()
             destroy_engine(engine)
             engine = named = info = None
+            if coalesced and pending:
+                pending[-1]["extra_notes"] += watch[0].check_destroyed()
             if coalesced:
                 # The case's only capture collective: every rank's pieces of every step to rank 0.
                 gathered = capture.gather_once_to_rank0((initial_pieces, pending, initial_buffers), rank, world_size)

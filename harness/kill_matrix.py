@@ -43,6 +43,34 @@ def _bf16_route_kill_case() -> Case:
     return next(c for c in bf16opt_cases() if c.name == "z1-none-bf16-ws1-gad32")
 
 
+def _subgroups_kill_case() -> Case:
+    """ZeRO-3 with one sub-group per matrix (harness.matrix.subgroup_cases)."""
+    from harness.matrix import subgroup_cases
+
+    return next(c for c in subgroup_cases() if c.name == "z3-none-fp32-ws2-subgroups")
+
+
+def _knob_kill_case() -> Case:
+    """ZeRO-3 with one reduce bucket per parameter (harness.matrix.knob_cases)."""
+    from harness.matrix import knob_cases
+
+    return next(c for c in knob_cases() if c.name == "z3-none-bf16-ws2-knob-buckets")
+
+
+def _gather_kill_case() -> Case:
+    """ZeRO-1 CPU offload with lowered all-gather chunk and cache limits (harness.matrix.gather_cases)."""
+    from harness.matrix import gather_cases
+
+    return next(c for c in gather_cases() if c.name == "z1-cpu-fp32-ws2-gather")
+
+
+def _compiled_kill_case() -> Case:
+    """A compiled ZeRO-1 case with float64 Newton-Schulz (harness.matrix.compiled_cases)."""
+    from harness.matrix import compiled_cases
+
+    return next(c for c in compiled_cases() if c.name == "z1-none-fp32-ws2-compiled-hpns")
+
+
 def default_kill_cases() -> list[Case]:
     """Ten small cases (world size 1-2) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
@@ -59,6 +87,10 @@ def default_kill_cases() -> list[Case]:
         _groups_kill_case(),
         _schedule_kill_case(),
         _bf16_route_kill_case(),
+        _subgroups_kill_case(),
+        _knob_kill_case(),
+        _gather_kill_case(),
+        _compiled_kill_case(),
     ]
     out = []
     for c in cases:
@@ -107,14 +139,16 @@ class KillMatrix:
                  "baseline (unmutated): " + " ".join(
                      f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
                  "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
-                 "predicted, - baseline failed",
+                 "predicted, - baseline failed, ~ not run (compiled case: only COMPILED_MUTANTS)",
                  f"{'mutant':<{width}} " + " ".join(f"{s:>3}" for s in short) + "  killed"]
         cell = {(r.mutant, r.case): r for r in self.rows}
         for m in self.mutants:
             marks = []
             for n in self.cases:
                 r = cell.get((m, n))
-                if r is None or r.killed is None:
+                if r is not None and r.detail == NOT_RUN:
+                    marks.append("~")
+                elif r is None or r.killed is None:
                     marks.append("-")
                 elif r.killed:
                     marks.append("K" if r.expected else "k")
@@ -129,6 +163,10 @@ class KillMatrix:
         if s:
             lines.append("expectation mismatches: " + ", ".join(f"{r.mutant}@{r.case}" for r in s))
         return "\n".join(lines)
+
+
+NOT_RUN = "not run (compiled case: only the compiled path's mutants)"
+COMPILED_MUTANTS = ("compiled-aspect-truncated",)
 
 
 def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatrix:
@@ -151,6 +189,11 @@ def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatri
                 expected = MUTANTS[m].expected(c)
                 if not km.baseline.get(c.name):
                     km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
+                    continue
+                if c.compiled and m not in COMPILED_MUTANTS:
+                    # A compiled case starts fresh ranks and compiles (~20-40 s): it runs only the mutants
+                    # of the compiled path; the eager cases show every other mutant's reach.
+                    km.rows.append(KillRow(m, c.name, None, expected, NOT_RUN))
                     continue
                 t0 = time.perf_counter()
                 killed, detail = outcome(c.replace(mutant=m), manager)

@@ -766,3 +766,206 @@ def install(name: str) -> Callable[[], None]:
     if name not in MUTANTS:
         raise KeyError(f"unknown mutant {name!r}; known: {sorted(MUTANTS)}")
     return MUTANTS[name].install()
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 13, groups 5-10: one mutant per new path group
+
+
+def _install_compiled_aspect_truncated():
+    """Only while dynamo traces ``muon_update`` (``torch.compiler.is_compiling()``, a constant True in
+    the traced graph, False in eager), the aspect scale ``sqrt(rows/cols)`` is taken of the integer
+    quotient ``rows // cols``: a tall 6x5 matrix gets scale 1 instead of 1.095, a 7x3 one sqrt(2)
+    instead of 1.528. Eager runs are untouched, so only compiled cases can see it."""
+    from deepspeed.runtime.zero.muon import original_muon
+
+    cur = original_muon._aspect_ratio_scale
+
+    def _aspect_ratio_scale(rows, cols):
+        if torch.compiler.is_compiling():
+            return math.sqrt(rows // cols) if rows > cols else 1.0
+        return cur(rows, cols)
+
+    return _setattr(original_muon, "_aspect_ratio_scale", _aspect_ratio_scale)[1]
+
+
+def _tall_muon(c: Case) -> bool:
+    return any(len(p.shape) >= 2 and p.shape[-2] > p.shape[-1] and p.uses_muon and not p.num_heads
+               for p in c.params)
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("compiled-aspect-truncated",
+           "Under torch.compile only, the aspect scale sqrt(rows/cols) of a tall Muon matrix is taken of the "
+           "integer quotient rows//cols (eager unchanged).",
+           _install_compiled_aspect_truncated,
+           lambda c: c.compiled and _tall_muon(c),
+           "historical: original_muon.py _aspect_ratio_scale comment (symbolic max() cast to int64 once "
+           "muon_update was recompiled for a second shape)"),
+)})
+
+
+def _install_optimizer_state_not_loaded():
+    """``load_checkpoint`` restores the module but not the optimizer: as if ``load_optimizer_states``
+    defaulted to False, so the Muon momentum, the Adam moments (and, on ZeRO, the fp32 partitions'
+    optimizer state) restart from the fresh engine's."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["load_checkpoint"]
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True, **kwargs):
+        return cur(self, load_dir, tag, load_module_strict, False, **kwargs)
+
+    return _setattr(DeepSpeedEngine, "load_checkpoint", load_checkpoint)[1]
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("optimizer-state-not-loaded",
+           "load_checkpoint restores the module weights but not the optimizer state (Muon momentum, Adam "
+           "moments): a resumed run restarts them from zero.",
+           _install_optimizer_state_not_loaded,
+           lambda c: c.checkpoint_at is not None and c.checkpoint_at < c.steps,
+           "plausible: load_optimizer_states off (a module-only load) on resume"),
+)})
+
+
+def _install_muon_flag_per_param_group():
+    """ZeRO-3 records "uses Muon" once per *param group* (``append``) instead of once per sub-group
+    (``extend([flag] * n_sub_groups)``, stage3.py _create_fp16_partitions_with_defragmentation), but
+    reads it by sub-group index: with one sub-group per param group nothing changes; with several,
+    sub-group k takes param group k's flag (or False past the end), so Muon sub-groups after the first
+    skip Newton-Schulz and an Adam sub-group may take Muon."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3
+
+    cur = Z3.__dict__["_create_fp16_partitions_with_defragmentation"]
+
+    def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
+        out = cur(self, fp16_param_groups)
+        if getattr(self, "use_muon", False):
+            per_group = [bool(getattr(g["params"][0], "use_muon", False)) for g in fp16_param_groups]
+            n = len(self.sub_groups_using_muon)
+            self.sub_groups_using_muon = (per_group + [False] * n)[:n]
+        return out
+
+    return _setattr(Z3, "_create_fp16_partitions_with_defragmentation",
+                    _create_fp16_partitions_with_defragmentation)[1]
+
+
+def _z3_several_muon_subgroups(c: Case) -> bool:
+    """ZeRO-3 whose Muon param group spans more than one sub-group (stage3.py _create_fp16_sub_groups:
+    a sub-group closes once its per-rank partition elements reach ``sub_group_size``, default 1e9)."""
+    if c.stage != 3:
+        return False
+    size = int(c.config.get("zero_optimization", {}).get("sub_group_size", 10**9))
+    n, acc = 0, 0
+    for p in _muon(c):
+        if acc == 0:
+            n += 1
+        acc += -(-p.numel // c.world_size)
+        if acc >= size:
+            acc = 0
+    return n > 1
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("muon-flag-per-param-group",
+           "ZeRO-3 keeps one uses-Muon flag per param group but indexes it by sub-group: with several "
+           "sub-groups, Muon sub-groups after the first take a plain step.",
+           _install_muon_flag_per_param_group,
+           _z3_several_muon_subgroups,
+           "plausible: append vs extend of sub_groups_using_muon (stage3.py:919-933)"),
+)})
+
+
+def _install_muon_first_bucket_only():
+    """ZeRO-3 without offload gathers a Muon sub-group's gradients in chunks of at most
+    ``reduce_bucket_size`` elements (stage3.py _apply_muon_to_accumulated_grads); here only the first
+    chunk of each sub-group runs Muon per step, the later ones keep their raw averaged gradient and
+    their momentum. With the default bucket (5e8) every sub-group is one chunk and nothing changes."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3
+
+    apply_cur = Z3.__dict__["_apply_muon_to_accumulated_grads"]
+    sub_cur = Z3.__dict__["_muon_update_sub_group"]
+
+    def _apply_muon_to_accumulated_grads(self):
+        self._mutant_seen_sub_groups = set()
+        try:
+            return apply_cur(self)
+        finally:
+            self._mutant_seen_sub_groups = None
+
+    def _muon_update_sub_group(self, i, group_items, communication_data_type):
+        seen = getattr(self, "_mutant_seen_sub_groups", None)
+        if seen is not None and not self.offload_optimizer:
+            if i in seen:
+                return None
+            seen.add(i)
+        return sub_cur(self, i, group_items, communication_data_type)
+
+    undo_a = _setattr(Z3, "_apply_muon_to_accumulated_grads", _apply_muon_to_accumulated_grads)[1]
+    undo_s = _setattr(Z3, "_muon_update_sub_group", _muon_update_sub_group)[1]
+
+    def undo():
+        undo_s()
+        undo_a()
+
+    return undo
+
+
+def _z3_muon_in_several_buckets(c: Case) -> bool:
+    """ZeRO-3 without offload where the (single-sub-group) Muon parameters do not fit one
+    ``reduce_bucket_size`` chunk (stage3.py _apply_muon_to_accumulated_grads)."""
+    if c.stage != 3 or c.offload != "none" or _z3_several_muon_subgroups(c):
+        return False
+    bucket = int(c.config.get("zero_optimization", {}).get("reduce_bucket_size", 5 * 10**8))
+    muon = _muon(c)
+    return len(muon) > 1 and sum(p.numel for p in muon) > bucket
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("muon-first-bucket-only",
+           "ZeRO-3 without offload: when reduce_bucket_size splits a Muon sub-group into several gather chunks, "
+           "only the first chunk is orthogonalised; the rest step with the raw gradient.",
+           _install_muon_first_bucket_only,
+           _z3_muon_in_several_buckets,
+           "plausible: a chunk loop that stops after the first bucket (stage3.py #8443 rewrite)"),
+)})
+
+
+def _install_gather_cache_unbounded():
+    """The Muon gather-buffer cache never evicts: its cap is ignored while a gather stores its buffers
+    (ZeRO-1/2 ``_muon_all_gather_partitions``, ZeRO-3 ``_partitioned_buffers_all_gather``), so the
+    cache grows past ``_muon_allgather_max_cached_bytes``. Numbers unchanged; only the cache check sees
+    it, and only where the cap is low enough to matter (``Case.allgather_caps``)."""
+    def make(cur):
+        def gather(self, *args, **kwargs):
+            cap = self._muon_allgather_max_cached_bytes
+            self._muon_allgather_max_cached_bytes = float("inf")
+            try:
+                return cur(self, *args, **kwargs)
+            finally:
+                self._muon_allgather_max_cached_bytes = cap
+        return gather
+
+    Z12, Z3, _ = _ds_classes()
+    undos = [_setattr(Z12, "_muon_all_gather_partitions", make(Z12.__dict__["_muon_all_gather_partitions"]))[1],
+             _setattr(Z3, "_partitioned_buffers_all_gather",
+                      make(Z3.__dict__["_partitioned_buffers_all_gather"]))[1]]
+
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("gather-cache-unbounded",
+           "The Muon all-gather buffer cache ignores its byte cap (no LRU eviction): it grows with every "
+           "distinct chunk shape.",
+           _install_gather_cache_unbounded,
+           # ZeRO-1/2 offload (two entry shapes: gradient only, then gradient + momentum) and ZeRO-3
+           # offload overflow the cap; ZeRO-3 without offload reuses one entry here
+           lambda c: c.allgather_caps is not None and c.stage in (1, 2, 3) and c.offload != "none" and bool(_muon(c)),
+           "plausible: the eviction loop of the gather cache (stage_1_and_2.py _muon_all_gather_partitions)"),
+)})

@@ -313,6 +313,29 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
     return a.grad
 
 
+def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: float, step_size: float):
+    """Exact mode's allowances at the step's own spectrum: the Newton-Schulz gain taken over the
+    singular values the NS input can have (``oracles.perturbed_sigma_lo`` of the oracle's Nesterov blend
+    ``U = lerp(g, M', beta)``, widened by the momentum allowance plus the blend's rounding), instead of
+    the rank-deficient worst case 0, which puts the 16-bit allowance near its cap."""
+    beta = sc.hyper(p)["momentum"]
+    U = torch.lerp(_t(g).to(torch.float64), _t(m_new).to(torch.float64), beta)
+    if p.num_heads:
+        U = U.reshape(p.num_heads, -1, U.shape[-1])
+    elif U.ndim == 4:
+        U = U.reshape(U.shape[0], -1)
+    elif U.ndim < 2:
+        return a
+    sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff("fp32"))
+    if sigma <= 0.0:
+        return a
+    return oracles.allowances("exact", model_dtype=case.dtype, shape=shape, world_size=case.world_size,
+                              gas=case.grad_accum, ns_method=sc.hyper(p)["ns_method"], grad_dtype="fp64",
+                              momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
+                              step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
+                              clipping_active=sc.gradient_clipping > 0, sigma_lo=sigma)
+
+
 def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | None = None,
           mode: str | None = None, keep_maps: bool = True) -> Verdict:
     mode = mode or comparison_mode(case)
@@ -449,6 +472,8 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                                    momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                                    clipping_active=sc.gradient_clipping > 0)
+            if mode == "exact" and p.use_muon and o.direction is not None:
+                a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size)
             # muon_update hands back O in the dtype of the gradient buffer it is written into (the model
             # dtype on the non-offload paths): one rounding there is storage, not error (+2 u_store).
             u_store = oracles.unit_roundoff(grad_store)
@@ -468,8 +493,19 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                                               "but the oracle applied this step"))
             elif p.use_muon and o.direction is not None:
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
-            add(n, "master", s, ps.master, o.master.numpy(), a.master)
-            add(n, "model", s, ps.model, o.model.numpy(), a.model)
+            a_master, a_model = a.master, a.model
+            # The 16-bit O is applied (a 16-bit gradient buffer, or DSM-001's 16-bit Muon state, where
+            # the oracle rounds O too): outside emulation DeepSpeed's O and the oracle's differ by more
+            # than an ulp, so either may round to a neighbouring 16-bit value; one ulp of O (2 u_out)
+            # reaches the masters scaled by the step (step_to_weight).
+            u_out = max(u_store, oracles.unit_roundoff(case.dtype) if conv.momentum_dtype == "model" else 0.0)
+            if mode != "emulated" and p.use_muon and u_out > oracles.unit_roundoff("fp32"):
+                extra = 2.0 * u_out * (step_size / weight_scale if weight_scale > 0 else 1.0)
+                a_master, a_model = (oracles.Allowance(x.atol, x.rtol + extra, x.derivation
+                                                       + f" + 2 u_out ({u_out:.3g}) x step_to_weight", x.cap)
+                                     for x in (a.master, a.model))
+            add(n, "master", s, ps.master, o.master.numpy(), a_master)
+            add(n, "model", s, ps.model, o.model.numpy(), a_model)
 
         if mo is not None:
             mo.check_buffers(rec, add)

@@ -29,7 +29,7 @@ from .step import (MODEL_DTYPES, Conventions, OracleState, ParamRecord, ParamSpe
 from .step import step as oracle_step  # the function; ``oracles.step`` stays the module
 from .tolerance import (MODES, UNIT_ROUNDOFF, Allowance, Allowances, Check, Divergence, allowances, compare,
                         grad_term_scale,
-                        normalised_sigma_lo, ns_gains,
+                        normalised_sigma_lo, ns_gains, perturbed_sigma_lo,
                         ns_relative_error, unit_roundoff)
 
 import types as _types

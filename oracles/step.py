@@ -556,6 +556,11 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         else:
             O = muon_direction(U.to(torch.float64), hp["ns_method"], heads, steps=cfg.ns_steps,
                                conv_aspect=conv.conv_aspect)
+            if conv.momentum_dtype == "model" and mdt != torch.float64:
+                # 16-bit Muon state (DSM-001's model): muon_update hands O back in the 16-bit dtype of
+                # the gradient it was given, which is what the step applies (the emulated branch
+                # rounds it through out_dtype); float64 or compiled Newton-Schulz does not change that.
+                O = round_to(O, mdt)
         m_new = m_new.to(torch.float64)
         if conv.padded_tail_momentum_dtype is not None:
             m_new = _round_padded_tail(m_new, cfg.world_size, MODEL_DTYPES[conv.padded_tail_momentum_dtype])

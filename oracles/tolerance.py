@@ -348,6 +348,32 @@ def normalised_sigma_lo(U: torch.Tensor, rank_tol: float = 1e-10) -> float:
     return lo
 
 
+def perturbed_sigma_lo(U: torch.Tensor, rel_err: float, rank_tol: float = 1e-10) -> float:
+    """A lower bound of :func:`normalised_sigma_lo` over every matrix within ``rel_err`` of ``U`` in
+    this module's metric (``max|E| <= rel_err * max|U|``): what the implementation fed Newton-Schulz is
+    only known to be that close to the oracle's ``U``. By Weyl, ``sigma_min(U + E) >= sigma_min(U) -
+    ||E||_2`` and ``||U + E||_F <= ||U||_F + ||E||_F``, with ``||E||_2 <= ||E||_F <= sqrt(numel) max|E|``;
+    so the bound is ``(sigma_min - e) / (||U||_F + e)``, ``e = sqrt(numel) rel_err max|U|``, per matrix
+    of a batch (each is normalised on its own), 0 where that is not positive or ``U`` is numerically
+    rank-deficient. Lets exact mode use the step's own spectrum instead of the worst case 0."""
+    X = U.to(torch.float64)
+    if X.ndim == 2:
+        X = X.unsqueeze(0)
+    X = X.reshape(-1, X.size(-2), X.size(-1))
+    e = math.sqrt(X[0].numel()) * rel_err * float(X.abs().max()) if X.numel() else 0.0
+    lo = 1.0
+    for M in X:
+        nrm = float(torch.linalg.vector_norm(M))
+        if nrm == 0.0:
+            return 0.0
+        sv = torch.linalg.svdvals(M)
+        s = float(sv[-1])
+        if s < rank_tol * float(sv[0]):
+            return 0.0
+        lo = min(lo, max(0.0, (s - e) / (nrm + e)))
+    return lo
+
+
 # --------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------

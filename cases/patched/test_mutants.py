@@ -21,7 +21,8 @@ def _snapshot():
     import deepspeed
 
     out = {"muon_update": original_muon.muon_update, "muon_optimizer.muon_update": muon_optimizer.muon_update,
-           "deepspeed.set_optimizer_flags": deepspeed.set_optimizer_flags}
+           "deepspeed.set_optimizer_flags": deepspeed.set_optimizer_flags,
+           "original_muon._aspect_ratio_scale": original_muon._aspect_ratio_scale}
     for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, MuonWithAuxAdam, DeepSpeedEngine,
                 BF16_Optimizer):
         for k, v in vars(cls).items():

@@ -1,0 +1,77 @@
+"""Chunked Muon all-gathers and the gather-buffer cache (``Case.allgather_caps``,
+``harness.gather_cache``): the numbers are judged by the oracle as usual, and the cache's promises --
+never above its cap, a matrix gathered in 3+ chunks where the case claims chunking, nothing left
+after ``destroy()`` -- become capture notes that fail the case."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cases.pipelines._support import gate_params, settle
+from harness import matrix
+from harness.gate import evaluate
+from harness.gather_cache import GatherCacheWatch
+
+
+def _params():
+    ci = matrix.gather_cases(False)
+    names = {c.name for c in ci}
+    extra = [c for c in matrix.gather_cases(True) if c.name not in names]
+    return gate_params(ci + extra, {c.name for c in extra})
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("case,column", _params())
+def test_gathers(case, column, pool_manager, seed, request):
+    settle(evaluate(case.replace(seed=seed), column, pool_manager), request)
+
+
+class _Opt:
+    def __init__(self):
+        self._muon_allgather_max_buffer_bytes = 1 << 26
+        self._muon_allgather_max_cached_bytes = 1 << 28
+        self._muon_allgather_buffers = {}
+        self._muon_allgather_buffer_bytes = 0
+
+
+def _watch(caps=(96, 128)):
+    case = SimpleNamespace(allgather_caps=caps)
+    opt = _Opt()
+    return GatherCacheWatch(case, SimpleNamespace(optimizer=opt)), opt
+
+
+def test_watch_lowers_the_caps_and_flags_a_cache_over_its_cap():
+    w, opt = _watch()
+    try:
+        assert (opt._muon_allgather_max_buffer_bytes, opt._muon_allgather_max_cached_bytes) == (96, 128)
+        opt._muon_allgather_buffers = {"a": (None, None, 96), "b": (None, None, 96)}
+        opt._muon_allgather_buffer_bytes = 192
+        notes = w.check_step(1, chunked=False)
+        assert any("192 bytes > its cap 128" in n for n in notes)
+    finally:
+        w.close()
+
+
+def test_watch_flags_a_miscounted_cache_too_few_chunks_and_buffers_left_after_destroy():
+    w, opt = _watch()
+    try:
+        opt._muon_allgather_buffers = {"a": (None, None, 96)}
+        opt._muon_allgather_buffer_bytes = 0
+        notes = w.check_step(1, chunked=True)
+        assert any("counts 0 bytes but holds 96" in n for n in notes)
+        assert any("does not exercise chunking" in n for n in notes)
+        assert any("left 1 Muon gather buffer" in n for n in w.check_destroyed())
+    finally:
+        w.close()
+
+
+def test_watch_is_silent_on_a_clean_cache_and_inactive_without_caps():
+    w, opt = _watch()
+    try:
+        assert w.check_step(1, chunked=False) == [] and w.check_destroyed() == []
+    finally:
+        w.close()
+    w, opt = _watch(caps=None)
+    assert not w.active and w.check_step(1, chunked=True) == []
+    assert opt._muon_allgather_max_cached_bytes == 1 << 28
