@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="only mutants whose key or function contains this")
     ap.add_argument("--fresh", action="store_true", help="rebuild the session (default: resume it)")
+    ap.add_argument("--retry", default=None, metavar="STATUSES",
+                    help="make mutants of these recorded statuses pending again, e.g. survived,not-reached "
+                         "(after adding a case or sharpening a tolerance)")
     ap.add_argument("--prepare", action="store_true",
                     help="make the copy, the coverage map, the session and the config, then stop (a worker "
                          "machine of the HTTP distributor, or the main machine before exec)")
@@ -97,8 +100,7 @@ def main(argv=None) -> int:
     copy = workspace.ensure_copy(pristine)
     resolved = scope.resolve(pristine)
     workspace.use_copy()
-    cmap = coverage_map.load_or_record(progress=lambda s: print(s, flush=True))
-    cmap_path = coverage_map.map_path(cmap.scope_digest)
+    cmap, cmap_path = coverage_map.load_or_record(progress=lambda s: print(s, flush=True))
     usable = [n for n in cmap.cases if cmap.usable(n)]
     unusable = [f"{n} ({cmap.cases[n].status})" for n in cmap.cases if n not in usable]
     print(f"coverage map: {len(cmap.cases)} candidate cases, {len(usable)} usable baselines"
@@ -127,6 +129,14 @@ def main(argv=None) -> int:
             print("session mutants: " + r.stderr.strip().rpartition("KEYS ")[2], flush=True)
     else:
         print(f"session {session.name}: resuming", flush=True)
+    if args.retry and not args.fresh:
+        r = subprocess.run([str(engine_py), "-m", "harness.source_mutation.session", "--session", str(session),
+                            "--map", str(cmap_path), "--retry", args.retry], cwd=copy, env=env,
+                           capture_output=True, text=True)
+        if r.returncode:
+            print(r.stdout + r.stderr, file=sys.stderr)
+            return 2
+        print(f"retry: {r.stdout.strip()}", flush=True)
     print(f"config: {config}\nsession: {session}", flush=True)
     if args.prepare:
         return 0

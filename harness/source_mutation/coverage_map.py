@@ -31,6 +31,7 @@ EXTRA_GATE_CASES = (
     "z1-nvme-part-fp32-ws2", "z2-nvme-part-fp32-ws2-clip0.05", "z3-nvme-part-fp32-ws2",
     "z3-nvme-pipe-fp16-ws2-standard", "z3-none-fp16-ws2-inmem", "z3-nvme-part-fp32-ws2-inmem",
     "sweep-z1-none-ws2-L0", "sweep-z3-none-ws2-L0-standard",
+    "z1-none-bf16-ws2-ga2-clip0.05-gad32",  # the BF16_Optimizer route exchanges split matrices only at ws >= 2
 )
 
 
@@ -92,29 +93,34 @@ class EntryLauncher:
         self.inner.close()
 
 
-def scope_digest() -> str:
-    """Of the installed (never mutated) source, the scope and the candidate cases: the copy's scoped
-    files change under the engine while it runs."""
+def source_digest() -> str:
+    """Of the installed (never mutated) scoped source and the scope list: the copy's scoped files
+    change under the engine while it runs."""
     root = workspace.installed_deepspeed()
     h = hashlib.sha256()
     for rel in scope.files():
         h.update(rel.encode() + (root / rel).read_bytes())
     for e in scope.SCOPE:
         h.update(repr(e).encode())
-    for c in candidate_cases():
-        h.update(c.to_json().encode())
     return h.hexdigest()[:16]
 
 
-def map_path(digest: str | None = None) -> Path:
-    """One map per (DeepSpeed source, scope, candidate set), so the CI sample's small candidate set
-    and the full one never overwrite each other."""
-    return workspace.state_dir() / f"coverage-{digest or scope_digest()}.json"
+def store_path() -> Path:
+    """Every case ever recorded for this source and scope: a new candidate case costs its own run only."""
+    return workspace.state_dir() / f"coverage-{source_digest()}-all.json"
 
 
-def record(progress=print) -> CoverageMap:
-    """Run every candidate case once under coverage on the copy; write and return the map.
-    The process must already import DeepSpeed from the copy (``workspace.use_copy``)."""
+def map_path(cases) -> Path:
+    """The map of one candidate set (what the worker reads: it selects among these cases only)."""
+    h = hashlib.sha256(source_digest().encode())
+    for c in cases:
+        h.update(c.to_json().encode())
+    return workspace.state_dir() / f"coverage-{h.hexdigest()[:16]}.json"
+
+
+def record(cases, progress=print) -> CoverageMap:
+    """Run each case once under coverage on the copy and return their map. The process must already
+    import DeepSpeed from the copy (``workspace.use_copy``)."""
     import coverage
 
     from harness.gate import evaluate
@@ -128,12 +134,11 @@ def record(progress=print) -> CoverageMap:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     os.environ[COVERAGE_DIR_ENV] = str(out)
-    digest = scope_digest()
-    cmap = CoverageMap(lines={}, cases={}, scope_digest=digest)
+    cmap = CoverageMap(lines={}, cases={}, scope_digest=source_digest())
     manager = PoolManager()
     launcher = EntryLauncher(manager, COVERED_ENTRY)
     try:
-        for c in candidate_cases():
+        for c in cases:
             t0 = time.perf_counter()
             o = evaluate(c, "stock", launcher)
             secs = time.perf_counter() - t0
@@ -154,13 +159,40 @@ def record(progress=print) -> CoverageMap:
                             names.append(c.name)
     finally:
         manager.close()
-    cmap.dump(map_path(digest))
     return cmap
 
 
-def load_or_record(progress=print) -> CoverageMap:
-    p = map_path()
-    if p.exists():
-        return CoverageMap.load(p)
-    progress(f"no coverage map for this source, scope and candidate set: recording {p.name}")
-    return record(progress)
+def _merge(into: CoverageMap, other: CoverageMap) -> None:
+    into.cases.update(other.cases)
+    for rel, lines in other.lines.items():
+        bucket = into.lines.setdefault(rel, {})
+        for line, names in lines.items():
+            bucket.setdefault(line, [])
+            bucket[line] = sorted(set(bucket[line]) | set(names))
+
+
+def restrict(cmap: CoverageMap, names) -> CoverageMap:
+    keep = set(names)
+    lines = {rel: {ln: [n for n in ns if n in keep] for ln, ns in ls.items()} for rel, ls in cmap.lines.items()}
+    lines = {rel: {ln: ns for ln, ns in ls.items() if ns} for rel, ls in lines.items()}
+    return CoverageMap(lines=lines, cases={n: c for n, c in cmap.cases.items() if n in keep},
+                       scope_digest=cmap.scope_digest)
+
+
+def load_or_record(progress=print) -> tuple[CoverageMap, Path]:
+    """The map of the candidate cases, recording only the cases the store does not hold yet (a case
+    whose definition changed counts as new); returns it and the path it was written to."""
+    cases = candidate_cases()
+    store_file = store_path()
+    store = CoverageMap.load(store_file) if store_file.exists() else CoverageMap({}, {}, source_digest())
+    missing = [c for c in cases if c.name not in store.cases or store.cases[c.name].case_json != c.to_json()]
+    if missing:
+        progress(f"coverage: recording {len(missing)} case(s) not in {store_file.name}")
+        stale = {c.name for c in missing}
+        store = restrict(store, [n for n in store.cases if n not in stale])
+        _merge(store, record(missing, progress))
+        store.dump(store_file)
+    cmap = restrict(store, [c.name for c in cases])
+    path = map_path(cases)
+    cmap.dump(path)
+    return cmap, path

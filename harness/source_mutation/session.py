@@ -88,6 +88,45 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
             "functions": len(resolved)}
 
 
+def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str]) -> dict:
+    """Make the mutants whose recorded status is in ``statuses`` pending again (after a new case or a
+    sharper tolerance), except listed equivalents; re-mark the ones the current coverage map still
+    does not reach."""
+    from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    from harness.source_mutation import equivalents
+
+    resolved = scope.resolve(ds_root)
+    cmap = CoverageMap.load(cmap_path)
+    equivalent = equivalents.load()  # a listed equivalent is not retried: nothing can kill it
+    again, unreached = [], 0
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item, result in list(db.completed_work_items):
+            rec = {}
+            for line in (result.output or "").splitlines():
+                if line.startswith(RESULT_TAG):
+                    rec = json.loads(line[len(RESULT_TAG):])
+            m = item.mutations[0]
+            key = mutant_key(str(m.module_path), m.operator_name, m.occurrence, m.start_pos)
+            if rec.get("status") in statuses and key not in equivalent:
+                again.append(item)
+        ids = [w.job_id for w in again]
+        with db._session_maker.begin() as s:  # Cosmic Ray has no public "forget this result"
+            s.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(ids)).delete(synchronize_session=False)
+        for w in again:
+            m = w.mutations[0]
+            rel = str(m.module_path)
+            fn = scope.owner(resolved, rel, m.start_pos[0])
+            if fn is not None and not cmap.cases_for(resolved, rel, range(m.start_pos[0], m.end_pos[0] + 1)):
+                unreached += 1
+                rec = {"status": "not-reached", "where": [f"{rel}:{m.start_pos[0]} ({fn.entry.qualname})"],
+                       "detail": "no candidate case executes this line"}
+                db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
+                                                   output=RESULT_TAG + json.dumps(rec, sort_keys=True)))
+    return {"retried": len(again), "still_not_reached": unreached}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="harness.source_mutation.session")
     ap.add_argument("--session", required=True)
@@ -95,7 +134,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--retry", default=None, help="comma-separated statuses to make pending again")
     args = ap.parse_args(argv)
+    if args.retry:
+        print(json.dumps(retry(Path(args.session), Path("."), Path(args.map), set(args.retry.split(",")))))
+        return 0
     print(json.dumps(build(Path(args.session), Path("."), Path(args.map), args.sample, args.seed, args.only)))
     return 0
 
