@@ -4,7 +4,8 @@
   run     rerun exactly one case (the reproducer every divergence message prints)
   bench   pool vs spawn-per-case vs bare DeepSpeed timings, measured in one run
   report  re-render the HTML divergence report from stored results (nothing reruns)
-  mutate  the mutation self-check: every known-bug mutant against the kill cases, as a table
+  mutate  the mutation self-check: every known-bug mutant against the kill cases, as a table;
+          with --engine cosmic-ray: source mutants of DeepSpeed's Muon code (harness/source_mutation)
   gpu     the fixed GPU subset through torchrun and NCCL (scripts/gpu.sh installs, then runs it)
   check   check your own DeepSpeed config (Muon) against the oracle on a scaled model (harness/check.py)
 """
@@ -16,6 +17,12 @@ import sys
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["mutate"] and any(a == "--engine" or a.startswith("--engine=") for a in argv[1:]):
+        # source mutation of DeepSpeed's own code (harness/source_mutation); must run before anything
+        # imports deepspeed, which then comes from the mutated copy
+        from harness.source_mutation.cli import main as source_mutation_main
+
+        return source_mutation_main(argv[1:])
     if argv[:1] == ["mutate"]:
         # its options belong to harness.kill_matrix: argparse's REMAINDER after a sub-command refuses
         # anything that looks like an option (``mutate --only X`` was "unrecognized arguments")

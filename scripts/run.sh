@@ -2,6 +2,7 @@
 # The project's only entry point for set-up. Idempotent: every step checks before it works.
 #   bash scripts/run.sh main   install everything, then run the full gate and write reports/gate.html
 #   bash scripts/run.sh test   install everything, then run the test suite (what .ci/run does)
+#   bash scripts/run.sh mutation [--sample N --seed S]   source mutation of DeepSpeed's Muon code
 # Extra arguments after the subcommand go to the harness CLI (main) or to pytest (test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +27,15 @@ if [ ! -f "$stamp" ]; then
   # torch==2.13.0 resolves to the CPU wheel on this machine's disk; a range would pull a CUDA build.
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
   # [models]: transformers for the GPT-2 / Llama model cases (without it they are deselected, saying so)
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[models]"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[models,mutation]"
   touch "$stamp"
+fi
+# Cosmic Ray (source mutation, harness/source_mutation) in a venv of its own: the harness runs its
+# cosmic-ray executable; nothing of it is imported by the harness or the ranks.
+if [ ! -f .venv-mutation/.installed-cosmic-ray-8.7.0 ]; then
+  "$PY" -m venv .venv-mutation
+  .venv-mutation/bin/pip install -q --disable-pip-version-check "cosmic-ray==8.7.0"
+  touch .venv-mutation/.installed-cosmic-ray-8.7.0
 fi
 
 # Op builds and the torch.compile cache, once, outside any test timeout.
@@ -39,5 +47,6 @@ case "$what" in
     .venv/bin/ruff check .   # lint first (under a second); a finding fails the run
     exec .venv/bin/python -m pytest -n 2 "$@" ;;
   report) exec .venv/bin/python -m harness report "$@" ;;  # merge shards' results (README: Sharding)
-  *) echo "usage: bash scripts/run.sh main|test|report [args]" >&2; exit 2 ;;
+  mutation) exec .venv/bin/python -m harness mutate --engine cosmic-ray "$@" ;;  # README: Source mutation
+  *) echo "usage: bash scripts/run.sh main|test|report|mutation [args]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,50 @@
+"""The CI sample of source mutation: a seeded handful of Cosmic Ray mutants of DeepSpeed's
+``muon_update`` (real edits of the private copy), judged on two cheap gate cases; every reached
+mutant must be killed or listed equivalent, and the same seed must name the same mutants.
+
+Cost here (2 shared cores): ~30 s to record the two cases' coverage map once per machine (kept in
+the cache folder), then ~12-20 s per mutant (a fresh worker, a fresh rank pool, the cases).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness import buildenv
+from harness.source_mutation.cli import engine_executable
+
+pytestmark = [pytest.mark.pipeline, pytest.mark.mutate]
+
+CI_CASES = "z1-none-fp16-ws1-clip0.05-heads,z2-none-fp32-ws2"
+ARGS = ["--sample", "3", "--seed", "15", "--only", "muon_update"]
+
+
+def _run(extra, tmp_path):
+    env = dict(os.environ, MUON_MUTATION_CASES=CI_CASES)
+    return subprocess.run([sys.executable, "-m", "harness", "mutate", "--engine", "cosmic-ray", *ARGS, *extra],
+                          cwd=buildenv.PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _keys(text: str, prefix: str) -> list[str]:
+    line = next(ln for ln in text.splitlines() if ln.startswith(prefix))
+    return [re.sub(r"=\w[\w-]*$", "", k.strip()) for k in line[len(prefix):].split(";") if k.strip()]
+
+
+@pytest.mark.skipif(engine_executable() is None, reason="Cosmic Ray not installed: bash scripts/run.sh makes "
+                                                        ".venv-mutation")
+def test_ci_sample_is_deterministic_and_every_reached_mutant_is_killed(tmp_path):
+    report = tmp_path / "mutation-ci.html"
+    r = _run(["--fresh", "--report", str(report)], tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    assert "verdict: PASS" in out, out[-3000:]
+    ran = _keys(out, "mutants: ")
+    assert len(ran) == 3, out[-3000:]
+    assert report.exists() and "Per function" in report.read_text()
+    again = _run(["--fresh", "--prepare"], tmp_path)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert _keys(again.stdout, "session mutants: ") == ran

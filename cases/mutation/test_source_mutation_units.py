@@ -1,0 +1,109 @@
+"""Source mutation (harness/source_mutation) without ranks: the scope resolves against the installed
+DeepSpeed and is restricted by function, changed lines are found, case selection follows the
+coverage map (signature lines included, cheapest first, unreached -> empty), the equivalents file
+names real scoped mutants, and the verdict fails on a survivor that is not listed equivalent."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from harness.source_mutation import equivalents, report, scope, workspace
+from harness.source_mutation.selection import CaseInfo, CoverageMap, changed_lines
+from harness.source_mutation.session import mutant_key
+
+DS = workspace.installed_deepspeed()
+
+
+def test_every_scoped_function_resolves_and_selects_lines_inside_itself():
+    resolved = scope.resolve(DS)
+    assert len(resolved) == len(scope.SCOPE)
+    for r in resolved:
+        assert r.lines, f"{r.name}: no line selected"
+        assert min(r.lines) >= r.first and max(r.lines) <= r.last, r.name
+        assert r.first < r.body_first <= r.last + 1, r.name
+
+
+def test_scope_is_by_function_not_by_file():
+    """Code of a scoped file outside the scoped functions is out of scope (stage3's parameter fetching)."""
+    resolved = scope.resolve(DS)
+    text = (DS / "runtime/zero/stage3.py").read_text().splitlines()
+    outside = [i for i, line in enumerate(text, 1) if scope.owner(resolved, "runtime/zero/stage3.py", i) is None]
+    assert len(outside) > 0.8 * len(text)
+    mu = next(r for r in resolved if r.entry.qualname == "muon_update")
+    assert scope.owner(resolved, mu.entry.file, mu.first + 3) is mu
+
+
+def test_muon_part_keeps_only_statements_mentioning_muon():
+    resolved = scope.resolve(DS)
+    r = next(r for r in resolved if r.entry.file == "runtime/zero/stage3.py" and r.entry.part == "muon"
+             and r.entry.qualname.endswith(".__init__"))
+    text = (DS / r.entry.file).read_text().splitlines()
+    assert len(r.lines) < (r.last - r.first + 1) / 4
+    assert any("muon" in text[i - 1].lower() for i in r.lines)
+
+
+def test_a_missing_function_is_an_error_not_a_gap():
+    with pytest.raises(scope.ScopeError, match="no function"):
+        scope.resolve(DS, (scope.Scoped("runtime/zero/muon/original_muon.py", "no_such_function"),))
+
+
+def test_changed_lines_of_a_one_token_mutation():
+    a = "x = 1\ny = x + 2\nz = y\n"
+    assert changed_lines(a, a.replace("x + 2", "x - 2")) == [2]
+    assert changed_lines(a, a) == []
+
+
+def _resolved_fake():
+    e = scope.Scoped("f.py", "fn")
+    return [scope.Resolved(e, first=10, last=20, body_first=12, lines=frozenset(range(10, 21)))]
+
+
+def test_case_selection_cheapest_first_signature_and_unreached():
+    cm = CoverageMap(lines={"f.py": {13: ["slow", "fast", "broken"], 15: ["fast"]}},
+                     cases={"slow": CaseInfo("slow", 9.0, "passed", 2, "{}"),
+                            "fast": CaseInfo("fast", 1.0, "xfailed", 2, "{}"),
+                            "broken": CaseInfo("broken", 0.5, "failed", 2, "{}")})
+    res = _resolved_fake()
+    assert cm.cases_for(res, "f.py", [13]) == ["fast", "slow"]  # the failing baseline is not usable
+    assert cm.cases_for(res, "f.py", [10]) == ["fast", "slow"]  # a default argument: the body's cases
+    assert cm.cases_for(res, "f.py", [18]) == []  # not reached
+
+
+def test_equivalents_name_scoped_mutants_with_a_reason():
+    resolved = scope.resolve(DS)
+    pat = re.compile(r"^(?P<file>[\w/.]+\.py):(?P<line>\d+):\d+ core/\w+#\d+$")
+    for key, reason in equivalents.load().items():
+        m = pat.match(key)
+        assert m, f"malformed key {key!r}"
+        assert scope.owner(resolved, m["file"], int(m["line"])) is not None, f"{key} is out of scope"
+        assert len(reason) > 10
+
+
+def _dump_line(rel, op, occ, line, status, **rec):
+    item = {"job_id": "x", "mutations": [{"module_path": rel, "operator_name": op, "occurrence": occ,
+                                          "start_pos": [line, 4], "end_pos": [line, 5]}]}
+    out = "noise\n" + report.RESULT_TAG + json.dumps(dict(status=status, **rec))
+    return json.dumps([item, {"worker_outcome": "normal", "output": out, "test_outcome": "killed", "diff": "-a\n+b"}])
+
+
+def test_score_excludes_unreached_equivalent_and_harness_errors_and_fails_on_a_survivor(tmp_path):
+    res = _resolved_fake()
+    lines = [_dump_line("f.py", "core/NumberReplacer", 0, 13, "killed", by="fast", seconds=3.0),
+             _dump_line("f.py", "core/NumberReplacer", 1, 14, "survived", nearest="fast", seconds=5.0),
+             _dump_line("f.py", "core/NumberReplacer", 2, 15, "survived", nearest="fast", seconds=5.0),
+             _dump_line("f.py", "core/AddNot", 0, 18, "not-reached")]
+    eq_key = mutant_key("f.py", "core/NumberReplacer", 2, (15, 4))
+    ms = report.read_dump(lines, res, {eq_key: "a log message only"})
+    assert [m.status for m in ms] == ["killed", "survived", "equivalent", "not-reached"]
+    s = report.Summary(ms)
+    assert s.score == 0.5
+    ok, reasons = report.verdict(ms)
+    assert not ok and "survived" in reasons[0]
+    ok, _ = report.verdict([m for m in ms if m.status != "survived"])
+    assert ok
+    html = report.render_html(s)
+    assert "f.py:14:4 core/NumberReplacer#1" in html and "nearest case" in html
+    err = report.read_dump([_dump_line("f.py", "core/AddNot", 1, 13, "harness-error")], res, {})
+    assert not report.verdict(err)[0] and report.Summary(err).score is None

@@ -1,0 +1,198 @@
+"""Record, once, which candidate gate cases execute each scoped line of the (unmutated) copy.
+
+The ranks run coverage.py around the ordinary case entry (``COVERED_ENTRY``), measuring only the
+scoped files of the copy; the parent judges each case with the gate's own decision
+(``harness.gate.evaluate``, stock column), so the map also says which cases are usable baselines
+(passed, or an xfail that matched its bug model) and how long each took unmutated.
+
+The candidate cases are the mutation self-check's kill cases (every stage, offload none/cpu, every
+dtype, accumulation, clipping, per-head, checkpoint resume, stage 0, user groups, a schedule, the
+BF16_Optimizer route, a real model under zero.Init) and the gate cases that reach what those do not:
+NVMe with both swappers, in-memory ZeRO-3 momentum, overflow and growth, a padding layout of the sweep.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+from harness.launcher import DEFAULT_ENTRY
+from harness.source_mutation import scope, workspace
+from harness.source_mutation.selection import CaseInfo, CoverageMap
+
+COVERAGE_DIR_ENV = "MUON_MUTATION_COVERAGE_DIR"
+COVERED_ENTRY = "harness.source_mutation.coverage_map:run_case_covered"
+
+# Gate cases added to the kill cases (harness.kill_matrix.default_kill_cases): names from harness.matrix.
+EXTRA_GATE_CASES = (
+    "z1-none-bf16-ws2-ga2-clip0.05-standard", "z3-cpu-bf16-ws2-heads", "z1-none-fp16-ws2-overflow",
+    "z1-cpu-fp16-ws2-growth",  # harness.kill_matrix.STOCK_KILL_CASES
+    "z1-nvme-part-fp32-ws2", "z2-nvme-part-fp32-ws2-clip0.05", "z3-nvme-part-fp32-ws2",
+    "z3-nvme-pipe-fp16-ws2-standard", "z3-none-fp16-ws2-inmem", "z3-nvme-part-fp32-ws2-inmem",
+    "sweep-z1-none-ws2-L0", "sweep-z3-none-ws2-L0-standard",
+    "z1-none-bf16-ws2-ga2-clip0.05-gad32",  # the BF16_Optimizer route exchanges split matrices only at ws >= 2
+)
+
+
+CASES_ENV = "MUON_MUTATION_CASES"  # comma-separated case names: a smaller candidate set (the CI sample)
+
+
+def candidate_cases() -> list:
+    from harness.kill_matrix import default_kill_cases
+    from harness.matrix import gate_cases
+
+    by_name = {c.name: c for c in gate_cases()}
+    out = list(default_kill_cases())
+    only = [n.strip() for n in os.environ.get(CASES_ENV, "").split(",") if n.strip()]
+    if only:
+        pool = {c.name: c for c in out} | by_name
+        unknown = [n for n in only if n not in pool]
+        if unknown:
+            raise ValueError(f"{CASES_ENV}: unknown case(s) {unknown}; names come from the kill cases "
+                             f"(harness.kill_matrix.default_kill_cases) and the gate (harness.matrix)")
+        return [pool[n] for n in only]
+    have = {c.name for c in out}
+    for n in EXTRA_GATE_CASES:
+        if n in by_name and n not in have:
+            out.append(by_name[n])
+            have.add(n)
+    return out
+
+
+def run_case_covered(case, rank: int, world_size: int, workdir: Path):
+    """The ordinary rank entry under coverage.py, restricted to the copy's scoped files."""
+    import importlib
+
+    import coverage
+
+    out = Path(os.environ[COVERAGE_DIR_ENV])
+    root = workspace.copy_root()
+    cov = coverage.Coverage(data_file=str(out / f"{case.name}.rank{rank}.cov"),
+                            include=[str(root / rel) for rel in scope.files()], config_file=False, branch=False)
+    module_name, _, func_name = DEFAULT_ENTRY.partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    cov.start()
+    try:
+        return func(case, rank, world_size, workdir)
+    finally:
+        cov.stop()
+        cov.save()
+
+
+class EntryLauncher:
+    """A launcher that runs every case through a fixed rank entry (``harness.launcher.Launcher``)."""
+
+    def __init__(self, inner, entry: str):
+        self.inner, self.entry = inner, entry
+
+    def run(self, case, entry: str = DEFAULT_ENTRY):
+        return self.inner.run(case, self.entry)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def source_digest() -> str:
+    """Of the installed (never mutated) scoped source and the scope list: the copy's scoped files
+    change under the engine while it runs."""
+    root = workspace.installed_deepspeed()
+    h = hashlib.sha256()
+    for rel in scope.files():
+        h.update(rel.encode() + (root / rel).read_bytes())
+    for e in scope.SCOPE:
+        h.update(repr(e).encode())
+    return h.hexdigest()[:16]
+
+
+def store_path() -> Path:
+    """Every case ever recorded for this source and scope: a new candidate case costs its own run only."""
+    return workspace.state_dir() / f"coverage-{source_digest()}-all.json"
+
+
+def map_path(cases) -> Path:
+    """The map of one candidate set (what the worker reads: it selects among these cases only)."""
+    h = hashlib.sha256(source_digest().encode())
+    for c in cases:
+        h.update(c.to_json().encode())
+    return workspace.state_dir() / f"coverage-{h.hexdigest()[:16]}.json"
+
+
+def record(cases, progress=print) -> CoverageMap:
+    """Run each case once under coverage on the copy and return their map. The process must already
+    import DeepSpeed from the copy (``workspace.use_copy``)."""
+    import coverage
+
+    from harness.gate import evaluate
+    from harness.pool import PoolManager
+
+    root = workspace.copy_root()
+    out = workspace.state_dir() / "coverage-data"
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    os.environ[COVERAGE_DIR_ENV] = str(out)
+    cmap = CoverageMap(lines={}, cases={}, scope_digest=source_digest())
+    manager = PoolManager()
+    launcher = EntryLauncher(manager, COVERED_ENTRY)
+    try:
+        for c in cases:
+            t0 = time.perf_counter()
+            o = evaluate(c, "stock", launcher)
+            secs = time.perf_counter() - t0
+            cmap.cases[c.name] = CaseInfo(c.name, round(secs, 2), o.status, c.world_size, c.to_json())
+            progress(f"coverage: {c.name}: {o.status} in {secs:.1f} s")
+            for r in range(c.world_size):
+                f = out / f"{c.name}.rank{r}.cov"
+                if not f.exists():
+                    continue
+                data = coverage.CoverageData(basename=str(f))
+                data.read()
+                for measured in data.measured_files():
+                    rel = str(Path(measured).relative_to(root))
+                    bucket = cmap.lines.setdefault(rel, {})
+                    for line in data.lines(measured) or ():
+                        names = bucket.setdefault(line, [])
+                        if c.name not in names:
+                            names.append(c.name)
+    finally:
+        manager.close()
+    return cmap
+
+
+def _merge(into: CoverageMap, other: CoverageMap) -> None:
+    into.cases.update(other.cases)
+    for rel, lines in other.lines.items():
+        bucket = into.lines.setdefault(rel, {})
+        for line, names in lines.items():
+            bucket.setdefault(line, [])
+            bucket[line] = sorted(set(bucket[line]) | set(names))
+
+
+def restrict(cmap: CoverageMap, names) -> CoverageMap:
+    keep = set(names)
+    lines = {rel: {ln: [n for n in ns if n in keep] for ln, ns in ls.items()} for rel, ls in cmap.lines.items()}
+    lines = {rel: {ln: ns for ln, ns in ls.items() if ns} for rel, ls in lines.items()}
+    return CoverageMap(lines=lines, cases={n: c for n, c in cmap.cases.items() if n in keep},
+                       scope_digest=cmap.scope_digest)
+
+
+def load_or_record(progress=print) -> tuple[CoverageMap, Path]:
+    """The map of the candidate cases, recording only the cases the store does not hold yet (a case
+    whose definition changed counts as new); returns it and the path it was written to."""
+    cases = candidate_cases()
+    store_file = store_path()
+    store = CoverageMap.load(store_file) if store_file.exists() else CoverageMap({}, {}, source_digest())
+    missing = [c for c in cases if c.name not in store.cases or store.cases[c.name].case_json != c.to_json()]
+    if missing:
+        progress(f"coverage: recording {len(missing)} case(s) not in {store_file.name}")
+        stale = {c.name for c in missing}
+        store = restrict(store, [n for n in store.cases if n not in stale])
+        _merge(store, record(missing, progress))
+        store.dump(store_file)
+    cmap = restrict(store, [c.name for c in cases])
+    path = map_path(cases)
+    cmap.dump(path)
+    return cmap, path

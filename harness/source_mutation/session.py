@@ -1,0 +1,147 @@
+"""Build a Cosmic Ray session restricted to the scoped functions (run by the engine's interpreter).
+
+``cosmic-ray init`` mutates whole modules; here the same work items (Cosmic Ray's own operators and
+occurrence numbering, ``cosmic_ray.commands.init``) are kept only where the mutated span starts on a
+scoped line, given a job id derived from what they mutate (so a seeded sample names the same mutants
+on every machine and every run), optionally sampled, and written into the session database. Mutants
+on lines the coverage map says no case executes get their result at once ("not reached"), so
+``cosmic-ray exec`` only runs the ones a case can kill, and a resumed exec runs only what is pending.
+
+Runs as ``<engine python> -m harness.source_mutation.session ...`` with the checkout on PYTHONPATH and
+the copy's package folder as the working directory (module paths are relative to it, so an HTTP
+worker on another machine resolves them in its own copy). Imports only the standard library, Cosmic
+Ray and the stdlib-only ``scope`` and ``selection`` modules.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+from pathlib import Path
+
+from harness.source_mutation import scope
+from harness.source_mutation.selection import CoverageMap
+
+RESULT_TAG = "MUTATION-RESULT "  # the worker's tag (harness.source_mutation.worker.RESULT_TAG)
+
+
+def mutant_key(rel: str, operator: str, occurrence: int, start) -> str:
+    """The stable name of one mutant: file:line:col operator#occurrence (equivalents file, report)."""
+    return f"{rel}:{start[0]}:{start[1]} {operator}#{occurrence}"
+
+
+def job_id(key: str) -> str:
+    return hashlib.sha1(key.encode()).hexdigest()[:32]
+
+
+def scoped_items(ds_root: Path, only: str | None = None):
+    """(key, WorkItem, Resolved) for every Cosmic Ray mutant whose span starts on a scoped line
+    (with ``only``: in a file or function whose name contains it)."""
+    from cosmic_ray.commands.init import _all_work_items
+    from cosmic_ray.work_item import WorkItem
+
+    resolved = scope.resolve(ds_root)
+    out = []
+    for rel in scope.files():
+        if only and not any(r.entry.file == rel and (only in r.entry.qualname or only in rel) for r in resolved):
+            continue  # parsing a module for every operator costs seconds: skip files the filter excludes
+        for item in _all_work_items([Path(rel)], {}):
+            m = item.mutations[0]
+            fn = scope.owner(resolved, rel, m.start_pos[0])
+            if fn is None:
+                continue
+            key = mutant_key(rel, m.operator_name, m.occurrence, m.start_pos)
+            out.append((key, WorkItem.single(job_id(key), m), fn))
+    out.sort(key=lambda t: t[0])
+    return out, resolved
+
+
+def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, seed: int,
+          only: str | None = None) -> dict:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    items, resolved = scoped_items(ds_root, only)
+    if only:
+        items = [t for t in items if only in t[0] or only in t[2].entry.qualname]
+    total = len(items)
+    if sample is not None and sample < len(items):
+        items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
+    cmap = CoverageMap.load(cmap_path)
+    unreached = 0
+    with use_db(str(session), WorkDB.Mode.create) as db:
+        db.clear()
+        db.add_work_items([w for _, w, _ in items])
+        for _, w, fn in items:
+            m = w.mutations[0]
+            lines = list(range(m.start_pos[0], m.end_pos[0] + 1))
+            if not cmap.cases_for(resolved, fn.entry.file, lines):
+                unreached += 1
+                rec = {"status": "not-reached", "where": [f"{fn.entry.file}:{m.start_pos[0]} ({fn.entry.qualname})"],
+                       "detail": "no candidate case executes this line"}
+                db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
+                                                   output=RESULT_TAG + json.dumps(rec, sort_keys=True)))
+    print("KEYS " + "; ".join(k for k, _, _ in items), file=sys.stderr)
+    return {"scoped_mutants": total, "in_session": len(items), "not_reached": unreached,
+            "functions": len(resolved)}
+
+
+def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str]) -> dict:
+    """Make the mutants whose recorded status is in ``statuses`` pending again (after a new case or a
+    sharper tolerance), except listed equivalents; re-mark the ones the current coverage map still
+    does not reach."""
+    from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    from harness.source_mutation import equivalents
+
+    resolved = scope.resolve(ds_root)
+    cmap = CoverageMap.load(cmap_path)
+    equivalent = equivalents.load()  # a listed equivalent is not retried: nothing can kill it
+    again, unreached = [], 0
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item, result in list(db.completed_work_items):
+            rec = {}
+            for line in (result.output or "").splitlines():
+                if line.startswith(RESULT_TAG):
+                    rec = json.loads(line[len(RESULT_TAG):])
+            m = item.mutations[0]
+            key = mutant_key(str(m.module_path), m.operator_name, m.occurrence, m.start_pos)
+            if rec.get("status") in statuses and key not in equivalent:
+                again.append(item)
+        ids = [w.job_id for w in again]
+        with db._session_maker.begin() as s:  # Cosmic Ray has no public "forget this result"
+            s.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(ids)).delete(synchronize_session=False)
+        for w in again:
+            m = w.mutations[0]
+            rel = str(m.module_path)
+            fn = scope.owner(resolved, rel, m.start_pos[0])
+            if fn is not None and not cmap.cases_for(resolved, rel, range(m.start_pos[0], m.end_pos[0] + 1)):
+                unreached += 1
+                rec = {"status": "not-reached", "where": [f"{rel}:{m.start_pos[0]} ({fn.entry.qualname})"],
+                       "detail": "no candidate case executes this line"}
+                db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
+                                                   output=RESULT_TAG + json.dumps(rec, sort_keys=True)))
+    return {"retried": len(again), "still_not_reached": unreached}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="harness.source_mutation.session")
+    ap.add_argument("--session", required=True)
+    ap.add_argument("--map", required=True)
+    ap.add_argument("--sample", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--retry", default=None, help="comma-separated statuses to make pending again")
+    args = ap.parse_args(argv)
+    if args.retry:
+        print(json.dumps(retry(Path(args.session), Path("."), Path(args.map), set(args.retry.split(",")))))
+        return 0
+    print(json.dumps(build(Path(args.session), Path("."), Path(args.map), args.sample, args.seed, args.only)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
