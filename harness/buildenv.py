@@ -13,9 +13,16 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
-# Pinned runtime under test; the cache key and the version guard of the patched runtime use it.
+# Pinned runtime under test; the cache key uses it. DeepSpeed's is the installed one (the pinned 0.19.8
+# in .venv; another release in its own venv, ``scripts/run.sh --deepspeed``), so every release builds
+# its ops once into its own folder.
 TORCH_VERSION = "2.13.0"
-DEEPSPEED_VERSION = "0.19.8"
+
+
+def deepspeed_version() -> str:
+    from harness import versions
+
+    return versions.installed().version.replace("+", "-")
 
 
 def cache_root() -> Path:
@@ -26,7 +33,7 @@ def cache_root() -> Path:
 
 
 def extensions_dir() -> Path:
-    return cache_root() / "torch_extensions" / f"torch{TORCH_VERSION}-ds{DEEPSPEED_VERSION}"
+    return cache_root() / "torch_extensions" / f"torch{TORCH_VERSION}-ds{deepspeed_version()}"
 
 
 def cpuinfo_cache() -> Path:

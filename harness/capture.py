@@ -259,8 +259,10 @@ class MuonCallRecorder:
 
         from deepspeed.runtime.zero.muon import original_muon
 
+        from harness.capture_adapters import adapter_for
+
         # Imported first: a module imported after the replacement below would bind the wrapper itself.
-        extra_mods = [importlib.import_module(m) for m in self.EXTRA_BINDINGS]
+        extra_mods = [importlib.import_module(m) for m in self.EXTRA_BINDINGS + adapter_for().muon_bindings]
         self._module = original_muon
         self._orig = original_muon.muon_update
         original_muon.muon_update = self._wrapper

@@ -66,6 +66,9 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
         mutate = mutate and part.index == 1
         print(f"gate: shard {part}: {len(cases)} cases", flush=True)
     cols = columns()
+    from harness import versions
+
+    print(f"gate: {versions.banner()}", flush=True)
     report_path = Path(report)
     results_dir = report_path.parent / (report_path.stem + "-results")
     if results_dir.exists():

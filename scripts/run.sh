@@ -7,6 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-}"; shift || true
+# --deepspeed VERSION|PATH (anywhere after the subcommand): run against another DeepSpeed in its own venv
+ds_other=""; rest=()
+while (($#)); do
+  if [ "$1" = "--deepspeed" ]; then ds_other="${2:?--deepspeed needs a release or a source checkout path}"; shift 2
+  else rest+=("$1"); shift; fi
+done
+set -- "${rest[@]+"${rest[@]}"}"
 
 need_apt=()
 dpkg -s libaio-dev >/dev/null 2>&1 || need_apt+=(libaio-dev)      # DeepSpeed's async_io op (NVMe offload)
@@ -36,6 +43,19 @@ if [ ! -f .venv-mutation/.installed-cosmic-ray-8.7.0 ]; then
   "$PY" -m venv .venv-mutation
   .venv-mutation/bin/pip install -q --disable-pip-version-check "cosmic-ray==8.7.0"
   touch .venv-mutation/.installed-cosmic-ray-8.7.0
+fi
+
+if [ -n "$ds_other" ]; then
+  # Another DeepSpeed: its own venv, its ops built once, the stock column only where the patched runtime
+  # does not apply (harness/versions.py), no mutation self-check (the mutants patch 0.19.8's functions).
+  venv="$(bash scripts/deepspeed_venv.sh "$ds_other" | tail -1)"
+  "$venv/bin/python" -m harness.warmup --skip-compile
+  tag="$("$venv/bin/python" -c 'from harness import versions; print(versions.installed().version.replace("+", "-"))')"
+  case "$what" in
+    main) exec "$venv/bin/python" -m harness gate --no-mutate --report "reports/gate-$tag.html" "$@" ;;
+    test) exec "$venv/bin/python" -m pytest "$@" ;;
+    *) echo "usage: bash scripts/run.sh main|test --deepspeed VERSION|PATH [args]" >&2; exit 2 ;;
+  esac
 fi
 
 # Op builds and the torch.compile cache, once, outside any test timeout.

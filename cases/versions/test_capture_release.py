@@ -1,0 +1,52 @@
+"""On whatever DeepSpeed is installed, the capture records every quantity of every parameter.
+
+Run it once per release (``<venv>/bin/python -m pytest cases/versions/test_capture_release.py``, with
+that release's venv from ``scripts/deepspeed_venv.sh``); CI runs it on the pinned 0.19.8. The paths
+are ones every release since 0.18.9 supports and no known bug removes a quantity from: ZeRO-1/2
+without offload at world size 2 and ZeRO-3 at world size 1, standard Newton-Schulz (the one method
+0.18.9 has). What a broken capture adapter looks like here: no ``muon_update`` call recorded (the
+release binds it where the recorder does not reach), a missing momentum/update/gradient, a capture
+note (ranks that disagree), a non-finite value.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from harness import versions
+from harness.scenarios import pipeline_case
+
+pytestmark = pytest.mark.pipeline
+
+CASES = [pipeline_case(1, "none", "fp32", 2, ns_method="standard"),
+         pipeline_case(2, "none", "bf16", 2, ns_method="standard"),
+         pipeline_case(3, "none", "fp32", 1, ns_method="standard")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_quantity_is_captured(case, pool_manager):
+    adapted = versions.adapt(case)
+    assert adapted.case is not None, adapted.deselected  # chosen so that every release runs them
+    c = adapted.case
+    traj = pool_manager.run(c).result
+    muon = [p.name for p in c.params if p.uses_muon]
+    adam = [p.name for p in c.params if not p.uses_muon]
+    assert muon and adam
+    assert len(traj.steps) == c.steps
+    for rec in traj.steps:
+        where = f"DeepSpeed {versions.installed().label}, {c.name} step {rec.step}"
+        assert not rec.notes, f"{where}: capture notes {rec.notes}"
+        # one muon_update per Muon matrix per step, on at least one rank
+        assert rec.muon_calls >= len(muon), f"{where}: muon_update recorded {rec.muon_calls} times"
+        assert rec.global_norm is not None and math.isfinite(rec.global_norm), where
+        assert set(rec.params) == {p.name for p in c.params}, f"{where}: parameters captured {sorted(rec.params)}"
+        for p in c.params:
+            ps = rec.params[p.name]
+            wanted = ["master", "model", "grad"] + (["momentum", "update"] if p.uses_muon else [])
+            for q in wanted:
+                v = getattr(ps, q)
+                assert v is not None, f"{where}: {p.name} {q} not captured"
+                assert tuple(np.shape(v)) == tuple(p.shape), f"{where}: {p.name} {q} has shape {np.shape(v)}"
+                assert np.isfinite(v).all(), f"{where}: {p.name} {q} not finite"

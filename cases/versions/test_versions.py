@@ -1,0 +1,110 @@
+"""The version layer: what each DeepSpeed release accepts, which bugs it has (as measured), how the
+capture reaches it. Pure: no ranks, under a second. Each test fails if the table it guards drifts
+(a bug without a measured row, a release two adapters claim, a refusal that no longer deselects)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import capture_adapters, versions
+from harness.bugs import BUGS
+from harness.historical_bugs import HISTORICAL
+from harness.scenarios import pipeline_case
+from harness.case import ParamShape
+
+ALL_BUGS = BUGS + HISTORICAL
+
+
+def test_every_registered_bug_has_a_measured_row():
+    ids = [b.id for b in ALL_BUGS]
+    assert len(ids) == len(set(ids)), "a bug id is registered twice"
+    missing = sorted(set(ids) - set(versions.AFFECTED))
+    assert not missing, f"bugs without a row of measured releases in harness.versions.AFFECTED: {missing}"
+    stale = sorted(set(versions.AFFECTED) - set(ids))
+    assert not stale, f"AFFECTED rows for bugs nobody registered: {stale}"
+
+
+def test_rows_name_only_known_measured_releases():
+    for bug, row in versions.AFFECTED.items():
+        for rel in row:
+            assert rel in versions.RELEASES, f"{bug}: {rel} is not a release the harness knows"
+            assert rel in versions.MEASURED, f"{bug}: {rel} claims a measurement, but no gate run on it is recorded"
+
+
+def test_the_pinned_release_has_every_0198_bug_and_none_of_the_historical_ones():
+    assert all(versions.excuses(b.id, "0.19.8") for b in BUGS)
+    assert not any(versions.excuses(b.id, "0.19.8") for b in HISTORICAL)
+
+
+def test_an_unseen_release_excuses_nothing(monkeypatch):
+    monkeypatch.setattr(versions, "installed", lambda: versions.Installed("0.20.3", False, "/x"))
+    assert versions.judged_as() is None
+    assert not any(versions.excuses(b.id) for b in ALL_BUGS)
+    assert "NO bug excuses" in versions.banner()
+    assert not versions.patched_applies()
+
+
+def test_a_source_checkout_is_unseen_unless_told(monkeypatch):
+    src = versions.Installed("0.19.9+abc123", True, "/src/DeepSpeed")
+    monkeypatch.setattr(versions, "installed", lambda: src)
+    assert versions.judged_as() is None and not versions.patched_applies()
+    monkeypatch.setenv("MUON_HARNESS_DS_AS", "0.19.8")
+    assert versions.judged_as() == "0.19.8"
+
+
+@pytest.mark.parametrize("text,want", [("0.19.7", (0, 19, 7)), ("0.19.9+a1b2", (0, 19, 9)),
+                                       ("0.20.0.dev0", (0, 20, 0)), ("0.18", (0, 18, 0))])
+def test_parse(text, want):
+    assert versions.parse(text) == want
+
+
+def test_0197_turns_reduce_scatter_off_for_z12_offload_and_nothing_else():
+    case = pipeline_case(1, "cpu", "fp32", 2)
+    a = versions.adapt(case, "0.19.7")
+    assert a.changes == ("z12-offload-reduce-scatter-off",)
+    assert json.loads(a.case.ds_config)["zero_optimization"]["reduce_scatter"] is False
+    # the mathematics of the case is untouched: only the collective changes
+    assert a.case.params == case.params and a.case.name == case.name
+    assert versions.adapt(case, "0.19.8").case is case
+    assert versions.adapt(pipeline_case(1, "none", "fp32", 2), "0.19.7").changes == ()
+    assert versions.adapt(pipeline_case(3, "cpu", "fp32", 2), "0.19.7").changes == ()
+
+
+def test_per_head_muon_is_deselected_with_the_reason_before_0198():
+    case = pipeline_case(2, "none", "fp32", 2, params=(ParamShape("w.weight", (8, 4), 2), ParamShape("b", (8,))))
+    a = versions.adapt(case, "0.19.7")
+    assert a.case is None and "per-head Muon" in a.deselected and "0.19.7" in a.deselected
+    assert versions.adapt(case, "0.19.8").case is case
+
+
+@pytest.mark.parametrize("release", versions.RELEASES + ("0.20.0", "0.19.9+abc"))
+def test_exactly_one_capture_adapter_per_release(release):
+    capture_adapters.adapter_for(release)  # raises unless exactly one range holds it
+
+
+def test_installed_release_is_read_without_importing_deepspeed():
+    import sys
+
+    had = "deepspeed" in sys.modules
+    versions.installed.cache_clear()
+    inst = versions.installed()
+    assert inst.version and versions.parse(inst.version) >= (0, 18, 0)
+    if not had:
+        assert "deepspeed" not in sys.modules
+
+
+def test_before_0190_gram_is_deselected_and_standard_runs_without_the_key():
+    gram = pipeline_case(1, "none", "fp32", 2)
+    a = versions.adapt(gram, "0.18.9")
+    assert a.case is None and "Gram" in a.deselected
+    std = pipeline_case(1, "none", "fp32", 2, ns_method="standard")
+    b = versions.adapt(std, "0.18.9")
+    assert "ns_method" not in json.loads(b.case.ds_config)["optimizer"]["params"]
+    assert versions.adapt(std, "0.19.0").case is std
+
+
+def test_reduce_scatter_rule_covers_exactly_the_releases_that_refuse():
+    case = pipeline_case(2, "cpu", "fp32", 2)
+    got = [r for r in versions.RELEASES if versions.adapt(case, r).changes]
+    assert got == ["0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7"]

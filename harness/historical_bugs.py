@@ -1,0 +1,91 @@
+"""Bugs of DeepSpeed releases older than 0.19.8, found by running the gate on them.
+
+Why a module of its own: ``harness.bugs`` is the registry of 0.19.8, with oracle models and fixes in
+the patched runtime written against that release. The bugs here exist only in older releases (the
+releases each one affects, as measured, are in ``harness.versions.AFFECTED``); they have no fix in
+this project (upgrade DeepSpeed) and, so far, no oracle model: a numerical one excuses the quantities
+it names (strength "excused", not full), a crash one only its exact exception, message and frame.
+Ids start at DSM-101 so they never collide with the 0.19.8 registry's.
+"""
+from __future__ import annotations
+
+from harness.bugs import Bug, _has_muon
+from harness.case import Case
+
+
+def _z12_offload_muon(c: Case) -> bool:
+    return c.stage in (1, 2) and c.offload in ("cpu", "nvme") and _has_muon(c)
+
+
+def _muon_shapes_by_group(c: Case) -> list[list[tuple]]:
+    """Muon matrix shapes per optimizer param group, in reverse model order (the order backward fills
+    ZeRO-3's reduce bucket)."""
+    muon = [p for p in reversed(c.params) if p.uses_muon]
+    if not c.groups:
+        return [[p.shape for p in muon]]
+    return [[p.shape for p in muon if p.name in g.params] for g in c.groups]
+
+
+def _z3_dist_muon_mixed_shapes(c: Case) -> bool:
+    """0.19.7 ZeRO-3 runs Muon during the gradient reduce (``stage3.py:1623-1700``
+    ``_apply_distributed_muon_update``): the Muon parameters of a sub-group are dealt out one per rank
+    in rounds of W, and each round all-gathers every rank's gradient; gloo (and NCCL) need equal sizes,
+    so a round holding matrices of different shapes raises."""
+    if c.stage != 3 or c.world_size < 2:
+        return False
+    W = c.world_size
+    for shapes in _muon_shapes_by_group(c):
+        for i in range(0, len(shapes), W):
+            if len(set(shapes[i:i + W])) > 1:
+                return True
+    return False
+
+
+def _z12_group_with_two_muon(c: Case) -> bool:
+    """ZeRO-1/2 without offload, a param group with two or more Muon matrices (the staging reset only
+    loses the momentum of a matrix that is not the last one a rank updates in its group)."""
+    if c.stage not in (1, 2) or c.offload != "none":
+        return False
+    return any(len(shapes) >= 2 for shapes in _muon_shapes_by_group(c))
+
+
+HISTORICAL: tuple[Bug, ...] = (
+    Bug(
+        id="DSM-101",
+        title="ZeRO-1/2 with optimizer offload never runs Muon",
+        symptom="On ZeRO-1/2 with cpu/nvme optimizer offload (reduce_scatter off: the only setting the release "
+                "accepts with Muon and offload) muon_update is never called: Muon-tagged matrices are stepped "
+                "without orthogonalization (masters ~1e5x their allowance at step 1), and the clip norm is the "
+                "raw gradient's.",
+        trigger=_z12_offload_muon,
+        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        where="0.19.7 stage_1_and_2.py:994-1011: get_flat_partition (the only caller of muon_update) runs "
+              "only when cpu_offload is False; the offload epilogue copies raw gradients to the CPU optimizer",
+        reproducer="z1-cpu-fp16-ws2-ga2 (gate case) on DeepSpeed 0.19.7",
+    ),
+    Bug(
+        id="DSM-102",
+        title="ZeRO-3 distributed Muon crashes when a round holds matrices of different shapes",
+        symptom="RuntimeError from all_gather ('invalid tensor size') in the first backward at world size >= 2 "
+                "whenever one round of the one-matrix-per-rank distribution mixes shapes.",
+        trigger=_z3_dist_muon_mixed_shapes,
+        quantities=frozenset({"crash"}),
+        where="0.19.7 stage3.py:1687-1700 _apply_distributed_muon_update: all_gather over grads_pad[base_i:"
+              "base_i + world_sz] of unequal shapes",
+        reproducer="z3-cpu-fp32-ws2-inmem (gate case) on DeepSpeed 0.19.7",
+        crash=("RuntimeError", "invalid tensor size", "_apply_distributed_muon_update"),
+    ),
+    Bug(
+        id="DSM-103",
+        title="ZeRO-1/2 keep the Muon momentum of only the last matrix of a group",
+        symptom="Without offload every Muon matrix restages the group's momentum from the committed copy "
+                "(per parameter), wiping what the matrices before it wrote this step: their momentum never "
+                "advances (stays at its initial zeros), ~8e6x its allowance from step 1.",
+        trigger=_z12_group_with_two_muon,
+        quantities=frozenset({"momentum"}),
+        where="0.19.7 stage_1_and_2.py:2249 / 2344: _muon_staging_momentum (which copies the committed "
+              "momentum over the whole staging buffer) called inside the per-parameter loop; 0.19.8 stages "
+              "once per partition (its stage_1_and_2.py:2743-2745)",
+        reproducer="z2-none-fp32-ws2-ga2-clip0.05-standard (gate case) on DeepSpeed 0.19.7",
+    ),
+)

@@ -1,0 +1,280 @@
+"""Which DeepSpeed the harness is running against, and what that release accepts.
+
+Why one module: the oracle does not depend on the DeepSpeed version, but the configs DeepSpeed
+accepts, the bugs it has and the patched runtime's fixes do. Every version fact lives here (config
+adaptation, refusals by design, the releases each bug was measured on) so the rest of the harness
+asks one place.
+
+The installed version is read from the package metadata, never by importing DeepSpeed (the parent
+process and the build cache key need it before any rank starts). A *source checkout* is DeepSpeed
+installed editable (or from a git tree): its version string is whatever its ``version.txt`` says plus
+a local tag, and it is treated as an unseen release unless ``MUON_HARNESS_DS_AS`` names the release
+it should be judged as.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+# Releases the harness was run on (PyPI sdists); README "DeepSpeed versions" gives each one's result.
+RELEASES = ("0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
+PINNED = "0.19.8"  # the release the oracles' conventions, the docs and the patched runtime are written against
+
+
+def parse(v: str) -> tuple[int, int, int]:
+    """``"0.19.7"`` / ``"0.19.9+a1b2c3"`` / ``"0.19.9.dev0"`` -> (0, 19, 7): the release part only."""
+    head = v.split("+", 1)[0]
+    parts = []
+    for p in head.split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit()) if not p.isdigit() else p
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not p.isdigit():
+            break
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Installed:
+    version: str  # as the package metadata says it
+    source_checkout: bool  # installed editable / from a source tree rather than a release sdist or wheel
+    location: str  # where the package lives
+
+    @property
+    def release(self) -> str | None:
+        """The known release this installation is judged as (None: unseen; the stock column then runs
+        without any bug excuse). ``MUON_HARNESS_DS_AS`` overrides it for a source checkout."""
+        forced = os.environ.get("MUON_HARNESS_DS_AS")
+        if forced:
+            return forced
+        if self.source_checkout:
+            return None
+        return self.version if self.version in RELEASES else None
+
+    @property
+    def label(self) -> str:
+        return f"{self.version} (source checkout)" if self.source_checkout else self.version
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return parse(self.version)
+
+
+@functools.cache
+def installed() -> Installed:
+    """The DeepSpeed the current interpreter would import."""
+    try:
+        dist = metadata.distribution("deepspeed")
+    except metadata.PackageNotFoundError as exc:
+        raise RuntimeError("DeepSpeed is not installed in this interpreter "
+                           "(bash scripts/run.sh installs it; --deepspeed VERSION|PATH picks another)") from exc
+    source = False
+    location = str(dist.locate_file(""))
+    direct = dist.read_text("direct_url.json")
+    if direct:
+        info = json.loads(direct)
+        source = bool(info.get("dir_info", {}).get("editable")) or info.get("url", "").startswith("file://") and \
+            Path(info["url"][len("file://"):]).is_dir()
+        if source:
+            location = info["url"][len("file://"):]
+    if "+" in dist.version or "dev" in dist.version:
+        source = True
+    return Installed(dist.version, source, location)
+
+
+def in_range(version: str, lo: str | None = None, hi: str | None = None) -> bool:
+    """``lo <= version < hi`` by release number (either bound may be None)."""
+    k = parse(version)
+    return (lo is None or k >= parse(lo)) and (hi is None or k < parse(hi))
+
+
+# ------------------------------------------------------------------------------------------------
+# what each release accepts: config adaptation and refusals by design
+
+
+def _zero(cfg: dict) -> dict:
+    return cfg.get("zero_optimization", {})
+
+
+def _offloads_optimizer(cfg: dict) -> bool:
+    return _zero(cfg).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+
+
+def _has_muon(case) -> bool:
+    return any(p.uses_muon for p in case.params)
+
+
+@dataclass(frozen=True)
+class ConfigRule:
+    """A config change one version range needs for a case to mean what it means on 0.19.8.
+
+    ``applies(case, cfg)`` -> bool; ``change(cfg)`` edits the parsed config in place. Only rules that do
+    not change the mathematics are allowed here (the oracle is version-independent)."""
+
+    name: str
+    lo: str | None
+    hi: str | None
+    why: str
+    applies: object
+    change: object
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination a version range refuses by design (raises, or has no such feature): the case is
+    deselected on those releases, showing ``reason`` (the release's own words where it has them)."""
+
+    name: str
+    lo: str | None
+    hi: str | None
+    reason: str
+    applies: object
+
+
+def _set_reduce_scatter_off(cfg: dict) -> None:
+    cfg.setdefault("zero_optimization", {})["reduce_scatter"] = False
+
+
+CONFIG_RULES: tuple[ConfigRule, ...] = (
+    # 0.19.3-0.19.7 stage_1_and_2.py (0.19.7: lines 244-246) raise "Muon with reduce scatter does not support
+    # optimizer offload because offload retains only partition slices; disable reduce scatter or optimizer
+    # offload". The
+    # harness's ZeRO-1/2 offload configs leave reduce_scatter at its default (True); reduce_scatter only
+    # picks the collective that averages the gradient, so turning it off keeps the case's mathematics.
+    ConfigRule("z12-offload-reduce-scatter-off", "0.19.3", "0.19.8",
+               "this release refuses Muon with reduce_scatter and optimizer offload on ZeRO-1/2",
+               lambda c, cfg: _zero(cfg).get("stage") in (1, 2) and _offloads_optimizer(cfg)
+               and _zero(cfg).get("reduce_scatter", True) and _has_muon(c),
+               _set_reduce_scatter_off),
+    # Before 0.19.0 Muon has no ns_method (0.18.9 original_muon.py:66 muon_update(grad, momentum, beta,
+    # ns_steps, nesterov): always the standard quintic); cases that ask for "standard" mean exactly that.
+    ConfigRule("drop-ns-method-key", None, "0.19.0",
+               "this release has no ns_method option (standard Newton-Schulz only)",
+               lambda c, cfg: "ns_method" in cfg.get("optimizer", {}).get("params", {}),
+               lambda cfg: cfg["optimizer"]["params"].pop("ns_method")),
+)
+
+
+def _ns_methods(case, cfg: dict) -> set:
+    default = cfg.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
+    return {default} | {g.ns_method for g in case.groups if g.ns_method}
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("per-head-muon", None, "0.19.8",
+            "per-head Muon (a parameter's muon_num_heads) reached muon_update in 0.19.8; this release "
+            "orthogonalizes the whole matrix",
+            lambda c, cfg: any(p.num_heads for p in c.params)),
+    Refusal("gram-newton-schulz", None, "0.19.0",
+            "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
+            lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg)),
+)
+
+
+@dataclass(frozen=True)
+class Adapted:
+    case: object  # the case to run (config adapted), or None when deselected
+    changes: tuple[str, ...] = ()  # names of the ConfigRules applied
+    deselected: str | None = None  # the reason, when the release refuses the combination by design
+
+
+def adapt(case, version: str | None = None) -> Adapted:
+    """The case as the installed (or given) DeepSpeed needs it: the ONE place a case's config is
+    adapted per release. Pure: the version is read once, the case is not changed in place."""
+    from harness.case import canonical_json
+
+    version = version or installed().version
+    cfg = json.loads(case.ds_config)
+    for r in REFUSALS:
+        if in_range(version, r.lo, r.hi) and r.applies(case, cfg):
+            return Adapted(None, (), f"deselected on DeepSpeed {version}: {r.reason} ({r.name})")
+    applied = []
+    for rule in CONFIG_RULES:
+        if in_range(version, rule.lo, rule.hi) and rule.applies(case, cfg):
+            rule.change(cfg)
+            applied.append(rule.name)
+    if not applied:
+        return Adapted(case)
+    return Adapted(case.replace(ds_config=canonical_json(cfg)), tuple(applied))
+
+
+def ns_order_emulated(version: str | None = None) -> bool:
+    """Whether the oracle's bit-exact 16-bit Newton-Schulz emulation (``oracles.emulate``) follows this
+    release's operation order. Before 0.19.8 the gram iteration casts ``G`` to fp16 and then normalises
+    (0.19.7 original_muon.py:89-97); 0.19.8 normalises first (in fp32 for an fp16 input) and then casts,
+    which is the order emulated. Other releases are judged in ``exact`` mode: float64 Newton-Schulz with
+    the derived 16-bit NS tolerance (as the compiled subset is)."""
+    return in_range(version or installed().version, "0.19.8", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# which releases each registered bug affects, as MEASURED by running the gate on each release
+
+# bug id -> {release: affected?}. Only measurements go here: a release is listed for a bug when a gate
+# run on that release showed the bug (True: the case diverged exactly as the bug's model predicts, or
+# crashed/refused as it says) or showed its cases passing (False: fixed or never present). A release
+# absent from a bug's row was not measured for it; the bug then excuses nothing there.
+# 0.19.8: the release the registry was built on (every bug confirmed there, harness/bugs.py).
+_ALL_0198 = {"0.19.8": True}
+AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in range(1, 18)}
+# Bugs of older releases (harness/historical_bugs.py); absent from 0.19.8 as measured there.
+AFFECTED.update({
+    "DSM-101": {"0.19.7": True, "0.19.8": False},
+    "DSM-102": {"0.19.7": True, "0.19.8": False},
+    "DSM-103": {"0.19.7": True, "0.19.8": False},
+})
+
+# Releases a gate run was made on (so a bug without a measurement there is reported, not silently
+# ignored): release -> the slice that was run (README "DeepSpeed versions").
+MEASURED: dict[str, str] = {
+    "0.19.8": "the whole gate (both columns)",
+    "0.19.7": "the gate's world-size-2 slice (--only=-ws2), stock column",
+}
+
+
+def judged_as() -> str | None:
+    """The release whose measured bug table applies to the installed DeepSpeed (None: unseen)."""
+    rel = installed().release
+    return rel if rel in MEASURED else None
+
+
+def excuses(bug_id: str, release: str | None = None) -> bool:
+    """Whether bug ``bug_id`` may excuse a divergence on ``release`` (default: the installed one):
+    only when a gate run on that release measured it there. On an unseen release nothing is excused."""
+    if release is None and os.environ.get("MUON_HARNESS_MEASURE") == "1":
+        # Measuring a release: every registered bug is a candidate, so the gate says which ones show
+        # (xfailed with the id: present and as modelled; xpassed: expected and absent).
+        return True
+    release = release if release is not None else judged_as()
+    if release is None:
+        return False
+    return AFFECTED.get(bug_id, {}).get(release, False)
+
+
+def patched_applies() -> bool:
+    """The patched runtime's fixes were written against (and hash-checked on) one release: its column
+    runs only there and is absent elsewhere."""
+    from harness.patched_runtime._registry import EXPECTED_DEEPSPEED
+
+    inst = installed()
+    return not inst.source_checkout and inst.version == EXPECTED_DEEPSPEED
+
+
+def banner() -> str:
+    """One line for the gate's output and the report: what is being judged, and how."""
+    inst = installed()
+    rel = judged_as()
+    if rel is None:
+        excuse = ("an unseen release: the stock column runs with NO bug excuses (every divergence fails; "
+                  "attribute each to a bug id or report it as a new finding)")
+    else:
+        excuse = f"judged with the bugs measured on {rel}"
+    cols = "stock and patched columns" if patched_applies() else \
+        "stock column only (the patched runtime is written against 0.19.8)"
+    return f"DeepSpeed {inst.label} at {inst.location}: {excuse}; {cols}"
