@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cases.pipelines._support import gate_params, settle
+from cases.pipelines._support import run_case, suite
 from harness import matrix
-from harness.gate import evaluate
 from harness.known_bugs import _z3_muon_in_several_buckets
 
 
-def _params():
-    ci = matrix.knob_cases(False)
-    names = {c.name for c in ci}
-    extra = [c for c in matrix.knob_cases(True) if c.name not in names]
-    return gate_params(ci + extra, {c.name for c in extra})
-
-
 @pytest.mark.pipeline
-@pytest.mark.parametrize("case,column", _params())
+@pytest.mark.parametrize("case,column", suite(matrix.knob_cases))
 def test_knobs(case, column, pool_manager, seed, request):
-    settle(evaluate(case.replace(seed=seed), column, pool_manager), request)
+    run_case(case, column, pool_manager, seed, request)
 
 
 def test_every_knob_meets_every_stage_in_ci():

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from cases.pipelines._support import gate_params, settle
+from cases.pipelines._support import run_case, suite
 from harness import matrix
-from harness.gate import evaluate
 from harness.known_bugs import _z3_several_muon_subgroups
 from harness.nvme import predict_swapped_subgroups
 
 
-def _params():
-    ci = matrix.subgroup_cases(False)
-    names = {c.name for c in ci}
-    extra = [c for c in matrix.subgroup_cases(True) if c.name not in names]
-    return gate_params(ci + extra, {c.name for c in extra})
-
-
 @pytest.mark.pipeline
-@pytest.mark.parametrize("case,column", _params())
+@pytest.mark.parametrize("case,column", suite(matrix.subgroup_cases))
 def test_subgroups(case, column, pool_manager, seed, request):
-    settle(evaluate(case.replace(seed=seed), column, pool_manager), request)
+    run_case(case, column, pool_manager, seed, request)
 
 
 def test_the_cases_reach_what_they_claim():
