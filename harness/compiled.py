@@ -16,17 +16,16 @@ WARM_SHAPES = ((6, 5), (7, 3))
 
 
 def warm_compiled_muon_update() -> None:
-    """One fresh dynamo per (Newton-Schulz dtype, gradient dtype, momentum dtype): dynamo's recompile
-    limit would otherwise silently fall back to eager part way through, leaving those graphs uncached.
-    The momentum is the gradient's dtype on stock 16-bit paths and fp32 on offload and patched ones;
-    the gate's compiled cases use gram Newton-Schulz."""
+    """One fresh dynamo per (Newton-Schulz dtype, gradient dtype): dynamo's recompile limit would
+    otherwise silently fall back to eager part way through, leaving those graphs uncached. The
+    momentum has the gradient's dtype (``momentum.lerp(grad)`` requires it); the gate's compiled cases
+    use gram Newton-Schulz."""
     import torch
     from deepspeed.runtime.zero.muon import original_muon
 
     from harness.ds_run import force_ns_dtype
 
-    combos = [(torch.float32, torch.float32)] + [(d, m) for d in (torch.float16, torch.bfloat16)
-                                                 for m in (d, torch.float32)]
+    combos = [(d, d) for d in (torch.float32, torch.float16, torch.bfloat16)]  # lerp needs equal dtypes
     for ns_dtype in (None, "float64"):
         with force_ns_dtype(ns_dtype):
             for dtype, mom_dtype in combos:

@@ -8,8 +8,9 @@ scratch buffers of each (chunk size, buffer count, dtype) in an LRU cache bounde
 ZeRO-3 caches its gather buffers the same way (stage3.py ``_partitioned_buffers_all_gather``, no
 chunking). The numbers are judged by the usual oracle; this module turns the three promises into
 capture notes, each of which fails the case (``harness.verdict``): the cache held more than its cap
-(or its byte counter disagrees with what it holds), a case that claims chunking gathered a step in
-no gather of ``MIN_CHUNKS`` or more chunks (all-gathers in one ``_muon_all_gather_partitions`` call), and a buffer left behind after ``destroy()``.
+(or its byte counter disagrees with what it holds), a case that claims chunking but whose step had
+no gather of ``MIN_CHUNKS`` or more chunks (all-gathers in one ``_muon_all_gather_partitions``
+call), and a buffer left behind after ``destroy()``.
 """
 from __future__ import annotations
 

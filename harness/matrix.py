@@ -111,8 +111,9 @@ def resume_cases(full: bool = False) -> list[Case]:
 
     CI (covering): stage 0 and ZeRO-1/2/3 x offload none/cpu with dtype and world size cycling, ZeRO-3
     NVMe with both swappers, ZeRO-3 in-memory momentum without and with CPU offload, and an fp16
-    resume across an injected overflow (the restored loss scale must be the halved one). ``--full``: stage x offload (none, cpu, nvme both
-    swappers) x dtype x world size 1-3, ZeRO-3 with in-memory momentum on and off."""
+    resume across an injected overflow (the restored loss scale must be the halved one).
+    ``--full``: stage x offload (none, cpu, nvme both swappers) x dtype x world size 1-3, ZeRO-3 with
+    in-memory momentum on and off."""
     out = []
 
     def add(st, off, dt, ws, sw="partitioned", inmem=False, **kw):
@@ -441,8 +442,8 @@ def model_cases(full: bool = False) -> list[Case]:
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
-             + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full) + knob_cases(full) + gather_cases(full)
-             + model_cases(full))
+             + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
+             + knob_cases(full) + gather_cases(full) + model_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

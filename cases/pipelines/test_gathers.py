@@ -8,23 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from cases.pipelines._support import gate_params, settle
+from cases.pipelines._support import run_case, suite
 from harness import matrix
-from harness.gate import evaluate
 from harness.gather_cache import GatherCacheWatch
 
 
-def _params():
-    ci = matrix.gather_cases(False)
-    names = {c.name for c in ci}
-    extra = [c for c in matrix.gather_cases(True) if c.name not in names]
-    return gate_params(ci + extra, {c.name for c in extra})
-
-
 @pytest.mark.pipeline
-@pytest.mark.parametrize("case,column", _params())
+@pytest.mark.parametrize("case,column", suite(matrix.gather_cases))
 def test_gathers(case, column, pool_manager, seed, request):
-    settle(evaluate(case.replace(seed=seed), column, pool_manager), request)
+    run_case(case, column, pool_manager, seed, request)
 
 
 class _Opt:
