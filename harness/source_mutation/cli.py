@@ -68,7 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=("cosmic-ray",), required=True)
     ap.add_argument("--sample", type=int, default=None, help="a seeded sample of N scoped mutants (default: all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=None, help="only mutants whose key or function contains this")
+    ap.add_argument("--only", default=None,
+                    help="only the mutants of this scoped function (exact qualified name) or whose key contains "
+                         "this (a file, file:line)")
     ap.add_argument("--fresh", action="store_true", help="rebuild the session (default: resume it)")
     ap.add_argument("--retry", default=None, metavar="STATUSES",
                     help="make mutants of these recorded statuses pending again, e.g. survived,not-reached "

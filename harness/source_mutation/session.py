@@ -36,6 +36,12 @@ def job_id(key: str) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:32]
 
 
+def _selected(only: str, text: str, fn) -> bool:
+    """``--only``: a scoped function's exact qualified name (``muon_update``,
+    ``DeepSpeedZeroOptimizer.step``), or a substring of the mutant key (a file, ``stage3.py:17``)."""
+    return only == fn.entry.qualname or only in text
+
+
 def scoped_items(ds_root: Path, only: str | None = None):
     """(key, WorkItem, Resolved) for every Cosmic Ray mutant whose span starts on a scoped line
     (with ``only``: in a file or function whose name contains it)."""
@@ -45,7 +51,7 @@ def scoped_items(ds_root: Path, only: str | None = None):
     resolved = scope.resolve(ds_root)
     out = []
     for rel in scope.files():
-        if only and not any(r.entry.file == rel and (only in r.entry.qualname or only in rel) for r in resolved):
+        if only and not any(r.entry.file == rel and _selected(only, rel, r) for r in resolved):
             continue  # parsing a module for every operator costs seconds: skip files the filter excludes
         for item in _all_work_items([Path(rel)], {}):
             m = item.mutations[0]
@@ -65,7 +71,7 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
 
     items, resolved = scoped_items(ds_root, only)
     if only:
-        items = [t for t in items if only in t[0] or only in t[2].entry.qualname]
+        items = [t for t in items if _selected(only, t[0], t[2])]
     total = len(items)
     if sample is not None and sample < len(items):
         items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
