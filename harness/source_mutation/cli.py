@@ -15,6 +15,7 @@ equivalents file or a mutant the harness failed to judge; 2 on bad input or a mi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -151,7 +152,9 @@ def main(argv=None) -> int:
         print(dump.stderr, file=sys.stderr)
         return 1
     mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load())
-    summary = report.Summary(mutants, time.perf_counter() - t0, title=f"Cosmic Ray source mutation ({tag})")
+    scope_file = Path(str(session) + ".scope.json")
+    summary = report.Summary(mutants, time.perf_counter() - t0, title=f"Cosmic Ray source mutation ({tag})",
+                             scope=json.loads(scope_file.read_text()) if scope_file.exists() else {})
     out = Path(args.report or ("reports/mutation.html" if args.sample is None and not args.only
                                else f"reports/mutation-{tag}.html"))
     out.parent.mkdir(parents=True, exist_ok=True)

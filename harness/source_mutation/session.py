@@ -73,9 +73,16 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
     if only:
         items = [t for t in items if _selected(only, t[0], t[2])]
     total = len(items)
+    cmap = CoverageMap.load(cmap_path)
+    per_fn: dict[str, dict[str, int]] = {r.name: {"mutants": 0, "reached": 0} for r in resolved}
+    for _, w, fn in items:
+        m = w.mutations[0]
+        per_fn[fn.name]["mutants"] += 1
+        if cmap.cases_for(resolved, fn.entry.file, range(m.start_pos[0], m.end_pos[0] + 1)):
+            per_fn[fn.name]["reached"] += 1
+    Path(str(session) + ".scope.json").write_text(json.dumps(per_fn, indent=1, sort_keys=True))
     if sample is not None and sample < len(items):
         items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
-    cmap = CoverageMap.load(cmap_path)
     unreached = 0
     with use_db(str(session), WorkDB.Mode.create) as db:
         db.clear()
