@@ -80,7 +80,9 @@ class Summary:
 
         out = []
         for fn, c in sorted(self.scope.items()):
-            if c["reached"] == 0:
+            if c["mutants"] == 0:
+                out.append(f"no mutation site: {fn} (its selected lines hold nothing Cosmic Ray's operators change)")
+            elif c["reached"] == 0:
                 out.append(f"not reached: {fn} ({c['mutants']} mutants): "
                            + NOT_REACHED_WHY.get(fn, "no candidate case executes it"))
         return out
@@ -168,14 +170,16 @@ def render_html(summary: Summary) -> str:
 
     scope_rows = "".join(
         f"<tr><td>{e(fn)}</td><td>{c['mutants']}</td><td>{c['reached']}</td><td>"
-        f"{e(NOT_REACHED_WHY.get(fn, 'no candidate case executes it') if c['reached'] == 0 else '')}</td></tr>"
+        f"{e(NOT_REACHED_WHY.get(fn, 'no candidate case executes it') if c['reached'] == 0 < c['mutants'] else '')}"
+        "</td></tr>"
         for fn, c in sorted(summary.scope.items()))
     verdict = "no survivors" if not summary.survivors() else f"{len(summary.survivors())} survivor(s)"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{e(summary.title)}</title>
 <style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
 padding:2px 6px;font-size:90%}}pre{{background:#f6f6f6;padding:6px}}</style></head><body>
 <h1>{e(summary.title)}</h1>
-<pre>{e(summary.text().split(chr(10) + 'SURVIVED')[0].split(chr(10) + 'not reached:')[0])}</pre>
+<pre>{e(chr(10).join(ln for ln in summary.text().split(chr(10) + 'SURVIVED')[0].splitlines()
+                  if not ln.startswith(('not reached:', 'no mutation site:'))))}</pre>
 <p><b>Score</b> (killed / reached non-equivalent): {'n/a' if sc is None else f'{100 * sc:.1f}%'}; {e(verdict)}.</p>
 <h2>Per function</h2><table><tr><th>function</th><th>mutants</th><th>killed</th><th>survived</th>
 <th>equivalent</th><th>not reached</th><th>pending / harness error</th><th>score</th></tr>{''.join(rows)}</table>
