@@ -19,8 +19,8 @@ from harness.source_mutation.cli import engine_executable
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.mutate]
 
-CI_CASES = "z1-none-fp16-ws1-clip0.05-heads,z2-none-fp32-ws2"
-ARGS = ["--sample", "3", "--seed", "15", "--only", "muon_update"]
+CI_CASES = "z1-none-fp16-ws1-clip0.05-heads,z2-none-fp32-ws2,sweep-z3-none-ws2-L0-standard"
+ARGS = ["--sample", "3", "--seed", "1", "--only", "muon_update"]
 
 
 def _run(extra, tmp_path):
@@ -42,8 +42,13 @@ def test_ci_sample_is_deterministic_and_every_reached_mutant_is_killed(tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
     assert "verdict: PASS" in out, out[-3000:]
-    ran = _keys(out, "mutants: ")
-    assert len(ran) == 3, out[-3000:]
+    line = next(ln for ln in out.splitlines() if ln.startswith("mutants: "))
+    statuses = dict(k.strip().rsplit("=", 1) for k in line[len("mutants: "):].split(";"))
+    assert len(statuses) == 3, line
+    assert all(k.startswith("runtime/zero/muon/original_muon.py:") for k in statuses), line  # muon_update only
+    # every one judged on a case (none unreached) and killed, or listed equivalent with a reason
+    assert set(statuses.values()) <= {"killed", "equivalent"} and "killed" in statuses.values(), line
+    ran = list(statuses)
     assert report.exists() and "Per function" in report.read_text()
     again = _run(["--fresh", "--prepare"], tmp_path)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]

@@ -105,5 +105,8 @@ def test_score_excludes_unreached_equivalent_and_harness_errors_and_fails_on_a_s
     assert ok
     html = report.render_html(s)
     assert "f.py:14:4 core/NumberReplacer#1" in html and "nearest case" in html
+    scoped = report.Summary(ms, scope={"f.py:fn": {"mutants": 4, "reached": 3}, "g.py:h": {"mutants": 2, "reached": 0}})
+    assert "not reached: g.py:h (2 mutants)" in scoped.text() and "f.py:fn (" not in scoped.text()
+    assert "g.py:h" in report.render_html(scoped)
     err = report.read_dump([_dump_line("f.py", "core/AddNot", 1, 13, "harness-error")], res, {})
     assert not report.verdict(err)[0] and report.Summary(err).score is None

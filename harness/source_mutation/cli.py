@@ -15,6 +15,7 @@ equivalents file or a mutant the harness failed to judge; 2 on bad input or a mi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -68,7 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=("cosmic-ray",), required=True)
     ap.add_argument("--sample", type=int, default=None, help="a seeded sample of N scoped mutants (default: all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=None, help="only mutants whose key or function contains this")
+    ap.add_argument("--only", default=None,
+                    help="only the mutants of this scoped function (exact qualified name) or whose key contains "
+                         "this (a file, file:line)")
     ap.add_argument("--fresh", action="store_true", help="rebuild the session (default: resume it)")
     ap.add_argument("--retry", default=None, metavar="STATUSES",
                     help="make mutants of these recorded statuses pending again, e.g. survived,not-reached "
@@ -149,7 +152,9 @@ def main(argv=None) -> int:
         print(dump.stderr, file=sys.stderr)
         return 1
     mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load())
-    summary = report.Summary(mutants, time.perf_counter() - t0, title=f"Cosmic Ray source mutation ({tag})")
+    scope_file = Path(str(session) + ".scope.json")
+    summary = report.Summary(mutants, time.perf_counter() - t0, title=f"Cosmic Ray source mutation ({tag})",
+                             scope=json.loads(scope_file.read_text()) if scope_file.exists() else {})
     out = Path(args.report or ("reports/mutation.html" if args.sample is None and not args.only
                                else f"reports/mutation-{tag}.html"))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,20 @@ class Summary:
     mutants: list[Mutant]
     seconds: float = 0.0
     title: str = "source mutation"
+    # every scoped function (the whole scope, not only the sample): {"mutants": n, "reached": n}
+    scope: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def scope_lines(self) -> list[str]:
+        from harness.source_mutation.scope import NOT_REACHED_WHY
+
+        out = []
+        for fn, c in sorted(self.scope.items()):
+            if c["mutants"] == 0:
+                out.append(f"no mutation site: {fn} (its selected lines hold nothing Cosmic Ray's operators change)")
+            elif c["reached"] == 0:
+                out.append(f"not reached: {fn} ({c['mutants']} mutants): "
+                           + NOT_REACHED_WHY.get(fn, "no candidate case executes it"))
+        return out
 
     def count(self, status: str) -> int:
         return sum(m.status == status for m in self.mutants)
@@ -105,6 +119,12 @@ class Summary:
                f" = {100 * sc:.1f}%"),
             f"judging time: {len(ran)} mutants run, {per:.1f} s each on average (worker's own time, pool start-up "
             f"included; {self.seconds:.0f} s wall for this invocation)"]
+        if self.scope:
+            tot = sum(c["mutants"] for c in self.scope.values())
+            rea = sum(c["reached"] for c in self.scope.values())
+            lines.append(f"scope: {len(self.scope)} functions, {tot} mutants, {rea} on lines a candidate case "
+                         f"executes ({100 * rea / max(1, tot):.0f}%)")
+            lines.extend(self.scope_lines())
         for m in self.survivors():
             lines.append(f"SURVIVED {m.key} ({m.function}); nearest case {m.record.get('nearest')}")
             lines.extend("    " + d for d in m.diff.splitlines() if d.startswith(("+", "-")) and
@@ -146,15 +166,25 @@ def render_html(summary: Summary) -> str:
     killed = [f"<tr><td><code>{e(m.key)}</code></td><td>{e(str(m.record.get('by')))}</td>"
               f"<td>{e(str(m.record.get('how')))}</td><td>{e(str(m.record.get('detail', ''))[:160])}</td></tr>"
               for m in summary.mutants if m.status == "killed"]
+    from harness.source_mutation.scope import NOT_REACHED_WHY
+
+    scope_rows = "".join(
+        f"<tr><td>{e(fn)}</td><td>{c['mutants']}</td><td>{c['reached']}</td><td>"
+        f"{e(NOT_REACHED_WHY.get(fn, 'no candidate case executes it') if c['reached'] == 0 < c['mutants'] else '')}"
+        "</td></tr>"
+        for fn, c in sorted(summary.scope.items()))
     verdict = "no survivors" if not summary.survivors() else f"{len(summary.survivors())} survivor(s)"
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{e(summary.title)}</title>
 <style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
 padding:2px 6px;font-size:90%}}pre{{background:#f6f6f6;padding:6px}}</style></head><body>
 <h1>{e(summary.title)}</h1>
-<pre>{e(summary.text().split(chr(10) + 'SURVIVED')[0])}</pre>
+<pre>{e(chr(10).join(ln for ln in summary.text().split(chr(10) + 'SURVIVED')[0].splitlines()
+                  if not ln.startswith(('not reached:', 'no mutation site:'))))}</pre>
 <p><b>Score</b> (killed / reached non-equivalent): {'n/a' if sc is None else f'{100 * sc:.1f}%'}; {e(verdict)}.</p>
 <h2>Per function</h2><table><tr><th>function</th><th>mutants</th><th>killed</th><th>survived</th>
 <th>equivalent</th><th>not reached</th><th>pending / harness error</th><th>score</th></tr>{''.join(rows)}</table>
+<h2>Scope: every function, all its mutants</h2><table><tr><th>function</th><th>mutants</th>
+<th>on lines a candidate case executes</th><th>not reached: why</th></tr>{scope_rows}</table>
 <h2>Survivors</h2>{''.join(surv) or '<p>none</p>'}
 <h2>Equivalent (equivalents.txt)</h2><ul>{''.join(equiv) or '<li>none in this run</li>'}</ul>
 <h2>Not reached (coverage gaps)</h2><ul>{''.join(unreached) or '<li>none</li>'}</ul>

@@ -106,6 +106,19 @@ SCOPE: tuple[Scoped, ...] = (
 )
 
 
+# Why the candidate cases never execute a scoped function (the report prints it beside the function).
+NOT_REACHED_WHY = {
+    "__init__.py:_per_head_muon_meta": "per-head tagging from an HF model.config (optimizer param per_head_muon): "
+                                       "the harness sets muon_num_heads itself (harness/ds_run.py), so DeepSpeed's "
+                                       "own per-head route is never run -- a coverage gap",
+    "__init__.py:_attention_head_count": "same per-head tagging route as _per_head_muon_meta -- a coverage gap",
+    "__init__.py:resolve_per_head_muon_after_sharding": "same per-head tagging route -- a coverage gap",
+    "runtime/zero/muon/original_muon.py:MuonWithAuxAdam.step": "the base class's step: DeepSpeed's own "
+                                                               "MuonWithAuxAdam (muon_optimizer.py) overrides it",
+    "runtime/zero/muon/original_muon.py:adam_update": "called only by the overridden base-class step",
+}
+
+
 @dataclass(frozen=True)
 class Resolved:
     """One scoped function in one source: the lines whose mutants count, and its whole extent."""

@@ -36,6 +36,12 @@ def job_id(key: str) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:32]
 
 
+def _selected(only: str, text: str, fn) -> bool:
+    """``--only``: a scoped function's exact qualified name (``muon_update``,
+    ``DeepSpeedZeroOptimizer.step``), or a substring of the mutant key (a file, ``stage3.py:17``)."""
+    return only == fn.entry.qualname or only in text
+
+
 def scoped_items(ds_root: Path, only: str | None = None):
     """(key, WorkItem, Resolved) for every Cosmic Ray mutant whose span starts on a scoped line
     (with ``only``: in a file or function whose name contains it)."""
@@ -45,7 +51,7 @@ def scoped_items(ds_root: Path, only: str | None = None):
     resolved = scope.resolve(ds_root)
     out = []
     for rel in scope.files():
-        if only and not any(r.entry.file == rel and (only in r.entry.qualname or only in rel) for r in resolved):
+        if only and not any(r.entry.file == rel and _selected(only, rel, r) for r in resolved):
             continue  # parsing a module for every operator costs seconds: skip files the filter excludes
         for item in _all_work_items([Path(rel)], {}):
             m = item.mutations[0]
@@ -65,11 +71,18 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
 
     items, resolved = scoped_items(ds_root, only)
     if only:
-        items = [t for t in items if only in t[0] or only in t[2].entry.qualname]
+        items = [t for t in items if _selected(only, t[0], t[2])]
     total = len(items)
+    cmap = CoverageMap.load(cmap_path)
+    per_fn: dict[str, dict[str, int]] = {r.name: {"mutants": 0, "reached": 0} for r in resolved}
+    for _, w, fn in items:
+        m = w.mutations[0]
+        per_fn[fn.name]["mutants"] += 1
+        if cmap.cases_for(resolved, fn.entry.file, range(m.start_pos[0], m.end_pos[0] + 1)):
+            per_fn[fn.name]["reached"] += 1
+    Path(str(session) + ".scope.json").write_text(json.dumps(per_fn, indent=1, sort_keys=True))
     if sample is not None and sample < len(items):
         items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
-    cmap = CoverageMap.load(cmap_path)
     unreached = 0
     with use_db(str(session), WorkDB.Mode.create) as db:
         db.clear()
