@@ -43,8 +43,9 @@ class Bug:
     refused_when_patched: str | None = None
     # The bug model: what stock DeepSpeed computes because of this bug, as changes to the oracle's
     # ``oracles.Conventions`` for the case (``{}``: the numbers are the intended ones, only the
-    # non-numerical quantities in ``quantities`` differ). None: not modelled (crash bugs, bugs no Case
-    # triggers, checkpoint-state losses); such an excuse is not full strength.
+    # non-numerical quantities in ``quantities`` differ). None: not modelled (crash bugs, DSM-011's files
+    # on disk, and the few cases a model declines, e.g. DSM-010 on a module case); such an excuse is not
+    # full strength.
     model: Callable[[Case], dict | None] | None = None  # a None answer: not modelled for that case
     # Crash bugs: (exception type, message fragment, a frame on the call path) the rank's traceback
     # must show; the stock case is an xfail only for exactly that crash.
@@ -487,6 +488,8 @@ BUGS: tuple[Bug, ...] = (
         symptom="DeepSpeedZeroOptimizer_Stage3.destroy leaves <nvme_path>/zero_stage_3/optimizer/rank<r>/"
                 "*.tensor.swp (the size of the swapped optimizer state) behind.",
         trigger=lambda c: False,  # not a trajectory quantity; see reproducer
+        # No model: files left on disk are no quantity the oracle computes; the reproducer test checks
+        # the swap folder after destroy() directly.
         quantities=frozenset({"swap-files"}),
         where="stage3.py destroy (:539-550) never removes optimizer_swapper.swap_folder",
         fix="nvme-swap-cleanup",

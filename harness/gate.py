@@ -83,8 +83,8 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     diverge in the bug's quantities (else the registry is stale: xpassed), and (b) against the oracle
     with the bugs' models switched on (``Bug.model`` -> ``oracles.Conventions``), at the same
     tolerances as any passing case: any divergence there fails the case. Only non-numerical
-    quantities a modelled bug names ("swap") are excused in (b). A bug without a model (checkpoint
-    state losses) still excuses its quantities by name; such a case is not judged at full strength
+    quantities a modelled bug names ("swap") are excused in (b). A bug without a model for the case
+    (``Bug.model`` None) still excuses its quantities by name; such a case is not judged at full strength
     (``Outcome.strength``). A crash bug is accepted only for its exact exception, message and frame.
     """
     from harness import versions
