@@ -171,7 +171,8 @@ def test_momentum_lost_at_resume_restarts_muon_from_zero_once():
     _, later_ref = oracle_step(a1, _grads(6), cfg, Conventions())
     assert torch.equal(later.params["w"].momentum, later_ref.params["w"].momentum)
     _, first = oracle_step(st0, _grads(), cfg, conv)  # step count 0: not the resume step
-    assert torch.equal(first.params["w"].momentum, oracle_step(st0, _grads(), cfg, Conventions())[1].params["w"].momentum)
+    intended = oracle_step(st0, _grads(), cfg, Conventions())[1]
+    assert torch.equal(first.params["w"].momentum, intended.params["w"].momentum)
 
 
 def test_fresh_engine_state_replaces_only_the_unrestored_parameters():
@@ -179,7 +180,8 @@ def test_fresh_engine_state_replaces_only_the_unrestored_parameters():
     and zero optimizer state, Adam's count restarts when all of Adam is fresh, the scaler restarts."""
     from oracles.step import fresh_engine_state
 
-    cfg = StepConfig(SPECS, model_dtype="fp16", loss_scaler=LossScalerConfig(initial_scale_power=8, loss_scale_window=1))
+    cfg = StepConfig(SPECS, model_dtype="fp16",
+                     loss_scaler=LossScalerConfig(initial_scale_power=8, loss_scale_window=1))
     st = initial_state(cfg, _weights())
     for seed in (4, 5):
         st, _ = oracle_step(st, _grads(seed), cfg, Conventions())
@@ -197,7 +199,8 @@ def test_fresh_engine_state_replaces_only_the_unrestored_parameters():
     two_adam = StepConfig(SPECS + (ParamSpec("c", (3,), False),))
     st2 = initial_state(two_adam, {**_weights(), "c": torch.ones(3, dtype=torch.float64)})
     try:
-        fresh_engine_state(st2, two_adam, {**other, "c": torch.ones(3)}, Conventions(fresh_after=1, fresh_params=("b",)))
+        fresh_engine_state(st2, two_adam, {**other, "c": torch.ones(3)},
+                           Conventions(fresh_after=1, fresh_params=("b",)))
     except ValueError as e:
         assert "step count" in str(e)
     else:
