@@ -171,6 +171,14 @@ REFUSALS: tuple[Refusal, ...] = (
             "per-head Muon (a parameter's muon_num_heads) reached muon_update in 0.19.8; this release "
             "orthogonalizes the whole matrix",
             lambda c, cfg: any(p.num_heads for p in c.params)),
+    # 0.19.7 engine.py:2334/2371 _check_muon_can_reach_its_parameters raises ZeRORuntimeException "Muon cannot
+    # be used with the BF16_Optimizer, which this configuration selects ..." (only 0.19.7 has the check).
+    Refusal("bf16-optimizer-route", "0.19.7", "0.19.8",
+            "Muon cannot be used with the BF16_Optimizer, which this configuration selects: bf16 with "
+            "grad_accum_dtype fp32 at ZeRO stage 1 (the release's own ZeRORuntimeException)",
+            lambda c, cfg: _has_muon(c) and _zero(cfg).get("stage") == 1 and "bf16" in cfg
+            and cfg["bf16"].get("enabled") and not _offloads_optimizer(cfg)
+            and cfg.get("data_types", {}).get("grad_accum_dtype") == "fp32"),
     Refusal("gram-newton-schulz", None, "0.19.0",
             "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
             lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg)),
