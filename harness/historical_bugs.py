@@ -88,4 +88,17 @@ HISTORICAL: tuple[Bug, ...] = (
               "once per partition (its stage_1_and_2.py:2743-2745)",
         reproducer="z2-none-fp32-ws2-ga2-clip0.05-standard (gate case) on DeepSpeed 0.19.7",
     ),
+    Bug(
+        id="DSM-104",
+        title="User parameter groups flattened into one Muon and one Adam group",
+        symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
+                "weight_decay, momentum and ns_method dropped for the config's); the optimizer's groups are "
+                "'muon-params' / 'adam-params' only, so no user group's lr is in effect.",
+        trigger=lambda c: bool(c.groups) and _has_muon(c),
+        quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm"}),
+        where="source checkout edaa72212 (version.txt 0.19.6; the same code in the 0.19.2-0.19.6 sdists) "
+              "engine.py:2199-2235 _configure_basic_optimizer: 'Flatten param group dicts' then two groups "
+              "from the config; 0.19.7 splits each user group (engine.py _muon_param_groups)",
+        reproducer="z2-cpu-fp16-ws2-groups (gate case) on the source checkout",
+    ),
 )
