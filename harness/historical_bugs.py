@@ -101,4 +101,17 @@ HISTORICAL: tuple[Bug, ...] = (
               "from the config; 0.19.7 splits each user group (engine.py _muon_param_groups)",
         reproducer="z2-cpu-fp16-ws2-groups (gate case) on the source checkout",
     ),
+    Bug(
+        id="DSM-105",
+        title="ZeRO-1/2 with optimizer offload crash in the parameter all-gather (0.18.9 under torch 2.13)",
+        symptom="RuntimeError 'Output 0 of Split is a view and is being modified inplace' from the all-gather "
+                "of the updated partitions at the first optimizer step, world size >= 2.",
+        trigger=lambda c: c.stage in (1, 2) and c.offload != "none" and c.world_size >= 2,
+        quantities=frozenset({"crash"}),
+        where="0.18.9 stage_1_and_2.py:2205 step -> runtime/utils.py:1013-1019 all_gather_into_tensor_dp_groups: "
+              "all_gather_into_tensor into views returned by split",
+        reproducer="sweep-z1-cpu-ws2-L0-standard (gate case) on DeepSpeed 0.18.9",
+        crash=("RuntimeError", "Output 0 of Split is a view and is being modified inplace",
+               "all_gather_into_tensor_dp_groups"),
+    ),
 )

@@ -251,6 +251,7 @@ AFFECTED.update({
     # measured present on the source checkout (README "DeepSpeed versions"); the groups cases pass their
     # lr checks on 0.19.7 and 0.19.8
     "DSM-104": {"0.19.7": False, "0.19.8": False},
+    "DSM-105": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
 })
 
 # Releases a gate run was made on (so a bug without a measurement there is reported, not silently
@@ -259,6 +260,8 @@ MEASURED: dict[str, str] = {
     "0.19.8": "the whole gate (both columns)",
     "0.19.7": "stock column, MUON_HARNESS_MEASURE=1: the ws2 base grid and ZeRO-1/2 NVMe (30 cases), then the "
               "slices z0-, -overflow, -growth, -groups, sched, gad32, comm32",
+    "0.18.9": "stock column, MUON_HARNESS_MEASURE=1, the optimizer-offload slice (--only=-cpu-; gram and per-head "
+              "cases deselected)",
 }
 
 
