@@ -5,12 +5,16 @@ the patched runtime written against that release. The bugs here exist only in ol
 releases each one affects, as measured, are in ``harness.versions.AFFECTED``); they have no fix in
 this project (upgrade DeepSpeed) and, so far, no oracle model: a numerical one excuses the quantities
 it names (strength "excused", not full), a crash one only its exact exception, message and frame.
-Ids start at DSM-101 so they never collide with the 0.19.8 registry's.
+Ids start at DSM-101 so they never collide with the 0.19.8 registry's. Each entry holds the fields of
+``harness.bugs.Bug`` as a dict; ``harness.bugs`` builds them (so this module does not import it back).
 """
 from __future__ import annotations
 
-from harness.bugs import Bug, _has_muon
 from harness.case import Case
+
+
+def _has_muon(c: Case) -> bool:
+    return any(p.uses_muon for p in c.params)
 
 
 def _z12_offload_muon(c: Case) -> bool:
@@ -49,8 +53,8 @@ def _z12_group_with_two_muon(c: Case) -> bool:
     return any(len(shapes) >= 2 for shapes in _muon_shapes_by_group(c))
 
 
-HISTORICAL: tuple[Bug, ...] = (
-    Bug(
+SPECS: tuple[dict, ...] = (
+    dict(
         id="DSM-101",
         title="ZeRO-1/2 with optimizer offload never runs Muon",
         symptom="On ZeRO-1/2 with cpu/nvme optimizer offload (reduce_scatter off: the only setting the release "
@@ -63,7 +67,7 @@ HISTORICAL: tuple[Bug, ...] = (
               "only when cpu_offload is False; the offload epilogue copies raw gradients to the CPU optimizer",
         reproducer="z1-cpu-fp16-ws2-ga2 (gate case) on DeepSpeed 0.19.7",
     ),
-    Bug(
+    dict(
         id="DSM-102",
         title="ZeRO-3 distributed Muon crashes when a round holds matrices of different shapes",
         symptom="RuntimeError from all_gather ('invalid tensor size') in the first backward at world size >= 2 "
@@ -75,7 +79,7 @@ HISTORICAL: tuple[Bug, ...] = (
         reproducer="z3-cpu-fp32-ws2-inmem (gate case) on DeepSpeed 0.19.7",
         crash=("RuntimeError", "invalid tensor size", "_apply_distributed_muon_update"),
     ),
-    Bug(
+    dict(
         id="DSM-103",
         title="ZeRO-1/2 keep the Muon momentum of only the last matrix of a group",
         symptom="Without offload every Muon matrix restages the group's momentum from the committed copy "
@@ -88,7 +92,7 @@ HISTORICAL: tuple[Bug, ...] = (
               "once per partition (its stage_1_and_2.py:2743-2745)",
         reproducer="z2-none-fp32-ws2-ga2-clip0.05-standard (gate case) on DeepSpeed 0.19.7",
     ),
-    Bug(
+    dict(
         id="DSM-104",
         title="User parameter groups flattened into one Muon and one Adam group",
         symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
@@ -101,7 +105,7 @@ HISTORICAL: tuple[Bug, ...] = (
               "from the config; 0.19.7 splits each user group (engine.py _muon_param_groups)",
         reproducer="z2-cpu-fp16-ws2-groups (gate case) on the source checkout",
     ),
-    Bug(
+    dict(
         id="DSM-105",
         title="ZeRO-1/2 with optimizer offload crash in the parameter all-gather (0.18.9 under torch 2.13)",
         symptom="RuntimeError 'Output 0 of Split is a view and is being modified inplace' from the all-gather "

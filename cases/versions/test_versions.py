@@ -8,8 +8,7 @@ import json
 import pytest
 
 from harness import capture_adapters, versions
-from harness.bugs import BUGS
-from harness.historical_bugs import HISTORICAL
+from harness.bugs import BUGS, HISTORICAL
 from harness.scenarios import pipeline_case
 from harness.case import ParamShape
 
