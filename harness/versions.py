@@ -246,7 +246,7 @@ for _bug, _present in {"DSM-001": True, "DSM-002": True, "DSM-003": True, "DSM-0
 # Bugs of older releases (harness/historical_bugs.py); absent from 0.19.8 as measured there.
 AFFECTED.update({
     "DSM-101": {"0.19.7": True, "0.19.8": False},
-    "DSM-102": {"0.19.7": True, "0.19.8": False},
+    "DSM-102": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
     "DSM-103": {"0.19.7": True, "0.19.8": False},
     # measured present on the source checkout (README "DeepSpeed versions"); the groups cases pass their
     # lr checks on 0.19.7 and 0.19.8
