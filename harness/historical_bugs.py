@@ -118,4 +118,18 @@ SPECS: tuple[dict, ...] = (
         crash=("RuntimeError", "Output 0 of Split is a view and is being modified inplace",
                "all_gather_into_tensor_dp_groups"),
     ),
+    dict(
+        id="DSM-106",
+        title="safe_get_local_fp32_param raises with the pipelined NVMe swapper (ZeRO-3)",
+        symptom="AttributeError 'PipelinedOptimizerSwapper' object has no attribute 'release_swap_buffers' from "
+                "the public deepspeed.utils.safe_get_local_fp32_param on ZeRO-3 with pipeline_read/write NVMe.",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme"
+        and bool(c.config["zero_optimization"]["offload_optimizer"].get("pipeline_read")),
+        quantities=frozenset({"crash"}),
+        where="0.19.7 stage3.py:2965 get_local_fp32_param -> 2890 _get_fp32_opt_state_partition -> 2508 "
+              "_release_swap_buffers calls optimizer_swapper.release_swap_buffers, which the pipelined "
+              "swapper lacks",
+        reproducer="z3-nvme-pipe-fp32-ws2-ga2-standard (gate case) on DeepSpeed 0.19.7",
+        crash=("AttributeError", "has no attribute 'release_swap_buffers'", "_release_swap_buffers"),
+    ),
 )

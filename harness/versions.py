@@ -252,6 +252,7 @@ AFFECTED.update({
     # lr checks on 0.19.7 and 0.19.8
     "DSM-104": {"0.19.7": False, "0.19.8": False},
     "DSM-105": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
+    "DSM-106": {"0.19.7": True, "0.19.8": False},
 })
 
 # Releases a gate run was made on (so a bug without a measurement there is reported, not silently

@@ -20,6 +20,7 @@ FIXED_IN_0198 = {
     "DSM-101": pipeline_case(1, "cpu", "fp32", 2, ns_method="standard"),
     "DSM-102": pipeline_case(3, "none", "fp32", 2, ns_method="standard"),
     "DSM-103": pipeline_case(2, "none", "fp32", 2, ns_method="standard"),
+    "DSM-106": pipeline_case(3, "nvme", "fp32", 2, swapper="pipelined", ns_method="standard"),
 }
 
 
