@@ -90,6 +90,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
+from harness import capture_adapters
 from harness.trajectory import ParamStep, StepRecord
 
 # ------------------------------------------------------------------------------------------------
@@ -259,10 +260,9 @@ class MuonCallRecorder:
 
         from deepspeed.runtime.zero.muon import original_muon
 
-        from harness.capture_adapters import adapter_for
-
         # Imported first: a module imported after the replacement below would bind the wrapper itself.
-        extra_mods = [importlib.import_module(m) for m in self.EXTRA_BINDINGS + adapter_for().muon_bindings]
+        bindings = self.EXTRA_BINDINGS + capture_adapters.adapter_for().muon_bindings  # the release's own
+        extra_mods = [importlib.import_module(m) for m in bindings]
         self._module = original_muon
         self._orig = original_muon.muon_update
         original_muon.muon_update = self._wrapper
@@ -537,7 +537,7 @@ def _z3_momentum(engine, p, swap: SwapCounter):
         if buf is None:  # same on every rank: created on all of them at once
             return None, None
         local = buf.narrow(0, dest_offset, num_elements).to(torch.float32).contiguous()
-        group = opt._get_param_partition_group(p)  # INTERNAL: the group p is partitioned over
+        group = capture_adapters.z3_partition_group(opt, p)  # INTERNAL: the group p is partitioned over
         out = torch.empty(local.numel() * tdist.get_world_size(group), dtype=torch.float32)
         tdist.all_gather_into_tensor(out, local, group=group)
         # rank r holds elements [r * ceil(n/W), (r+1) * ceil(n/W)) of the flattened parameter
@@ -611,7 +611,7 @@ def coalescing_blocker(engine, named: dict, world_size: int) -> str | None:
     rank order, which is what every case here configures; anything else keeps the public helpers."""
     for name, p in named.items():
         if hasattr(p, "ds_id"):
-            group = engine.optimizer._get_param_partition_group(p)  # INTERNAL: the group p is partitioned over
+            group = capture_adapters.z3_partition_group(engine.optimizer, p)  # the group p is partitioned over
             if tdist.get_world_size(group) != world_size:
                 return f"{name} is partitioned over {tdist.get_world_size(group)} of {world_size} ranks"
         elif getattr(p, "_dp_group", None) is not None:  # INTERNAL: the group get_full_hp_param all_reduces over
@@ -677,7 +677,7 @@ def _hp_piece(p, grad: bool):
 
 
 def _cat_piece(opt, p, local: torch.Tensor, dtype: torch.dtype):
-    group = opt._get_param_partition_group(p)  # INTERNAL: the group p is partitioned over
+    group = capture_adapters.z3_partition_group(opt, p)  # INTERNAL: the group p is partitioned over
     return ("cat", tdist.get_rank(group), _np_exact(local.to(dtype)))
 
 
@@ -724,7 +724,7 @@ def model_piece(engine, p, rank: int):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:  # INTERNAL: ZeRO-3 gather state of p
-            group = engine.optimizer._get_param_partition_group(p)  # INTERNAL (== p.ds_process_group)
+            group = capture_adapters.z3_partition_group(engine.optimizer, p)  # INTERNAL (== p.ds_process_group)
             # INTERNAL: p.ds_tensor is this rank's partition of the low-precision param, ds_tensor.ds_numel
             # elements (the last rank's zero-padded), exactly what the all-gather sends
             return ("cat", tdist.get_rank(group), _np_exact(p.ds_tensor))

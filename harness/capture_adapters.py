@@ -20,13 +20,22 @@ class Adapter:
     # level), so replacing ``original_muon.muon_update`` does not reach their calls: the recorder wraps
     # each module's own binding too.
     muon_bindings: tuple[str, ...] = ()
+    # How ZeRO-3 names the process group a parameter is partitioned over: "method" (the optimizer's
+    # ``_get_param_partition_group(p)``, 0.19.3 on) or "attribute" (``p.ds_process_group``, falling back to
+    # the optimizer's ``dp_process_group``: what that method returns where it exists).
+    z3_partition_group: str = "method"
     note: str = ""
 
 
+_BOUND = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
+
 ADAPTERS: tuple[Adapter, ...] = (
-    # <= 0.19.7: stage_1_and_2.py:39 and stage3.py:50 import muon_update at module level (0.19.8 imports
-    # it inside get_flat_partition / _muon_update_sub_group / _apply_muon_updates_cpu_offload).
-    Adapter(None, "0.19.8", ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3"),
+    # <= 0.19.7: stage_1_and_2.py:39 and stage3.py:50 (0.19.7) import muon_update at module level (0.19.8
+    # imports it inside get_flat_partition / _muon_update_sub_group / _apply_muon_updates_cpu_offload).
+    # <= 0.19.2: stage3.py has no _get_param_partition_group (added in 0.19.3).
+    Adapter(None, "0.19.3", _BOUND, "attribute",
+            "muon_update bound at import; ZeRO-3 partition group read from the parameter"),
+    Adapter("0.19.3", "0.19.8", _BOUND, "method",
             "muon_update bound at import by the ZeRO-1/2 and ZeRO-3 optimizers"),
     Adapter("0.19.8", None, (), "muon_update imported at each call site (the layout the capture was written on)"),
 )
@@ -39,3 +48,10 @@ def adapter_for(version: str | None = None) -> Adapter:
     if len(hits) != 1:
         raise RuntimeError(f"capture adapters: {len(hits)} ranges hold DeepSpeed {version} (must be exactly one)")
     return hits[0]
+
+
+def z3_partition_group(opt, p):
+    """The process group ZeRO-3 partitions ``p`` over, as the installed release exposes it."""
+    if adapter_for().z3_partition_group == "method":
+        return opt._get_param_partition_group(p)  # INTERNAL (0.19.3+)
+    return getattr(p, "ds_process_group", opt.dp_process_group)  # INTERNAL (<= 0.19.2)

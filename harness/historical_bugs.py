@@ -5,12 +5,16 @@ the patched runtime written against that release. The bugs here exist only in ol
 releases each one affects, as measured, are in ``harness.versions.AFFECTED``); they have no fix in
 this project (upgrade DeepSpeed) and, so far, no oracle model: a numerical one excuses the quantities
 it names (strength "excused", not full), a crash one only its exact exception, message and frame.
-Ids start at DSM-101 so they never collide with the 0.19.8 registry's.
+Ids start at DSM-101 so they never collide with the 0.19.8 registry's. Each entry holds the fields of
+``harness.bugs.Bug`` as a dict; ``harness.bugs`` builds them (so this module does not import it back).
 """
 from __future__ import annotations
 
-from harness.bugs import Bug, _has_muon
 from harness.case import Case
+
+
+def _has_muon(c: Case) -> bool:
+    return any(p.uses_muon for p in c.params)
 
 
 def _z12_offload_muon(c: Case) -> bool:
@@ -49,8 +53,8 @@ def _z12_group_with_two_muon(c: Case) -> bool:
     return any(len(shapes) >= 2 for shapes in _muon_shapes_by_group(c))
 
 
-HISTORICAL: tuple[Bug, ...] = (
-    Bug(
+SPECS: tuple[dict, ...] = (
+    dict(
         id="DSM-101",
         title="ZeRO-1/2 with optimizer offload never runs Muon",
         symptom="On ZeRO-1/2 with cpu/nvme optimizer offload (reduce_scatter off: the only setting the release "
@@ -63,7 +67,7 @@ HISTORICAL: tuple[Bug, ...] = (
               "only when cpu_offload is False; the offload epilogue copies raw gradients to the CPU optimizer",
         reproducer="z1-cpu-fp16-ws2-ga2 (gate case) on DeepSpeed 0.19.7",
     ),
-    Bug(
+    dict(
         id="DSM-102",
         title="ZeRO-3 distributed Muon crashes when a round holds matrices of different shapes",
         symptom="RuntimeError from all_gather ('invalid tensor size') in the first backward at world size >= 2 "
@@ -75,7 +79,7 @@ HISTORICAL: tuple[Bug, ...] = (
         reproducer="z3-cpu-fp32-ws2-inmem (gate case) on DeepSpeed 0.19.7",
         crash=("RuntimeError", "invalid tensor size", "_apply_distributed_muon_update"),
     ),
-    Bug(
+    dict(
         id="DSM-103",
         title="ZeRO-1/2 keep the Muon momentum of only the last matrix of a group",
         symptom="Without offload every Muon matrix restages the group's momentum from the committed copy "
@@ -87,5 +91,45 @@ HISTORICAL: tuple[Bug, ...] = (
               "momentum over the whole staging buffer) called inside the per-parameter loop; 0.19.8 stages "
               "once per partition (its stage_1_and_2.py:2743-2745)",
         reproducer="z2-none-fp32-ws2-ga2-clip0.05-standard (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-104",
+        title="User parameter groups flattened into one Muon and one Adam group",
+        symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
+                "weight_decay, momentum and ns_method dropped for the config's); the optimizer's groups are "
+                "'muon-params' / 'adam-params' only, so no user group's lr is in effect.",
+        trigger=lambda c: bool(c.groups) and _has_muon(c),
+        quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm"}),
+        where="source checkout edaa72212 (version.txt 0.19.6; the same code in the 0.19.2-0.19.6 sdists) "
+              "engine.py:2199-2235 _configure_basic_optimizer: 'Flatten param group dicts' then two groups "
+              "from the config; 0.19.7 splits each user group (engine.py _muon_param_groups)",
+        reproducer="z2-cpu-fp16-ws2-groups (gate case) on the source checkout",
+    ),
+    dict(
+        id="DSM-105",
+        title="ZeRO-1/2 with optimizer offload crash in the parameter all-gather (0.18.9 under torch 2.13)",
+        symptom="RuntimeError 'Output 0 of Split is a view and is being modified inplace' from the all-gather "
+                "of the updated partitions at the first optimizer step, world size >= 2.",
+        trigger=lambda c: c.stage in (1, 2) and c.offload != "none" and c.world_size >= 2,
+        quantities=frozenset({"crash"}),
+        where="0.18.9 stage_1_and_2.py:2205 step -> runtime/utils.py:1013-1019 all_gather_into_tensor_dp_groups: "
+              "all_gather_into_tensor into views returned by split",
+        reproducer="sweep-z1-cpu-ws2-L0-standard (gate case) on DeepSpeed 0.18.9",
+        crash=("RuntimeError", "Output 0 of Split is a view and is being modified inplace",
+               "all_gather_into_tensor_dp_groups"),
+    ),
+    dict(
+        id="DSM-106",
+        title="safe_get_local_fp32_param raises with the pipelined NVMe swapper (ZeRO-3)",
+        symptom="AttributeError 'PipelinedOptimizerSwapper' object has no attribute 'release_swap_buffers' from "
+                "the public deepspeed.utils.safe_get_local_fp32_param on ZeRO-3 with pipeline_read/write NVMe.",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme"
+        and bool(c.config["zero_optimization"]["offload_optimizer"].get("pipeline_read")),
+        quantities=frozenset({"crash"}),
+        where="0.19.7 stage3.py:2965 get_local_fp32_param -> 2890 _get_fp32_opt_state_partition -> 2508 "
+              "_release_swap_buffers calls optimizer_swapper.release_swap_buffers, which the pipelined "
+              "swapper lacks",
+        reproducer="z3-nvme-pipe-fp32-ws2-ga2-standard (gate case) on DeepSpeed 0.19.7",
+        crash=("AttributeError", "has no attribute 'release_swap_buffers'", "_release_swap_buffers"),
     ),
 )

@@ -209,6 +209,10 @@ def expected_muon_calls(case: Case, sc: oracles.StepConfig, layout) -> int:
     """Newton-Schulz applications per optimizer step, all ranks summed (once per step per matrix and
     computing rank, never per micro-batch): see ``harness.capture`` for who computes what."""
     muon = [p.name for p in sc.params if p.use_muon]
+    from harness import versions
+
+    if case.stage == 3 and versions.z3_distributed_muon():  # one rank per matrix, offload or not
+        return len(muon)
     if case.offload != "none" or case.stage == 0:  # stage 0: every rank steps every (whole) matrix
         return case.world_size * len(muon)
     if case.stage == 3:

@@ -8,8 +8,7 @@ import json
 import pytest
 
 from harness import capture_adapters, versions
-from harness.bugs import BUGS
-from harness.historical_bugs import HISTORICAL
+from harness.bugs import BUGS, HISTORICAL
 from harness.scenarios import pipeline_case
 from harness.case import ParamShape
 
@@ -108,3 +107,13 @@ def test_reduce_scatter_rule_covers_exactly_the_releases_that_refuse():
     case = pipeline_case(2, "cpu", "fp32", 2)
     got = [r for r in versions.RELEASES if versions.adapt(case, r).changes]
     assert got == ["0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7"]
+
+
+def test_0197_refuses_the_bf16_optimizer_route_and_no_other_release_does():
+    from harness.matrix import bf16opt_cases
+
+    gad = [c for c in bf16opt_cases(False) if c.name.endswith("-gad32")]
+    assert gad
+    for c in gad:
+        assert "BF16_Optimizer" in versions.adapt(c, "0.19.7").deselected
+        assert versions.adapt(c, "0.19.8").case is c and versions.adapt(c, "0.19.6").case is c
