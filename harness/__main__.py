@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                                                        "harness/case_times.json (the shards' costs)")
     b.add_argument("--full", action="store_true", help="with --gate: the whole product")
     b.add_argument("--only", default=None, help="with --gate: substring filter (does not refresh the costs)")
+    b.add_argument("--from-results", default=None, metavar="DIR",
+                   help="refresh harness/case_times.json from a gate run's results folder instead of rerunning")
 
     rp = sub.add_parser("report", help="re-render the HTML divergence report from stored results (nothing reruns)")
     rp.add_argument("results", nargs="+",
@@ -151,6 +153,13 @@ def main(argv=None) -> int:
         from harness.bench import gate_bench
         from harness.bench import main as bench_main
 
+        if args.from_results:
+            from pathlib import Path
+
+            from harness.bench import times_from_results
+
+            return times_from_results(Path(args.from_results),
+                                      f"python -m harness bench --from-results {args.from_results}")
         if args.gate:
             return gate_bench(full=args.full, only=args.only)
         return bench_main(cases=args.cases, world_size=args.world_size)

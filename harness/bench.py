@@ -199,3 +199,34 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
         sharding.write_times(per_case, "python -m harness bench --gate" + (" --full" if full else ""))
         print(f"  recorded per-case seconds for sharding in {sharding.TIMES_PATH}")
     return 0
+
+
+def times_from_results(results_dir: Path, command: str, path: Path | None = None) -> int:
+    """Refresh ``harness/case_times.json`` from a gate run's stored outcomes (its results folder, or
+    its shards' folders merged), instead of running every case again: each outcome carries the
+    seconds its case took, summed here over the columns as ``gate_bench`` does. Prints the split
+    per path group; the buckets inside a case need ``--gate``."""
+    from harness import shard as sharding
+    from harness.matrix import group_of
+    from harness.report_html import MAIN_COLUMNS
+    from harness.results import load_records
+
+    records = [r for r in load_records(results_dir) if r.column in MAIN_COLUMNS]
+    if not records:
+        print(f"error: no gate outcomes stored under {results_dir}")
+        return 2
+    per_case: dict[str, float] = {}
+    per_group: dict[str, list] = {}
+    for r in records:
+        per_case[r.case_name] = per_case.get(r.case_name, 0.0) + r.seconds
+        g = per_group.setdefault(group_of(r.case_name), [0, 0.0])
+        g[0] += 1
+        g[1] += r.seconds
+    total = sum(s for _, s in per_group.values())
+    print(f"{len(records)} case-columns of {len(per_case)} cases, {total:.0f} s of case time")
+    print(f"  {'group':10s} {'n':>5s} {'s/case-col':>10s} {'seconds':>9s} {'share':>6s}")
+    for g, (n, sec) in sorted(per_group.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {g:10s} {n:5d} {sec / n:10.2f} {sec:9.0f} {sec / total:6.1%}")
+    sharding.write_times(per_case, command, path or sharding.TIMES_PATH)
+    print(f"  recorded per-case seconds for sharding in {path or sharding.TIMES_PATH}")
+    return 0

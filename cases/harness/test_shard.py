@@ -104,3 +104,26 @@ def test_two_shards_in_separate_processes_merge_into_the_unsharded_statuses(tmp_
     assert jobs == whole
     assert "gate (all 2 shards merged)" in out[0] and (tmp_path / "jobs.html").exists()
     assert not (tmp_path / "jobs-shards").exists()  # the shards' own folders are merged, then removed
+
+
+def test_case_times_refreshed_from_a_gate_runs_stored_outcomes(tmp_path):
+    """``bench --from-results``: a gate run's own outcomes give the shards' costs, summed per case over
+    the columns, without rerunning anything."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "cases" / "report"))
+    import synth
+
+    from harness.bench import times_from_results
+
+    root = tmp_path / "results"
+    a_stock, _ = synth.passing("-a")
+    a_patched, _ = synth.passing("-a", column="patched", name=a_stock.case_name)
+    b_stock, _ = synth.passing("-b")
+    a_stock.seconds, a_patched.seconds, b_stock.seconds = 1.5, 2.0, 4.0
+    synth.write(root, [(a_stock, {}), (a_patched, {}), (b_stock, {})])
+    out = tmp_path / "times.json"
+    assert times_from_results(root, "cmd", path=out) == 0
+    data = json.loads(out.read_text())
+    assert data["cases"] == {a_stock.case_name: 3.5, b_stock.case_name: 4.0} and data["measured_by"] == "cmd"
+    assert times_from_results(tmp_path / "empty", "cmd", path=out) == 2  # no outcomes: an error, not an empty table
