@@ -36,7 +36,7 @@ def installed_deepspeed() -> Path:
 
 
 def state_dir() -> Path:
-    return buildenv.cache_root() / "source-mutation" / f"torch{buildenv.TORCH_VERSION}-ds{buildenv.DEEPSPEED_VERSION}"
+    return buildenv.cache_root() / "source-mutation" / f"torch{buildenv.TORCH_VERSION}-ds{buildenv.deepspeed_version()}"
 
 
 def site_dir() -> Path:
