@@ -62,7 +62,10 @@ fi
 .venv/bin/python -m harness.warmup
 
 case "$what" in
-  main) exec .venv/bin/python -m harness gate --report reports/gate.html "$@" ;;
+  main)
+    # Two local shards side by side (harness/jobs.py) unless the caller splits the gate itself.
+    jobs=(--jobs 2); for a in "$@"; do case "$a" in --shard*|--jobs*) jobs=() ;; esac; done
+    exec .venv/bin/python -m harness gate --report reports/gate.html "${jobs[@]}" "$@" ;;
   test)
     .venv/bin/ruff check .   # lint first (under a second); a finding fails the run
     exec .venv/bin/python -m pytest -n 2 "$@" ;;
