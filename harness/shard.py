@@ -93,8 +93,12 @@ def select_names(names: Iterable[str], costs: dict[str, float], shard: Shard) ->
 
 
 def write_times(seconds: dict[str, float], command: str, path: Path = TIMES_PATH) -> None:
-    """Store measured seconds per case (summed over columns) for the next split."""
-    data = {"measured_by": command, "cases": {k: round(v, 3) for k, v in sorted(seconds.items())}}
+    """Store measured seconds per case (summed over columns) for the next split. Merged into the
+    table already there: a run of a slice (``--only``, one shard's folder) refreshes the cases it
+    measured and must not erase the costs of the others, or the next split balances on guesses."""
+    merged = load_times(path)
+    merged.update(seconds)
+    data = {"measured_by": command, "cases": {k: round(v, 3) for k, v in sorted(merged.items())}}
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
