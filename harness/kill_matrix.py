@@ -191,7 +191,7 @@ def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatri
                     km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
                     continue
                 if c.compiled and m not in COMPILED_MUTANTS:
-                    # A compiled case starts fresh ranks and compiles (~20-40 s): it runs only the mutants
+                    # A compiled case retraces under dynamo (a few seconds): it runs only the mutants
                     # of the compiled path; the eager cases show every other mutant's reach.
                     km.rows.append(KillRow(m, c.name, None, expected, NOT_RUN))
                     continue

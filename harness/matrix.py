@@ -147,7 +147,7 @@ def resume_cases(full: bool = False) -> list[Case]:
 
 
 def compiled_cases(full: bool = False) -> list[Case]:
-    """torch.compile as users run it; each in fresh ranks (PoolManager never reuses a compiled pool).
+    """torch.compile as users run it; each from a fresh dynamo state (``harness.pool._fresh_dynamo``).
 
     ``-compiled-hpns``: Newton-Schulz forced to float64 (``Case.ns_dtype``), so everything inductor
     compiles around it (the momentum lerp, the Nesterov blend, the aspect scale, the output cast) is

@@ -149,7 +149,7 @@ def test_nvme_threshold_matches_deepspeed():
     for ws in (1, 2, 4):
         p = nvme_matrix(ws)
         assert math.ceil(p.numel / ws) * 4 >= MIN_AIO_BYTES
-    # the 512x512 matrix the scenarios use is only swapped at W=1
+    # a 512x512 matrix is only swapped at W=1: the size, not the shape, decides
     big = (ParamShape("big.weight", (512, 512)),)
     for ws, swapped in ((1, True), (2, False)):
         c = Case(name="t", params=big, world_size=ws, ds_config=ds_config(stage=3, offload="nvme", world_size=ws))

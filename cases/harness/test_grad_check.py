@@ -2,7 +2,7 @@
 is teacher-forced with DeepSpeed's own gradient). Its allowance is derived per parameter from that
 parameter's own addends (``oracles.tolerance``, "grad"; ``harness.verdict.grad_allowance``), so a
 missing rank, a wrong world size or a lost micro-batch is reported on every dtype and layout -- the
-large NVMe matrix, whose gradients are tiny next to the biases', included.
+large matrices, whose gradients can be tiny next to the biases', included.
 
 These tests build the wrong averages from the float64 per-(rank, micro) gradients of real cases and run
 them through the comparison the verdict uses (``compare_arrays`` with ``grad_allowance``). No ranks.
@@ -71,10 +71,16 @@ def test_reduction_errors_are_reported_per_parameter(layout, dtype):
     assert checked == 4 * len(sc.params)
 
 
-def test_one_global_term_scale_would_hide_a_dropped_rank_in_the_nvme_matrix():
+def test_one_global_term_scale_would_hide_a_dropped_rank_in_a_large_matrix():
     """Guards the test above against being vacuous: with the old allowance (one maximum over all
-    parameters' addends) the large matrix's dropped rank went unreported in bf16."""
+    parameters' addends) a large matrix's dropped rank went unreported in bf16. The matrix is the
+    1024x512 the NVMe cases carried before they went wide (``harness.nvme``): its data term, divided
+    by its 1024 rows, is tiny next to the biases'."""
+    from harness.case import ParamShape
+    from harness.scenarios import TINY_PARAMS
+
     case = _case(3, "nvme", "bf16", 2, grad_accum=2)
+    case = case.replace(params=TINY_PARAMS + (ParamShape("big.weight", (1024, 512)),))
     sc = step_config(case)
     grads = _grads(case)
     G = oracles.accumulate(grads, sc)

@@ -117,3 +117,42 @@ def test_no_orphans_after_close(tmp_path):
     manager.close()
     assert _wait_gone(pids) == []
     assert not list(tmp_path.iterdir()), "pool folders must be removed"
+
+
+
+def run_with_one_compile_allowed(case, rank, world_size, workdir):
+    """Rank entry for the test below: dynamo may compile each function once, so a function left
+    compiled by an earlier case (for other dtypes) silently falls back to eager in the next one."""
+    import torch._dynamo
+
+    from harness.ds_run import run_case_on_rank
+
+    torch._dynamo.config.recompile_limit = 1
+    return run_case_on_rank(case, rank, world_size, workdir)
+
+
+def test_a_compiled_case_in_reused_ranks_gives_the_bits_of_fresh_ranks():
+    """Compiled pools are reused, each compiled case resetting dynamo first (``pool._fresh_dynamo``).
+    With the recompile limit at 1, ranks that kept the first case's compiled graphs (other dtypes)
+    would run the second case's ``muon_update`` eager, and the compiled 16-bit path rounds
+    differently from eager: its bits would differ from the same case in fresh ranks."""
+    from harness.matrix import gate_cases
+    from harness.pool import PoolManager, RankPool
+
+    entry = f"{__name__}:run_with_one_compile_allowed"
+    cases = {c.name: c for c in gate_cases(False) if c.compiled}
+    first, second = cases["z1-none-bf16-ws2-compiled-exact"], cases["z3-none-fp16-ws2-compiled-hpns"]
+    manager = PoolManager()
+    try:
+        manager.run(first, entry)
+        pool = manager.pools[(2, True)]
+        reused = manager.run(second, entry).result
+        assert manager.pools[(2, True)] is pool  # really the same ranks
+    finally:
+        manager.close()
+    fresh_pool = RankPool(2, compiled=True)
+    try:
+        fresh = fresh_pool.run(second, entry).result
+    finally:
+        fresh_pool.close()
+    assert reused.fingerprint() == fresh.fingerprint()
