@@ -64,6 +64,13 @@ def _gather_kill_case() -> Case:
     return next(c for c in gather_cases() if c.name == "z1-cpu-fp32-ws2-gather")
 
 
+def _dpgroup_kill_case() -> Case:
+    """ZeRO-1 at world size 4 as 2 model-parallel x 2 data-parallel ranks (harness.matrix.dpgroup_cases)."""
+    from harness.matrix import dpgroup_cases
+
+    return next(c for c in dpgroup_cases() if c.name == "z1-none-fp32-ws4-mp2")
+
+
 def _compiled_kill_case() -> Case:
     """A compiled ZeRO-1 case with float64 Newton-Schulz (harness.matrix.compiled_cases)."""
     from harness.matrix import compiled_cases
@@ -90,6 +97,7 @@ def default_kill_cases() -> list[Case]:
         _subgroups_kill_case(),
         _knob_kill_case(),
         _gather_kill_case(),
+        _dpgroup_kill_case(),
         _compiled_kill_case(),
     ]
     out = []
