@@ -595,6 +595,25 @@ BUGS: tuple[Bug, ...] = (
         reproducer="pipeline_case(3, 'none', 'fp32', 4, params=(ParamShape('w.weight', (1, 5)),))",
         crash=("RuntimeError", "The expanded size of the tensor", "_muon_update_sub_group"),
     ),
+    Bug(
+        id="DSM-018",
+        title="The universal checkpoint converter cannot convert a Muon checkpoint (no resume into another "
+              "world size)",
+        symptom="python -m deepspeed.checkpoint.ds_to_universal on a ZeRO-1, 2 or 3 checkpoint of a Muon run "
+                "fails with KeyError: 'exp_avg': it copies exp_avg, exp_avg_sq and fp32 of every optimizer "
+                "param group, and a Muon group's state holds momentum_buffer instead. The universal loader "
+                "would read any state file, but no Muon checkpoint gets that far, so a run cannot resume into "
+                "another world size with its Muon momentum. (ZeRO-1/2 also need the client to pass "
+                "client_state={'universal_checkpoint_info': {}} to save_checkpoint, as Megatron does.)",
+        trigger=lambda c: False,  # a case resuming into another world size is refused (Case.resume_world_size)
+        quantities=frozenset({"crash"}),
+        where="checkpoint/ds_to_universal.py extract_zero_shards (:153-156) and extract_zero_shards_stage3 "
+              "(:195-198) index state['exp_avg']; _merge_zero_shards callers iterate ('fp32', 'exp_avg', "
+              "'exp_avg_sq') only (:381, :547)",
+        fix=None,
+        reproducer="cases/pipelines/test_universal.py::test_universal_checkpoint_cannot_convert_muon",
+        crash=("KeyError", "'exp_avg'", "extract_zero_shards"),
+    ),
 )
 
 

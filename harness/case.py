@@ -115,6 +115,10 @@ class Case:
     # splits the world into ``model_parallel`` independent data-parallel runs of ``dp_size`` ranks
     # each (Megatron layout: model-parallel peers are consecutive ranks), each fed its own data.
     model_parallel: int = 1
+    # Resume the checkpoint saved after ``checkpoint_at`` into a run of this many ranks (None: the
+    # case's own world size). Another world size needs DeepSpeed's universal checkpoint, which cannot
+    # convert a Muon checkpoint in 0.19.8 (DSM-018): refused before any rank starts.
+    resume_world_size: int | None = None
 
     @property
     def dp_size(self) -> int:
@@ -136,6 +140,14 @@ class Case:
     def __post_init__(self):
         if self.model_parallel != 1:
             self._check_model_parallel()
+        if self.resume_world_size is not None and self.resume_world_size != self.world_size:
+            raise ValueError(
+                f"case {self.name!r}: resume_world_size {self.resume_world_size!r} (saved at world size "
+                f"{self.world_size}): resuming into another world size needs DeepSpeed's universal checkpoint, "
+                "and DeepSpeed 0.19.8's converter (deepspeed.checkpoint.ds_to_universal) reads Adam's "
+                "exp_avg/exp_avg_sq for every parameter group, so a Muon checkpoint fails with KeyError "
+                "'exp_avg' on ZeRO-1, 2 and 3 and Muon's momentum cannot be carried over (DSM-018, "
+                "harness/bugs.py); resume at the same world size (resume_world_size null)")
         if self.schedule:
             from oracles.schedules import validate
 
