@@ -398,15 +398,17 @@ def dpgroup_cases(full: bool = False) -> list[Case]:
     """ZeRO over a data-parallel group smaller than the world: world size 4 as 2 model-parallel x 2
     data-parallel ranks through an ``mpu`` (``Case.model_parallel``), each model-parallel replica fed
     its own data and judged as its own 2-rank run, so a collective on WORLD instead of the
-    data-parallel group (an average, a partition, a Muon gather) mixes the replicas. CI: ZeRO-1/2/3 x
-    offload none/cpu, dtype and accumulation cycling (4); ``--full``: x every dtype (18)."""
-    combos = [(1, "none", "fp32"), (2, "cpu", "bf16"), (3, "none", "fp32"), (3, "cpu", "bf16")]
+    data-parallel group (an average, a partition, a Muon gather) mixes the replicas. Clipping on
+    (``CLIP``, active every step) puts DeepSpeed's model-parallel norm rule to work: every replica
+    clips with replica 0's norm. CI: ZeRO-1/2/3 x offload none/cpu, dtype, accumulation and clipping
+    cycling (4); ``--full``: x every dtype x clipping (36)."""
+    combos = [(1, "none", "fp32", 0.0), (2, "cpu", "bf16", CLIP), (3, "none", "fp32", CLIP), (3, "cpu", "bf16", 0.0)]
     if full:
-        combos = [(st, off, dt) for st in STAGES for off in ("none", "cpu") for dt in DTYPES]
+        combos = [(st, off, dt, cl) for st in STAGES for off in ("none", "cpu") for dt in DTYPES for cl in (0.0, CLIP)]
     dp = MP_WORLD // MP_SIZE
     out = []
-    for i, (st, off, dt) in enumerate(combos):
-        c = _case(st, off, dt, MP_WORLD, grad_accum=1 + i % 2, suffix=f"-mp{MP_SIZE}")
+    for i, (st, off, dt, cl) in enumerate(combos):
+        c = _case(st, off, dt, MP_WORLD, grad_accum=1 + i % 2, clip=cl, suffix=f"-mp{MP_SIZE}")
         cfg = json.loads(c.ds_config)
         cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp
         out.append(c.replace(ds_config=canonical_json(cfg), model_parallel=MP_SIZE))

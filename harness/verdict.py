@@ -360,7 +360,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     for k, run in enumerate(runs[1:], 1):
         # DeepSpeed counts a parameter without model-parallel attributes only on model-parallel rank
         # 0 and sums the norm over the model-parallel group (docs/deepspeed-0.19.8.md, "Data-parallel
-        # group smaller than the world"): every replica reports replica 0's norm.
+        # group smaller than the world"): every replica clips with and reports replica 0's norm.
         v, _ = _judge_run(case, run, conventions, mode, keep_maps, mp_rank=k, norm_of=norms)
         verdict.checks.extend(v.checks)
         verdict.notes.extend(f"model-parallel rank {k}: {n}" for n in v.notes)
@@ -370,9 +370,9 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
 def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | None, mode: str,
                keep_maps: bool, *, mp_rank: int = 0, norm_of: dict | None = None) -> tuple[Verdict, dict]:
     """One data-parallel run: model-parallel replica ``mp_rank`` of the case (its data from the global
-    ranks ``case.data_rank(r, mp_rank)``). ``norm_of``: step -> the global norm this replica must
-    report (replica 0's oracle norm), instead of its own. Returns the verdict and this run's oracle
-    reported norm per step."""
+    ranks ``case.data_rank(r, mp_rank)``). ``norm_of``: step -> the global norm this replica clips with
+    and reports (replica 0's oracle norm), instead of its own. Returns the verdict and this run's
+    oracle global norm per step."""
     conv = conventions or INTENDED
     # Momentum in loss-scaled units (DSM-004's model): the oracle's state holds DeepSpeed's raw buffer.
     scaled_momentum = conv.momentum_units == "scaled"
@@ -466,7 +466,10 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
         sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
         # ... and the replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input.
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds)
+        # A model-parallel replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
+        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds,
+                                              shared_norm=None if norm_of is None else norm_of.get(s))
+        oracle_norms[s] = None if orec.skipped else orec.global_norm
         # The lr each optimizer group really used (captured before the step), against the schedule:
         # the same closed form evaluated in float64 in another order, a few roundings apart (16 u_64).
         lr_allow = oracles.Allowance(0.0, 16 * 2.0 ** -53, "lr: float64 evaluation of the schedule's formula")
@@ -486,15 +489,12 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         if not orec.skipped and rec.global_norm is None and reports_global_norm(case):
             verdict.checks.append(missing(label, "<step>", "global_norm", s, "get_global_grad_norm() gave "
                                           "nothing, but the oracle applied this step"))
-        oracle_norms[s] = None if orec.skipped else orec.reported_norm
-        expected_norm = orec.reported_norm if norm_of is None else norm_of.get(s, math.nan)
         if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
             widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=widest,
                                    world_size=W, gas=GAS, ns_method=ns_norm, grad_dtype=grad_store,
                                    momentum_dtype="fp32")
-            add("<step>", "global_norm", s, [rec.global_norm], [math.nan if expected_norm is None else expected_norm],
-                a.norm)
+            add("<step>", "global_norm", s, [rec.global_norm], [orec.reported_norm], a.norm)
         if not orec.skipped:
             add("<step>", "muon_calls", s, [rec.muon_calls], [n_muon_calls], exact)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix
-from harness.case import Case
+from harness import matrix, verdict
+from harness.case import Case, Overflow
 from harness.mpu import grid_ranks
 from harness.scenarios import pipeline_case
 from harness.verdict import judge, layout_for, step_config
@@ -50,6 +50,20 @@ def test_replicas_are_separate_runs_and_a_mixed_up_replica_fails(pool_manager):
     assert judge(plain, t2).passed
 
 
+@pytest.mark.pipeline
+def test_a_replica_clips_with_replica_0s_norm(pool_manager):
+    """With clipping on, model-parallel rank 1 reports and clips with rank 0's norm (DeepSpeed counts
+    a parameter without model-parallel attributes only there); judged with its own norm instead, the
+    reported norm and the clipped step both diverge, so the rule is checked, not assumed."""
+    case = _ci_case("z3-none-fp32-ws4-clip0.05-mp2").replace(patched=True)
+    traj = pool_manager.run(case).result
+    v = judge(case, traj)
+    assert v.passed, v.message()
+    own, _ = verdict._judge_run(case, traj.replicas[0], None, verdict.comparison_mode(case), False, mp_rank=1)
+    failed = {c.quantity for c in own.failures}
+    assert "global_norm" in failed and "master" in failed, failed
+
+
 def test_grid_is_megatron_layout():
     assert grid_ranks(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert grid_ranks(6, 3) == ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]])
@@ -58,7 +72,7 @@ def test_grid_is_megatron_layout():
 
 
 def test_the_oracle_takes_the_data_parallel_size():
-    c = _ci_case("z3-none-fp32-ws4-mp2")
+    c = _ci_case("z3-none-fp32-ws4-clip0.05-mp2")
     assert (c.world_size, c.dp_size) == (4, 2)
     assert [c.data_rank(r, 1) for r in range(c.dp_size)] == [1, 3]
     sc = step_config(c)
@@ -67,7 +81,7 @@ def test_the_oracle_takes_the_data_parallel_size():
 
 @pytest.mark.parametrize("change,match", [
     (dict(model_parallel=3), "dividing world_size"),
-    (dict(ds_config='{"gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}'), "gradient_clipping"),
+    (dict(overflows=(Overflow(1),)), "injected overflows"),
     (dict(ds_config='{"zero_optimization": {"stage": 0}}'), "needs ZeRO-1/2/3"),
     (dict(checkpoint_at=1), "without checkpoint resume"),
 ])
