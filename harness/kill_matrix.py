@@ -79,7 +79,7 @@ def _compiled_kill_case() -> Case:
 
 
 def default_kill_cases() -> list[Case]:
-    """Ten small cases (world size 1-2) that together kill every mutant."""
+    """Small cases (world size 1-2, and the model-parallel case at 4) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
 
     heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
