@@ -41,8 +41,10 @@ def save_and_convert(case, rank, world_size, workdir):
     return r.returncode, r.stderr
 
 
+# ZeRO-1 converts through ZeRO-2's code (extract_zero_shards) and fails the same way (measured); the
+# test keeps one conversion per code path (~12 s each here: a DeepSpeed import in a subprocess).
 @pytest.mark.pipeline
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_universal_checkpoint_cannot_convert_muon(stage, pool_manager):
     case = pipeline_case(stage, "none", "fp32", 2, steps=2)
     rc, err = pool_manager.run(case.replace(name=case.name + "-universal"),
