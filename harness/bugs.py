@@ -199,7 +199,7 @@ def _padded_head_group(c: Case) -> bool:
 
 
 def _z3_padded_tail(c: Case) -> bool:
-    W = c.world_size
+    W = c.dp_size
     return W > 1 and any(_is_muon(p) and zero3_padded_tail(p.numel, W) is not None for p in c.params)
 
 
@@ -221,8 +221,8 @@ def _max_update_cached(case_json: str) -> tuple:
     out = []
     for s in range(1, c.steps + 1):
         w = {n: m.to(lp).to(torch.float64) for n, m in state.master.items()}
-        grads = [[model_mod.local_gradients(w, c, r, s, mu) for mu in range(c.grad_accum)]
-                 for r in range(c.world_size)]
+        grads = [[model_mod.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
+                 for r in range(c.dp_size)]
         state, rec = oracles.oracle_step(state, grads, sc, conv, ns_mode="exact")
         m = max((float(p.direction.abs().max()) for p in rec.params.values()
                  if p.use_muon and p.direction is not None), default=0.0)
@@ -279,9 +279,9 @@ def _z3_momentum_tail_past_end(c: Case) -> bool:
     a rank whose share starts past the end of a Muon matrix (``r q > n`` with ``r q - n < q``) raises. With
     ``q = ceil(n / W)`` the first rank past the end is ``ceil(n / q)``; it exists and starts strictly past
     ``n`` exactly when ``n % q != 0`` and ``ceil(n / q) < W``. Only a step that is not skipped runs Muon."""
-    if c.stage != 3 or c.offload != "none" or c.world_size < 2:
+    if c.stage != 3 or c.offload != "none" or c.dp_size < 2:
         return False
-    W = c.world_size
+    W = c.dp_size
     for p in c.params:
         if not _is_muon(p):
             continue
@@ -594,6 +594,25 @@ BUGS: tuple[Bug, ...] = (
         fix="z3-momentum-tail-past-end",
         reproducer="pipeline_case(3, 'none', 'fp32', 4, params=(ParamShape('w.weight', (1, 5)),))",
         crash=("RuntimeError", "The expanded size of the tensor", "_muon_update_sub_group"),
+    ),
+    Bug(
+        id="DSM-018",
+        title="The universal checkpoint converter cannot convert a Muon checkpoint (no resume into another "
+              "world size)",
+        symptom="python -m deepspeed.checkpoint.ds_to_universal on a ZeRO-1, 2 or 3 checkpoint of a Muon run "
+                "fails with KeyError: 'exp_avg': it copies exp_avg, exp_avg_sq and fp32 of every optimizer "
+                "param group, and a Muon group's state holds momentum_buffer instead. The universal loader "
+                "would read any state file, but no Muon checkpoint gets that far, so a run cannot resume into "
+                "another world size with its Muon momentum. (ZeRO-1/2 also need the client to pass "
+                "client_state={'universal_checkpoint_info': {}} to save_checkpoint, as Megatron does.)",
+        trigger=lambda c: False,  # a case resuming into another world size is refused (Case.resume_world_size)
+        quantities=frozenset({"crash"}),
+        where="checkpoint/ds_to_universal.py extract_zero_shards (:153-156) and extract_zero_shards_stage3 "
+              "(:195-198) index state['exp_avg']; _merge_zero_shards callers iterate ('fp32', 'exp_avg', "
+              "'exp_avg_sq') only (:381, :547)",
+        fix=None,
+        reproducer="cases/pipelines/test_universal.py::test_universal_checkpoint_cannot_convert_muon",
+        crash=("KeyError", "'exp_avg'", "extract_zero_shards"),
     ),
 )
 

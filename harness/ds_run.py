@@ -101,6 +101,13 @@ class ProcessState:
         self.fwd_stack = list(po.FWD_MODULE_STACK)
         self.module_counter = po.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
         self.module_count = list(self.module_counter)
+        from deepspeed.utils import groups as ds_groups
+
+        # ``deepspeed.utils.groups.mpu``: the engine stores the mpu it was given there (engine.py,
+        # "Pass the mpu from here to groups") and every later engine's data-parallel group is read
+        # from it; a model-parallel case (``Case.model_parallel``) must not leak its grid.
+        self.ds_groups = ds_groups
+        self.mpu = ds_groups.mpu
 
     def restore(self) -> list[str]:
         """Put everything back; return what had been changed."""
@@ -139,6 +146,9 @@ class ProcessState:
             self.module_counter[:] = self.module_count
         if _clear_zero3_lru_caches():
             changed.append("PartitionedParameterCoordinator lru_cache")
+        if self.ds_groups.mpu is not self.mpu:
+            changed.append("deepspeed.utils.groups.mpu")
+            self.ds_groups.mpu = self.mpu
         if torch.get_num_threads() != self.threads:
             changed.append("num_threads")
             torch.set_num_threads(self.threads)
@@ -266,8 +276,13 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
         with zero_init(case, cfg):  # parameters are registered in __init__, so zero.Init partitions them
             model = model_mod.build_model(case, variant=variant)
         model_params = model_parameters(case, model)
+    mpu = None
+    if case.model_parallel > 1:
+        from harness.mpu import grid_mpu
+
+        mpu = grid_mpu(case.model_parallel)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_params, config=cfg,
-                                           lr_scheduler=client_scheduler(case))
+                                           lr_scheduler=client_scheduler(case), mpu=mpu)
     named = dict(engine.module.named_parameters())
     for ps in case.params:
         if ps.num_heads:
@@ -367,6 +382,17 @@ def run_case_on_rank_reference(case: Case, rank: int, world_size: int, workdir: 
     return _run_case(case, rank, world_size, workdir, "reference")
 
 
+def _assemble(traj: Trajectory, case: Case, gathered: list) -> None:
+    """Rank 0, coalesced capture: ``traj``'s initial masters and steps from one data-parallel group's
+    gathered (initial pieces, step dicts, initial buffers), in data-parallel rank order."""
+    traj.initial = capture.resolve_all([g[0] for g in gathered], case, "initial master")
+    traj.steps = [capture.assemble_step(case, [g[1][i] for g in gathered]) for i in range(len(gathered[0][1]))]
+    if case.model:
+        traj.initial_buffers = [g[2] for g in gathered]
+        for i, rec in enumerate(traj.steps):
+            rec.buffers = [g[1][i]["buffers"] for g in gathered]
+
+
 def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mode: str) -> Trajectory | None:
     import torch.distributed as tdist
 
@@ -419,10 +445,18 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             # all in one gather after the last step; reference: public helpers + a gather per step.
             coalesced = capture_mode == "coalesced"
             if coalesced:
-                blocker = capture.coalescing_blocker(engine, named, world_size)
+                blocker = capture.coalescing_blocker(engine, named, case.dp_size)
                 if blocker is not None:
                     coalesced = False
                     notes.append(f"capture: reference mode ({blocker})")
+            if case.model_parallel > 1 and not coalesced:
+                # the reference capture assembles one run from every rank; a model-parallel case is
+                # model_parallel runs (one per replica), which only the coalesced assembly splits
+                raise RuntimeError(f"case {case.name!r}: model_parallel {case.model_parallel} needs the "
+                                   "coalesced capture (MUON_HARNESS_CAPTURE_MODE=reference, or: "
+                                   f"{blocker})")
+            # Pieces are labelled by the rank's place in its data-parallel group (its partition).
+            piece_rank = rank // case.model_parallel
             gather_model = coalesced and info.stage == 3 and capture.z3_model_needs_gather(engine)
             pending: list[dict] = []  # coalesced: this rank's read_step dicts, one per step
             if coalesced:
@@ -462,13 +496,13 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                     if micro == gas - 1:
                         lrs = capture.group_lrs(engine)  # before the boundary step (which steps the scheduler)
                         if coalesced:
-                            adam = capture.read_adam_grads(engine, case, named, swap, rank)
+                            adam = capture.read_adam_grads(engine, case, named, swap, piece_rank)
                         else:
                             adam = capture.capture_adam_grads(engine, case, named, swap)
                     engine.step()
                 pre = capture.PreStep(loss_scale=S, adam_grads=adam, group_lr=lrs)
                 if coalesced:
-                    pending.append(capture.read_step(engine, case, step, rank, named=named,
+                    pending.append(capture.read_step(engine, case, step, piece_rank, named=named,
                                                      id_to_name=recorder.id_to_name, info=info, pre=pre,
                                                      recorder=recorder, swap=swap, losses=losses,
                                                      gather_model=gather_model))
@@ -517,13 +551,15 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                 gathered = capture.gather_once_to_rank0((initial_pieces, pending, initial_buffers), rank, world_size)
                 pending = initial_pieces = None
                 if rank == 0:
-                    traj.initial = capture.resolve_all([g[0] for g in gathered], case, "initial master")
-                    traj.steps = [capture.assemble_step(case, [g[1][i] for g in gathered])
-                                  for i in range(len(gathered[0][1]))]
-                    if case.model:
-                        traj.initial_buffers = [g[2] for g in gathered]
-                        for i, rec in enumerate(traj.steps):
-                            rec.buffers = [g[1][i]["buffers"] for g in gathered]
+                    # One trajectory per model-parallel replica, from its data-parallel ranks' pieces
+                    # (rank order within the group); replica 0's is ``traj``, the others its replicas.
+                    mp = case.model_parallel
+                    for k in range(mp):
+                        t = traj if k == 0 else Trajectory(case_name=f"{case.name}#mp{k}", initial={},
+                                                           muon_params=traj.muon_params)
+                        _assemble(t, case, gathered[k::mp])
+                        if k:
+                            traj.replicas.append(t)
                 gathered = None
             notes.append(f"seconds: build {t_built - t0:.3f}, steps+capture {t_steps - t_built:.3f}")
     finally:
@@ -531,6 +567,8 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             with contextlib.suppress(Exception):
                 destroy_engine(engine)
         engine = named = None
+        if case.model_parallel > 1:
+            state.ds_groups.mpu = state.mpu  # the grid this case handed the engine (expected, not a leak)
         changed = state.restore()
         # The engine is a web of reference cycles (hooks, optimizer <-> params); collect it now, with
         # nothing of this case left referencing it, so the next case's gc.freeze() cannot pin it.

@@ -64,6 +64,13 @@ def _gather_kill_case() -> Case:
     return next(c for c in gather_cases() if c.name == "z1-cpu-fp32-ws2-gather")
 
 
+def _dpgroup_kill_case() -> Case:
+    """ZeRO-1 at world size 4 as 2 model-parallel x 2 data-parallel ranks (harness.matrix.dpgroup_cases)."""
+    from harness.matrix import dpgroup_cases
+
+    return next(c for c in dpgroup_cases() if c.name == "z1-none-fp32-ws4-mp2")
+
+
 def _compiled_kill_case() -> Case:
     """A compiled ZeRO-1 case with float64 Newton-Schulz (harness.matrix.compiled_cases)."""
     from harness.matrix import compiled_cases
@@ -72,7 +79,7 @@ def _compiled_kill_case() -> Case:
 
 
 def default_kill_cases() -> list[Case]:
-    """Ten small cases (world size 1-2) that together kill every mutant."""
+    """Small cases (world size 1-2, and the model-parallel case at 4) that together kill every mutant."""
     from harness.scenarios import TINY_PARAMS, pipeline_case
 
     heads = TINY_PARAMS + (ParamShape("attn.qkv.weight", (8, 6), num_heads=2),)
@@ -90,6 +97,7 @@ def default_kill_cases() -> list[Case]:
         _subgroups_kill_case(),
         _knob_kill_case(),
         _gather_kill_case(),
+        _dpgroup_kill_case(),
         _compiled_kill_case(),
     ]
     out = []
@@ -139,14 +147,15 @@ class KillMatrix:
                  "baseline (unmutated): " + " ".join(
                      f"{s}={'pass' if self.baseline.get(n) else 'FAIL'}" for s, n in zip(short, self.cases)),
                  "legend: K killed (expected), k killed (not predicted), . survived, ! survived although "
-                 "predicted, - baseline failed, ~ not run (compiled case: only COMPILED_MUTANTS)",
+                 "predicted, - baseline failed, ~ not run (compiled case: only COMPILED_MUTANTS; model-parallel "
+                 "case: only DPGROUP_MUTANTS)",
                  f"{'mutant':<{width}} " + " ".join(f"{s:>3}" for s in short) + "  killed"]
         cell = {(r.mutant, r.case): r for r in self.rows}
         for m in self.mutants:
             marks = []
             for n in self.cases:
                 r = cell.get((m, n))
-                if r is not None and r.detail == NOT_RUN:
+                if r is not None and r.detail in (NOT_RUN, NOT_RUN_DPGROUP):
                     marks.append("~")
                 elif r is None or r.killed is None:
                     marks.append("-")
@@ -167,6 +176,12 @@ class KillMatrix:
 
 NOT_RUN = "not run (compiled case: only the compiled path's mutants)"
 COMPILED_MUTANTS = ("compiled-aspect-truncated",)
+# A model-parallel case (world size 4) runs only the mutants about the data-parallel group -- its
+# own, and those of the partition layout and the average it changes -- (~1.5 s each here); the
+# world-size 1-2 cases show every other mutant's reach, at a quarter of the ranks.
+NOT_RUN_DPGROUP = "not run (model-parallel case: only the data-parallel group's mutants)"
+DPGROUP_MUTANTS = ("dp-average-over-world", "rank-contribution-dropped", "partition-slice-muon",
+                   "padded-tail-misslice")
 
 
 def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatrix:
@@ -194,6 +209,9 @@ def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatri
                     # A compiled case retraces under dynamo (a few seconds): it runs only the mutants
                     # of the compiled path; the eager cases show every other mutant's reach.
                     km.rows.append(KillRow(m, c.name, None, expected, NOT_RUN))
+                    continue
+                if c.model_parallel > 1 and m not in DPGROUP_MUTANTS:
+                    km.rows.append(KillRow(m, c.name, None, expected, NOT_RUN_DPGROUP))
                     continue
                 t0 = time.perf_counter()
                 killed, detail = outcome(c.replace(mutant=m), manager)

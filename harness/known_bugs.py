@@ -493,8 +493,8 @@ def _z12_layout(c: Case, muon=None):
     """[(param, lo, hi)] of a ZeRO-1/2 Muon group's flat layout and the partition size (no alignment)."""
     muon = sorted(_muon(c) if muon is None else muon, key=lambda p: tuple(p.shape), reverse=True)
     total = sum(p.numel for p in muon)
-    align = 2 * c.world_size
-    P = math.ceil(total / align) * align // c.world_size
+    align = 2 * c.dp_size
+    P = math.ceil(total / align) * align // c.dp_size
     out, off = [], 0
     for p in muon:
         out.append((p, off, off + p.numel))
@@ -503,7 +503,7 @@ def _z12_layout(c: Case, muon=None):
 
 
 def _z12_straddles(c: Case) -> bool:
-    if c.world_size < 2:
+    if c.dp_size < 2:
         return False
     for muon in _muon_groups(c):
         layout, P, _ = _z12_layout(c, muon)
@@ -513,7 +513,7 @@ def _z12_straddles(c: Case) -> bool:
 
 
 def _z12_padded_tail(c: Case) -> bool:
-    W = c.world_size
+    W = c.dp_size
     for muon in _muon_groups(c):
         layout, P, total = _z12_layout(c, muon)
         if W > 1 and P * W > total and any(p.numel % W and hi > (W - 1) * P for p, lo, hi in layout):
@@ -522,14 +522,14 @@ def _z12_padded_tail(c: Case) -> bool:
 
 
 def _z3_padded_tail(c: Case) -> bool:
-    return any(zero3_padded_tail(p.numel, c.world_size) is not None for p in _muon(c))
+    return any(zero3_padded_tail(p.numel, c.dp_size) is not None for p in _muon(c))
 
 
 def _offload_straddles(c: Case) -> bool:
-    if c.world_size < 2 or c.offload == "none":
+    if c.dp_size < 2 or c.offload == "none":
         return False
     if c.stage == 3:
-        return any(p.numel > math.ceil(p.numel / c.world_size) and p.shape[0] > 1 for p in _muon(c))
+        return any(p.numel > math.ceil(p.numel / c.dp_size) and p.shape[0] > 1 for p in _muon(c))
     return _z12_straddles(c)
 
 
@@ -636,7 +636,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("offload-dp-average-missing",
            "cpu/nvme offload: the Muon input is the sum over data-parallel ranks instead of the average.",
            _wrap_muon_update(_m_offload_dp_sum),
-           lambda c: c.offload != "none" and c.world_size > 1 and bool(_muon(c)),
+           lambda c: c.offload != "none" and c.dp_size > 1 and bool(_muon(c)),
            "plausible: averaging by W missing on one path"),
     Mutant("muon-update-not-rescaled",
            "Non-offload: the Muon update is not multiplied back by the loss scale before unscaling, so the "
@@ -861,7 +861,7 @@ def _z3_several_muon_subgroups(c: Case) -> bool:
     for p in _muon(c):
         if acc == 0:
             n += 1
-        acc += -(-p.numel // c.world_size)
+        acc += -(-p.numel // c.dp_size)
         if acc >= size:
             acc = 0
     return n > 1
@@ -968,4 +968,67 @@ MUTANTS.update({m.name: m for m in (
            # offload overflow the cap; ZeRO-3 without offload reuses one entry here
            lambda c: c.allgather_caps is not None and c.stage in (1, 2, 3) and c.offload != "none" and bool(_muon(c)),
            "plausible: the eviction loop of the gather cache (stage_1_and_2.py _muon_all_gather_partitions)"),
+)})
+
+
+def _install_dp_average_over_world():
+    """The gradient average divides by the world size instead of the data-parallel group's size
+    (``dist.get_world_size()`` without ``group=``): modelled on the engine's backward, whose loss is
+    scaled by ``dp / world`` on every rank, so every averaged gradient is ``dp / world`` of the true
+    one. With an ``mpu`` (a data-parallel group smaller than the world) this halves the gradient at
+    2 x 2; everywhere else ``dp == world`` and it does nothing, so only those cases can kill it."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cur = DeepSpeedEngine.__dict__["backward"]
+
+    def backward(self, loss, *args, **kwargs):
+        dp, world = dist.get_world_size(group=self.data_parallel_group), dist.get_world_size()
+        if dp != world:
+            loss = loss * (dp / world)
+        return cur(self, loss, *args, **kwargs)
+
+    return _setattr(DeepSpeedEngine, "backward", backward)[1]
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("dp-average-over-world",
+           "The data-parallel gradient average divides by the world size, not by the data-parallel "
+           "group's size (a data-parallel group smaller than the world averages too little).",
+           _install_dp_average_over_world,
+           lambda c: c.dp_size != c.world_size,
+           "plausible: dist.get_world_size() where dist.get_world_size(group=dp_process_group) was meant"),
+)})
+
+
+def _install_gather_cache_kept_after_destroy():
+    """``destroy()`` no longer empties the Muon gather-buffer cache (``_clear_muon_allgather_buffers``,
+    ZeRO-1/2 and ZeRO-3, is a no-op): the buffers outlive the engine. Numbers unchanged; only the
+    gathers cases' after-``destroy()`` check sees it (``harness.gather_cache``)."""
+    Z12, Z3, _ = _ds_classes()
+
+    def keep(self):
+        return None
+
+    undos = [_setattr(Z12, "_clear_muon_allgather_buffers", keep)[1],
+             _setattr(Z3, "_clear_muon_allgather_buffers", keep)[1]]
+
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("gather-cache-kept-after-destroy",
+           "destroy() leaves the Muon all-gather buffer cache filled (the buffers outlive the engine).",
+           _install_gather_cache_kept_after_destroy,
+           # the cache holds buffers at destroy() where Muon gathers into buffers under the cap: ZeRO-1/2
+           # with offload (chunked) and ZeRO-3 without offload; ZeRO-3 offload gathers gradient and
+           # momentum in one buffer larger than the gathers cases' cap (harness.matrix.GATHER_CAPS), so
+           # it caches nothing there (what gather-cache-unbounded's kills show)
+           lambda c: c.allgather_caps is not None and bool(_muon(c))
+           and ((c.stage in (1, 2) and c.offload != "none") or (c.stage == 3 and c.offload == "none")),
+           "plausible: a destroy() that forgets a cache (stage_1_and_2.py / stage3.py destroy)"),
 )})

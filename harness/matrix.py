@@ -18,6 +18,7 @@ Fewer distinct models, more distinct paths. The CI gate is a covering design:
 from __future__ import annotations
 
 import itertools
+import json
 
 from harness.case import Case, Overflow, ParamGroup, ParamShape, canonical_json
 from harness.scenarios import TINY_PARAMS, nvme_params, pipeline_case
@@ -390,6 +391,30 @@ def gather_cases(full: bool = False) -> list[Case]:
     return out
 
 
+MP_WORLD, MP_SIZE = 4, 2  # 2 model-parallel x 2 data-parallel ranks (harness.mpu)
+
+
+def dpgroup_cases(full: bool = False) -> list[Case]:
+    """ZeRO over a data-parallel group smaller than the world: world size 4 as 2 model-parallel x 2
+    data-parallel ranks through an ``mpu`` (``Case.model_parallel``), each model-parallel replica fed
+    its own data and judged as its own 2-rank run, so a collective on WORLD instead of the
+    data-parallel group (an average, a partition, a Muon gather) mixes the replicas. Clipping on
+    (``CLIP``, active every step) puts DeepSpeed's model-parallel norm rule to work: every replica
+    clips with replica 0's norm. CI: ZeRO-1/2/3 x offload none/cpu, dtype, accumulation and clipping
+    cycling (4); ``--full``: x every dtype x clipping (36)."""
+    combos = [(1, "none", "fp32", 0.0), (2, "cpu", "bf16", CLIP), (3, "none", "fp32", CLIP), (3, "cpu", "bf16", 0.0)]
+    if full:
+        combos = [(st, off, dt, cl) for st in STAGES for off in ("none", "cpu") for dt in DTYPES for cl in (0.0, CLIP)]
+    dp = MP_WORLD // MP_SIZE
+    out = []
+    for i, (st, off, dt, cl) in enumerate(combos):
+        c = _case(st, off, dt, MP_WORLD, grad_accum=1 + i % 2, clip=cl, suffix=f"-mp{MP_SIZE}")
+        cfg = json.loads(c.ds_config)
+        cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * dp
+        out.append(c.replace(ds_config=canonical_json(cfg), model_parallel=MP_SIZE))
+    return out
+
+
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
     ("sweep", lambda n: n.startswith("sweep-")),
@@ -397,6 +422,7 @@ GROUPS = (
     ("compiled", lambda n: "-compiled" in n),
     ("knobs", lambda n: "-knob-" in n),
     ("gathers", lambda n: n.endswith("-gather")),
+    ("dpgroup", lambda n: n.endswith(f"-mp{MP_SIZE}")),
     ("resume", lambda n: "-resume" in n),
     ("subgroups", lambda n: n.endswith("-subgroups") or n.endswith("-manysmall")),
     ("bf16opt", lambda n: n.endswith("-gad32") or n.endswith("-comm32")),
@@ -443,7 +469,7 @@ def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
-             + knob_cases(full) + gather_cases(full) + model_cases(full))
+             + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

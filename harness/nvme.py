@@ -71,7 +71,7 @@ def predict_swapped_subgroups(case: Case, model_order: list[str] | None = None) 
         return []
     cfg = case.config
     sub_group_size = int(cfg.get("zero_optimization", {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
-    W = case.world_size
+    W = case.dp_size  # the data-parallel group ZeRO-3 partitions over
     threshold = min_swap_bytes(case)
     by_name = {p.name: p for p in case.params}
     order = model_order or _model_order(case)

@@ -52,6 +52,8 @@ class Trajectory:
     muon_params: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
     initial_buffers: list[dict] = field(default_factory=list)  # model cases: per rank, before step 1
+    # ``Case.model_parallel`` > 1: the runs of model-parallel replicas 1.. (this one is replica 0)
+    replicas: list["Trajectory"] = field(default_factory=list)
 
     @property
     def swapped_bytes(self) -> int:
@@ -76,4 +78,7 @@ class Trajectory:
             buf.write(np.ascontiguousarray(arr).tobytes())
         for s in self.steps:
             buf.write(json.dumps([s.loss_scale, s.loss_scale_after, s.skipped, s.global_norm, s.muon_calls]).encode())
+        for k, r in enumerate(self.replicas, 1):
+            buf.write(f"replica{k}".encode())
+            buf.write(r.fingerprint())
         return buf.getvalue()

@@ -103,7 +103,7 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
         betas=(float(betas[0]), float(betas[1])), eps=float(opt.get("eps", 1e-10)),
         adam_w_mode=bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True))),
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
-        gradient_accumulation_steps=case.grad_accum, world_size=case.world_size, model_dtype=case.dtype,
+        gradient_accumulation_steps=case.grad_accum, world_size=case.dp_size, model_dtype=case.dtype,
         loss_scaler=scaler, param_hyper=param_hyper)
     if case.model:  # a real module's parameter groups (harness.models.oracle)
         sc = _module_oracle().with_param_groups(case, sc)
@@ -193,8 +193,8 @@ def layout_for(case: Case, sc: oracles.StepConfig):
     groups = _spec_groups(case, sc)
     zero = case.config.get("zero_optimization", {})
     if case.stage == 3:
-        return oracles.zero3_layout(groups, case.world_size, sub_group_size=zero.get("sub_group_size"))
-    return oracles.zero12_layout(groups, case.world_size, parameter_alignment=bool(zero.get("parameter_alignment")))
+        return oracles.zero3_layout(groups, case.dp_size, sub_group_size=zero.get("sub_group_size"))
+    return oracles.zero12_layout(groups, case.dp_size, parameter_alignment=bool(zero.get("parameter_alignment")))
 
 
 def reports_global_norm(case: Case) -> bool:
@@ -214,7 +214,7 @@ def expected_muon_calls(case: Case, sc: oracles.StepConfig, layout) -> int:
     if case.stage == 3 and versions.z3_distributed_muon():  # one rank per matrix, offload or not
         return len(muon)
     if case.offload != "none" or case.stage == 0:  # stage 0: every rank steps every (whole) matrix
-        return case.world_size * len(muon)
+        return case.dp_size * len(muon)
     if case.stage == 3:
         return len(muon)
     return sum(len(oracles.param_slices(layout, n)) for n in muon)
@@ -310,7 +310,7 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
     spec = sc.spec(name)
     grad_store = grad_store_dtype(case)
     term = oracles.grad_term_scale(g[name] for per_rank in (magnitudes or grads) for g in per_rank)
-    a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec.shape, world_size=case.world_size,
+    a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec.shape, world_size=case.dp_size,
                            gas=case.grad_accum, grad_dtype=grad_store if spec.use_muon else case.dtype,
                            # The model-dtype backward rounds each of the ~4 intermediate results of the
                            # loss term once (prediction, residual, product, output) before the sum: 4 u_lp
@@ -337,7 +337,7 @@ def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: floa
     sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff("fp32"))
     if sigma <= 0.0:
         return a
-    return oracles.allowances("exact", model_dtype=case.dtype, shape=shape, world_size=case.world_size,
+    return oracles.allowances("exact", model_dtype=case.dtype, shape=shape, world_size=case.dp_size,
                               gas=case.grad_accum, ns_method=sc.hyper(p)["ns_method"], grad_dtype="fp64",
                               momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
                               step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
@@ -346,7 +346,33 @@ def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: floa
 
 def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | None = None,
           mode: str | None = None, keep_maps: bool = True) -> Verdict:
+    """The verdict of the case's run(s): with ``case.model_parallel`` > 1 every model-parallel replica
+    (``traj`` and ``traj.replicas``) is its own data-parallel run of ``case.dp_size`` ranks on its own
+    data, judged against its own oracle; their checks are merged, each labelled with its replica."""
     mode = mode or comparison_mode(case)
+    if case.model_parallel == 1:
+        return _judge_run(case, traj, conventions, mode, keep_maps)[0]
+    verdict, norms = _judge_run(case, traj, conventions, mode, keep_maps, mp_rank=0)
+    runs = [traj] + list(traj.replicas)
+    if len(runs) != case.model_parallel:
+        verdict.checks.append(missing(case.name, "<step>", "capture", 0, f"{len(runs)} replica runs captured, "
+                                      f"model_parallel is {case.model_parallel}"))
+    for k, run in enumerate(runs[1:], 1):
+        # DeepSpeed counts a parameter without model-parallel attributes only on model-parallel rank
+        # 0 and sums the norm over the model-parallel group (docs/deepspeed-0.19.8.md, "Data-parallel
+        # group smaller than the world"): every replica clips with and reports replica 0's norm.
+        v, _ = _judge_run(case, run, conventions, mode, keep_maps, mp_rank=k, norm_of=norms)
+        verdict.checks.extend(v.checks)
+        verdict.notes.extend(f"model-parallel rank {k}: {n}" for n in v.notes)
+    return verdict
+
+
+def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | None, mode: str,
+               keep_maps: bool, *, mp_rank: int = 0, norm_of: dict | None = None) -> tuple[Verdict, dict]:
+    """One data-parallel run: model-parallel replica ``mp_rank`` of the case (its data from the global
+    ranks ``case.data_rank(r, mp_rank)``). ``norm_of``: step -> the global norm this replica clips with
+    and reports (replica 0's oracle norm), instead of its own. Returns the verdict and this run's
+    oracle global norm per step."""
     conv = conventions or INTENDED
     # Momentum in loss-scaled units (DSM-004's model): the oracle's state holds DeepSpeed's raw buffer.
     scaled_momentum = conv.momentum_units == "scaled"
@@ -356,7 +382,10 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     verdict = Verdict(case, mode)
     ns_mode = "emulated" if mode == "emulated" else "exact"
     spec = {p.name: p for p in sc.params}
-    W, GAS = case.world_size, case.grad_accum
+    W, GAS = case.dp_size, case.grad_accum
+    label = case.name if case.model_parallel == 1 else f"{case.name} (model-parallel rank {mp_rank})"
+    data_rank = [case.data_rank(r, mp_rank) for r in range(W)]
+    oracle_norms: dict[int, float | None] = {}
     grad_store = grad_store_dtype(case)
     state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
     n_muon_calls = expected_muon_calls(case, sc, layout)
@@ -366,7 +395,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     mo = _module_oracle().module_oracle_for(case, traj) if case.model else None  # float64 autograd of the module
 
     def add(param, quantity, step, actual, expected, allowance):
-        verdict.checks.append(compare_arrays(case.name, param, quantity, step, actual, expected, allowance,
+        verdict.checks.append(compare_arrays(label, param, quantity, step, actual, expected, allowance,
                                              view if param in spec else None, keep_map=keep_maps))
 
     for rec in traj.steps:
@@ -379,10 +408,10 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             state = fresh_engine_state(state, sc, fresh, conv)
             lp = {n: (round_to_lp(fresh[n], case) if n in conv.fresh_params else w) for n, w in lp.items()}
         grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
-            [{n: g for n, g in model_mod.local_gradients(lp, case, r, s, mu).items()} for mu in range(GAS)]
+            [{n: g for n, g in model_mod.local_gradients(lp, case, data_rank[r], s, mu).items()} for mu in range(GAS)]
             for r in range(W)]
         mags = None if mo is not None else [
-            [model_mod.gradient_magnitudes(lp, case, r, s, mu) for mu in range(GAS)] for r in range(W)]
+            [model_mod.gradient_magnitudes(lp, case, data_rank[r], s, mu) for mu in range(GAS)] for r in range(W)]
         if case.dtype == "fp16" and mo is None:
             # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
             # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
@@ -390,7 +419,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             S = float(state.scaler.scale) if conv.backward_loss_scaled else 1.0
             for r in range(W):
                 for mu in range(GAS):
-                    if model_mod.backward_overflows(lp, case, r, s, mu, S):
+                    if model_mod.backward_overflows(lp, case, data_rank[r], s, mu, S):
                         grads[r][mu] = {n: torch.full_like(g, math.inf) for n, g in grads[r][mu].items()}
         true_G = oracles.accumulate(grads, sc)
 
@@ -426,7 +455,7 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
                 # both were bit-equal, or the capture would have said so.
                 verdict.notes.append(f"step {s}: {note} (compiled kernels per rank; judged on the captured copy)")
                 continue
-            verdict.checks.append(missing(case.name, "<step>", "capture", s, f"capture note: {note}"))
+            verdict.checks.append(missing(label, "<step>", "capture", s, f"capture note: {note}"))
 
         # Judge DeepSpeed's gradient against the float64 one (only on steps it was finite).
         for n in spec:
@@ -437,7 +466,10 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
         sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
         # ... and the replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input.
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds)
+        # A model-parallel replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
+        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds,
+                                              shared_norm=None if norm_of is None else norm_of.get(s))
+        oracle_norms[s] = None if orec.skipped else orec.global_norm
         # The lr each optimizer group really used (captured before the step), against the schedule:
         # the same closed form evaluated in float64 in another order, a few roundings apart (16 u_64).
         lr_allow = oracles.Allowance(0.0, 16 * 2.0 ** -53, "lr: float64 evaluation of the schedule's formula")
@@ -452,10 +484,10 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         add("<step>", "loss_scale_after", s, [rec.loss_scale_after], [orec.loss_scale_after], exact)
         for n in spec:
             if n not in forced and not orec.skipped:
-                verdict.checks.append(missing(case.name, n, "grad", s, "the gradient the optimizer read was not "
+                verdict.checks.append(missing(label, n, "grad", s, "the gradient the optimizer read was not "
                                               "captured, but the oracle applied this step"))
         if not orec.skipped and rec.global_norm is None and reports_global_norm(case):
-            verdict.checks.append(missing(case.name, "<step>", "global_norm", s, "get_global_grad_norm() gave "
+            verdict.checks.append(missing(label, "<step>", "global_norm", s, "get_global_grad_norm() gave "
                                           "nothing, but the oracle applied this step"))
         if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
             widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
@@ -492,12 +524,12 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
             never_applied = orec.skipped and state.step_count == state.skipped_steps
             if p.use_muon and ps.momentum is None:
                 if not (never_applied and not bool(o.momentum.any())):
-                    verdict.checks.append(missing(case.name, n, "momentum", s, "the Muon momentum was not captured"))
+                    verdict.checks.append(missing(label, n, "momentum", s, "the Muon momentum was not captured"))
             elif p.use_muon:
                 o_mom = o.momentum / (orec.loss_scale_used if scaled_momentum else 1.0)
                 add(n, "momentum", s, _t(ps.momentum).numpy() / float(ps.momentum_scale), o_mom.numpy(), a.momentum)
             if p.use_muon and o.direction is not None and ps.update is None:
-                verdict.checks.append(missing(case.name, n, "update", s, "muon_update's result was not captured, "
+                verdict.checks.append(missing(label, n, "update", s, "muon_update's result was not captured, "
                                               "but the oracle applied this step"))
             elif p.use_muon and o.direction is not None:
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
@@ -523,4 +555,4 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         moms = {n: _t(ps.momentum) / (1.0 if scaled_momentum else float(ps.momentum_scale))
                 for n, ps in rec.params.items() if spec[n].use_muon and ps.momentum is not None}
         state = replace(new_state, master={**new_state.master, **masters}, momentum={**new_state.momentum, **moms})
-    return verdict
+    return verdict, oracle_norms

@@ -478,7 +478,8 @@ def _skip(state: OracleState, cfg: StepConfig, conv: Conventions, G: Mapping[str
 
 def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig,
          conv: Conventions = Conventions(), ns_mode: str = "exact",
-         forced_clip_coef: Optional[float] = None) -> tuple[OracleState, StepRecord]:
+         forced_clip_coef: Optional[float] = None,
+         shared_norm: Optional[float] = None) -> tuple[OracleState, StepRecord]:
     """One optimizer step. ``ns_mode``: ``"exact"`` (float64 Newton-Schulz) or ``"emulated"``
     (:mod:`oracles.emulate`: DeepSpeed's 16-bit iteration with its rounding points; when
     ``momentum_dtype`` is a storage dtype the momentum lerps are then also evaluated as DeepSpeed
@@ -490,7 +491,13 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     the caller checks against this step's). Newton-Schulz then reads exactly the clipped gradient the
     implementation fed it; a ``k`` re-derived from a norm a few roundings apart would move that 16-bit
     input by an ulp, and the emulated iteration amplifies one flipped rounding far beyond its
-    allowance. None: ``k`` from this step's norm."""
+    allowance. None: ``k`` from this step's norm.
+
+    ``shared_norm``: the global norm (true units, before the scale-update ratio) as another run of the
+    same step computed it, used for the clip, the non-finite-norm skip and the reported norm instead of
+    this run's own: a model-parallel replica's, where DeepSpeed counts a parameter without
+    model-parallel attributes only on model-parallel rank 0 (docs/deepspeed-0.19.8.md section 14).
+    None: this run's norm."""
     if ns_mode not in NS_MODES:
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
     if conv.muon_momentum_lost_after is not None and state.step_count == conv.muon_momentum_lost_after:
@@ -522,7 +529,7 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     pre_k = 1.0
     norm = None
     if conv.clip_norm_source == "gradient":
-        norm = global_norm(Gs.values())
+        norm = global_norm(Gs.values()) if shared_norm is None else shared_norm
         # the growth-step accident divides by S' where S was meant
         grow = _scale_ratio(state, cfg, conv)
         pre_k = clip_coefficient(norm * grow, c) if forced_clip_coef is None else forced_clip_coef
@@ -576,6 +583,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     # -- 5. norm, second skip test, scaler ---------------------------------------------------------
     if conv.clip_norm_source == "muon_update":
         norm = global_norm([directions[p.name] for p in muon_specs] + [Gs[p.name] for p in adam_specs])
+        if shared_norm is not None:
+            norm = shared_norm
     if not math.isfinite(norm):
         return _skip(state, cfg, conv, G, "nonfinite_norm")
     scaler = update_scale(state.scaler, False, cfg.loss_scaler)
