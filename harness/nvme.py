@@ -26,8 +26,8 @@ DeepSpeed's gram Newton-Schulz runs in fp16 on this CPU accelerator, and a CPU w
 DeepSpeed's ranks and again in the oracle's bit-exact emulation of them. The iteration costs about
 ``numel x min(rows, cols)`` multiply-adds, so the swap threshold is met with the smallest short
 side: measured here (one thread, a loaded machine), the oracle's emulated gram iteration took 16 s
-on a 1536x512 matrix (the earlier shape at W=3) and 1.3 s on 24x32768. The swap path only cares about the bytes; tall, square and
-transposed shapes are covered by the small matrices beside it.
+on a 1536x512 matrix (the earlier shape at W=3) and 1.3 s on 24x32768. The swap path only cares
+about the bytes; tall, square and transposed shapes are covered by the small matrices beside it.
 
 The bytes that really moved are measured by ``harness.capture.SwapCounter`` and land in
 ``StepRecord.swap_bytes_written/read``; ``predict_swapped_subgroups`` says in advance whether a
