@@ -4,10 +4,10 @@ Compiled Newton-Schulz rounds differently from eager (inductor fuses the element
 so it gets its own set of cases (``harness.matrix.compiled_cases``), each starting from a fresh
 dynamo state (``harness.pool._fresh_dynamo`` in reused compiled ranks): ``hpns`` cases force the
 Newton-Schulz compute dtype to float64 so the compiled plumbing is judged to fp32 round-off,
-``exact`` cases keep DeepSpeed's 16-bit Newton-Schulz. Warming fills inductor's on-disk FX-graph cache for the shapes, input dtypes
-and Newton-Schulz dtypes those cases use, in both call orders (the first shape compiles static, the
-second recompiles with dynamic sizes), so a case pays dynamo's tracing, not inductor's code
-generation.
+``exact`` cases keep DeepSpeed's 16-bit Newton-Schulz. Warming fills inductor's on-disk FX-graph
+cache for the shapes, input dtypes and Newton-Schulz dtypes those cases use, in both call orders
+(the first shape compiles static, the second recompiles with dynamic sizes), so a case pays dynamo's
+tracing, not inductor's code generation.
 """
 from __future__ import annotations
 
