@@ -33,6 +33,7 @@ Conventions (shared with ``harness.ds_run`` and the oracles):
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -245,18 +246,31 @@ def build_model(case, variant: int = 0, dtype: torch.dtype = torch.float32) -> S
 # exact gradients
 
 
+@functools.lru_cache(maxsize=16)
+def _float64_data(case, rank: int, step: int, micro: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``batch_data`` promoted to float64, shared by the verdict's consumers of one micro-batch.
+
+    The judge asks for the same micro-batch several times (the exact gradient, its magnitudes, the
+    bug model's second replay); on the NVMe cases' 1 MiB-per-rank matrix drawing and promoting it
+    was a quarter of the judge. Cases are frozen, so the case itself is the key; 16 entries hold
+    every micro-batch of a 3-step, 3-rank, 2-micro case's step and bound the parent's memory. The
+    tensors are shared: callers must not modify them (none does)."""
+    return {name: {k: v.to(torch.float64) for k, v in d.items()}
+            for name, d in batch_data(case, rank, step, micro).items()}
+
+
 def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: int,
                     micro: int) -> dict[str, torch.Tensor]:
     """Exact float64 gradient of one rank's UNSCALED micro-batch loss (no 1/GAS, no 1/W, no loss
     scale) at the weights ``params_f64`` (name -> tensor of the declared shape; values are used as
     given, so pass the low-precision model weights as float64 to mirror a half-precision forward).
     The data is the model-dtype-rounded data DeepSpeed sees, promoted exactly to float64."""
-    data = batch_data(case, rank, step, micro)
+    data = _float64_data(case, rank, step, micro)
     B = case.batch
     out = {}
     for p in case.params:
         w = params_f64[p.name].to(torch.float64)
-        d = {k: v.to(torch.float64) for k, v in data[p.name].items()}
+        d = data[p.name]
         if len(p.shape) >= 2:
             r, c = matrix_view(p.shape)
             w2 = w.reshape(r, c)
@@ -277,12 +291,12 @@ def gradient_magnitudes(params_f64: dict[str, torch.Tensor], case, rank: int, st
     model-dtype backward rounds those intermediates, so its error is relative to this scale, not to
     the gradient itself, which cancellation can make far smaller (a 1x1 matrix whose batch rows
     nearly cancel: FUZZ-005)."""
-    data = batch_data(case, rank, step, micro)
+    data = _float64_data(case, rank, step, micro)
     B = case.batch
     out = {}
     for p in case.params:
         w = params_f64[p.name].to(torch.float64).abs()
-        d = {k: v.to(torch.float64).abs() for k, v in data[p.name].items()}
+        d = {k: v.abs() for k, v in data[p.name].items()}
         if len(p.shape) >= 2:
             r, c = matrix_view(p.shape)
             w2 = w.reshape(r, c)
