@@ -127,3 +127,17 @@ def test_case_times_refreshed_from_a_gate_runs_stored_outcomes(tmp_path):
     data = json.loads(out.read_text())
     assert data["cases"] == {a_stock.case_name: 3.5, b_stock.case_name: 4.0} and data["measured_by"] == "cmd"
     assert times_from_results(tmp_path / "empty", "cmd", path=out) == 2  # no outcomes: an error, not an empty table
+
+
+def test_a_slice_measured_refreshes_its_cases_and_keeps_the_others(tmp_path):
+    """A results folder of a slice (``--only``, one shard) must not erase the recorded costs of the
+    cases it did not run: once it did, and the next split balanced 213 cases on guesses."""
+    import json
+
+    from harness import shard as sharding
+
+    path = tmp_path / "times.json"
+    sharding.write_times({"a": 1.0, "b": 2.0}, "first", path)
+    sharding.write_times({"b": 5.0, "c": 3.0}, "second", path)
+    data = json.loads(path.read_text())
+    assert data["cases"] == {"a": 1.0, "b": 5.0, "c": 3.0} and data["measured_by"] == "second"
