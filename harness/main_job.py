@@ -26,8 +26,8 @@ def environment() -> dict:
 
 
 def mutation_extra(km, stock_km=None) -> dict:
-    """The kill matrix in the report's ``extra`` format; ``stock_km``: the stock-column rows, shown as
-    "<mutant> (stock)" over their own cases."""
+    """The kill matrices in the report's ``extra`` format (either may be None: a shard ran the other);
+    ``stock_km``: the stock-column rows, shown as "<mutant> (stock)" over their own cases."""
     from harness import known_bugs
 
     rows = []
@@ -38,7 +38,9 @@ def mutation_extra(km, stock_km=None) -> dict:
             cells = {r.case: r.killed for r in matrix.rows if r.mutant == m}
             rows.append({"mutant": m + tag, "description": known_bugs.MUTANTS[m].description, "killed": cells,
                          "killed_by": matrix.killed_by(m)})
-    cases = list(km.cases) + [c for c in (stock_km.cases if stock_km else []) if c not in km.cases]
+    cases: list = []
+    for matrix in (km, stock_km):
+        cases += [c for c in (matrix.cases if matrix else []) if c not in cases]
     return {"mutations": rows, "mutation_cases": cases}
 
 
@@ -61,9 +63,10 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     if jobs > 1 and part is None:
         return _run_jobs(jobs, cases, Path(report), full=full, seed=seed, only=only, quiet=quiet, mutate=mutate)
     if part is not None:
-        # Every machine computes the same split; the mutation self-checks run once, on shard 1.
+        # Every machine computes the same split. Each mutation self-check runs once: the patched one on
+        # shard 1, the stock one on shard 2 (shard 1 when there is only one), so that with --jobs 2
+        # neither shard idles while the other runs both.
         cases = sharding.select(cases, part)
-        mutate = mutate and part.index == 1
         print(f"gate: shard {part}: {len(cases)} cases", flush=True)
     cols = columns()
     from harness import versions
@@ -96,27 +99,31 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
                           flush=True)
                 del o
         km = skm = None
-        if mutate and not only:
+        patched_check = mutate and not only and (part is None or part.index == 1)
+        stock_check = mutate and not only and (part is None or part.index == min(2, part.count))
+        if patched_check or stock_check:
             from harness.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
 
-            print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
-            km = kill_matrix(default_kill_cases(), manager=manager)
-            print(km.table(), flush=True)
-            if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
-                mutation_failed = True
-            print("\nmutation self-check (STOCK DeepSpeed, gate decision: bug-affected cases must still fail):",
-                  flush=True)
-            skm = stock_kill_matrix([c.replace(seed=seed) for c in stock_kill_cases()], manager=manager)
-            print(skm.table(), flush=True)
-            if skm.kill_rate < 1.0 or skm.surprises() or not all(skm.baseline.values()):
-                mutation_failed = True
+            if patched_check:
+                print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
+                km = kill_matrix(default_kill_cases(), manager=manager)
+                print(km.table(), flush=True)
+                if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
+                    mutation_failed = True
+            if stock_check:
+                print("\nmutation self-check (STOCK DeepSpeed, gate decision: bug-affected cases must still fail):",
+                      flush=True)
+                skm = stock_kill_matrix([c.replace(seed=seed) for c in stock_kill_cases()], manager=manager)
+                print(skm.table(), flush=True)
+                if skm.kill_rate < 1.0 or skm.surprises() or not all(skm.baseline.values()):
+                    mutation_failed = True
     finally:
         manager.close()
     elapsed = time.perf_counter() - t0
     env = environment()
     env["seed"] = seed
     extra = {"environment": env, "elapsed_s": elapsed}
-    if km is not None:
+    if km is not None or skm is not None:
         extra.update(mutation_extra(km, skm))
     if part is not None:
         # Stored with the results so that merging the shards' folders keeps the kill matrices.
