@@ -10,8 +10,8 @@ Processes, not threads: the judge is Python-heavy and would serialise on the GIL
 Each shard is the ordinary ``gate --shard K/N`` command (its own rank pools, its own results
 folder, the patched mutation self-check on shard 1 and the stock one on shard 2), so a local run
 and N CI machines split the same way, and the merge is the same ``harness.shard.merge_results``
-that ``python -m harness report`` uses. The shards' folders are removed once merged; the parent is killed cleanly: it terminates
-its shards, whose ranks die with them (``harness.pool``).
+that ``python -m harness report`` uses. The shards' folders are removed once merged; the parent is
+killed cleanly: it terminates its shards, whose ranks die with them (``harness.pool``).
 """
 from __future__ import annotations
 
