@@ -6,6 +6,7 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 
 import oracles
 from harness import models
@@ -74,3 +75,23 @@ def test_small_gradient_and_buffer_errors_are_reported(pool_manager):
     bad.steps[1].buffers[1]["layer1.bn1.running_var"] = bad.steps[1].buffers[1]["layer1.bn1.running_var"] * 1.01
     v = judge(c, bad)
     assert {(f.param, f.quantity) for f in v.failures} == {("layer1.bn1.running_var@rank1", "buffer")}
+
+
+@NEEDS_TF
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_oracles_ready_made_causal_mask_changes_no_bit(model, dtype):
+    """The oracle hands LMs their causal mask built once (``ModelSpec.oracle_inputs``) instead of
+    letting transformers rebuild it per forward. That is only a saving if it is the same mask: one
+    off by a diagonal (each position blind to itself) changes every loss and gradient here."""
+    spec = models.build_spec(model, 0)
+    module = spec.module.to(dtype).train()
+    batch = models.batch_in(spec.batch(0, 1, 0), dtype)
+    params = [p for p in module.parameters()]
+    runs = []
+    for extra in ({}, spec.oracle_inputs(batch, dtype)):
+        loss = models.loss_of(module(**batch, **extra))
+        runs.append((loss.detach(), torch.autograd.grad(loss, params)))
+    (l0, g0), (l1, g1) = runs
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))

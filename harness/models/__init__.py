@@ -68,6 +68,11 @@ class ModelSpec:
     batch: Callable[[int, int, int], dict]
     param_groups: tuple[ParamGroup, ...] = ()
     notes: list[str] = field(default_factory=list)
+    # Extra forward keyword arguments for the oracle's replays, given a batch and the replay's dtype:
+    # inputs the module would otherwise rebuild on every forward, handed over ready and equal to what
+    # it builds (a causal LM's attention mask: transformers builds it with vmap, ~40% of an LM's
+    # judge). Never passed to DeepSpeed's ranks, which run the module as a user does.
+    oracle_inputs: Callable[[dict, torch.dtype], dict] | None = None
 
 
 def factory_path(model: str) -> str:

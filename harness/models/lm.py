@@ -13,6 +13,8 @@ The batch: token ids drawn uniformly from the vocabulary, ``labels = input_ids``
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from harness.models import ModelSpec
@@ -30,6 +32,23 @@ def _batch_fn(seed: int, tag: int):
     return batch
 
 
+@functools.lru_cache(maxsize=8)
+def _causal_mask(batch: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask eager attention adds to its scores, as transformers builds it for a batch
+    without padding: 0 where the key position is at or before the query's, the dtype's most negative
+    finite value elsewhere, shaped ``(batch, 1, seq, seq)``. A 4-D ``attention_mask`` is used as given
+    (``masking_utils._preprocess_mask_arguments``); ``cases/models/test_model_oracle.py`` checks the
+    replay's losses and gradients are bit-equal with and without it."""
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+    mask = torch.where(allowed, torch.tensor(0.0, dtype=dtype), torch.finfo(dtype).min)
+    return mask.expand(batch, 1, seq, seq)
+
+
+def _oracle_inputs(batch: dict, dtype: torch.dtype) -> dict:
+    b, s = batch["input_ids"].shape
+    return {"attention_mask": _causal_mask(int(b), int(s), dtype)}
+
+
 def _eager(config):
     # transformers picks SDPA by default; eager attention is plain matmul + softmax in the model dtype
     config._attn_implementation = "eager"
@@ -44,7 +63,7 @@ def gpt2(seed: int) -> ModelSpec:
                             tie_word_embeddings=True, use_cache=False))
     seeded_init(seed, 0x6E2)
     module = GPT2LMHeadModel(cfg)
-    return ModelSpec(module, _batch_fn(seed, 0x6E2B))
+    return ModelSpec(module, _batch_fn(seed, 0x6E2B), oracle_inputs=_oracle_inputs)
 
 
 def llama(seed: int) -> ModelSpec:
@@ -56,4 +75,4 @@ def llama(seed: int) -> ModelSpec:
                              attention_bias=False, tie_word_embeddings=False, use_cache=False))
     seeded_init(seed, 0x11A)
     module = LlamaForCausalLM(cfg)
-    return ModelSpec(module, _batch_fn(seed, 0x11AB))
+    return ModelSpec(module, _batch_fn(seed, 0x11AB), oracle_inputs=_oracle_inputs)

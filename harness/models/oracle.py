@@ -113,6 +113,7 @@ class ModuleOracle:
         self.lp_dtype = MODEL_DTYPES[case.dtype]
         spec = models.build_spec(case.model, case.seed)
         self.batch = spec.batch
+        self.extra = spec.oracle_inputs or (lambda batch, dtype: {})
         self.m64 = spec.module.to(torch.float64).train()
         self.mlp = _model_dtype_copy(models.build_spec(case.model, case.seed).module, self.lp_dtype, case.zero_init)
         self.names = [p.name for p in case.params]
@@ -150,10 +151,10 @@ class ModuleOracle:
             for mu in range(GAS):
                 b_lp = models.batch_in(self.batch(r, step, mu), self.lp_dtype)
                 b64 = models.batch_in(b_lp, torch.float64)
-                loss = models.loss_of(self.m64(**b64))
+                loss = models.loss_of(self.m64(**b64, **self.extra(b64, torch.float64)))
                 g64 = torch.autograd.grad(loss, [p64[n] for n in self.names], allow_unused=True)
                 g64 = {n: (g if g is not None else torch.zeros_like(p64[n])).detach() for n, g in zip(self.names, g64)}
-                loss_lp = models.loss_of(self.mlp(**b_lp))
+                loss_lp = models.loss_of(self.mlp(**b_lp, **self.extra(b_lp, self.lp_dtype)))
                 scaled = loss_lp / GAS * scale if GAS > 1 or scale != 1.0 else loss_lp
                 glp = torch.autograd.grad(scaled, [plp[n] for n in self.names], allow_unused=True)
                 overflow = False
