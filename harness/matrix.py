@@ -93,6 +93,12 @@ def overflow_cases(full: bool = False) -> list[Case]:
         for dt in (("fp16",) if not full else DTYPES):
             c = _case(st, off, dt, 2, steps=4, hysteresis=1, suffix="-overflow")
             out.append(c.replace(overflows=(Overflow(step=2, rank=1, micro=0),)))
+    # ZeRO-2 with ``zero_optimization.compute_grad_norm: false`` (ZeRO-1/2 only, no offload, no clipping):
+    # the overflow is found by check_overflow alone, no global norm is computed to find it again.
+    c = _case(2, "none", "fp16", 2, steps=4, hysteresis=1)
+    zero = {**c.config["zero_optimization"], "compute_grad_norm": False}
+    out.append(_with_config(c, "-nonorm-overflow", zero_optimization=zero).replace(
+        overflows=(Overflow(step=2, rank=1, micro=0),)))
     return out
 
 

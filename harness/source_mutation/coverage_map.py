@@ -32,6 +32,9 @@ EXTRA_GATE_CASES = (
     "z3-nvme-pipe-fp16-ws2-standard", "z3-none-fp16-ws2-inmem", "z3-nvme-part-fp32-ws2-inmem",
     "sweep-z1-none-ws2-L0", "sweep-z3-none-ws2-L0-standard",
     "z1-none-bf16-ws2-ga2-clip0.05-gad32",  # the BF16_Optimizer route exchanges split matrices only at ws >= 2
+    "z1-cpu-fp32-ws2-gather",  # each matrix in 4 all-gather chunks: offsets within a matrix past its first chunk
+    "resnet-z0-none-fp32-ws2-standard",  # a 4-D Muon weight stepped by MuonWithAuxAdam itself (no ZeRO)
+    "z2-none-fp16-ws2-nonorm-overflow",  # compute_grad_norm false: only check_overflow finds the overflow
 )
 
 
