@@ -151,3 +151,36 @@ def test_no_global_norm_is_expected_only_where_the_config_turns_it_off():
     assert grad_norm_disabled(off) and not reports_global_norm(off)
     on = cases["z2-none-fp16-ws2-overflow"]
     assert not grad_norm_disabled(on) and reports_global_norm(on)
+
+
+def test_zygote_answers_a_request_in_a_forked_child_and_the_worker_forwards_to_it(tmp_path):
+    """The warm judging process (harness.source_mutation.zygote): a request for an unmutated copy gets
+    the worker's own "no-change" record back through the socket, from a forked child; with no
+    server behind the socket ``ask`` says so (None) and the worker judges in its own process."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from harness import buildenv
+    from harness.source_mutation import zygote
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "deepspeed").symlink_to(DS)  # the installed package: no scoped file differs
+    sock = tmp_path / "z.sock"
+    env = dict(os.environ, PYTHONPATH=str(buildenv.PROJECT_ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "harness.source_mutation.zygote", "--socket", str(sock),
+                             "--log", str(tmp_path / "z.log")], env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        CoverageMap({}, {}).dump(tmp_path / "map.json")
+        req = {"site": str(site), "pristine": str(DS), "map": str(tmp_path / "map.json")}
+        rec = zygote.ask(str(sock), req, timeout=120)
+        assert rec == {"status": "no-change", "detail": "the copy equals the installed source"}, rec
+    finally:
+        proc.kill()
+        proc.wait()
+    assert zygote.ask(str(sock), req, timeout=5) is None

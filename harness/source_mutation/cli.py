@@ -66,6 +66,30 @@ def _engine_env() -> dict:
     return env
 
 
+def _start_zygote(env: dict):
+    """Start ``harness.source_mutation.zygote`` and wait for its socket: (process, socket path), or
+    None when it does not come up (the workers then judge in their own processes)."""
+    import tempfile
+
+    from harness.source_mutation import workspace
+
+    folder = Path(tempfile.mkdtemp(prefix="muon-zygote-"))  # short: a unix socket path is <= 107 bytes
+    sock = folder / "judge.sock"
+    log = workspace.state_dir() / "zygote.log"
+    proc = subprocess.Popen([sys.executable, "-m", "harness.source_mutation.zygote", "--socket", str(sock),
+                             "--log", str(log)], env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not sock.exists():
+        time.sleep(0.2)
+    if not sock.exists():
+        proc.kill()
+        proc.wait()
+        print(f"zygote did not start (see {log}); judging each mutant in a fresh process", flush=True)
+        return None
+    print(f"zygote: {sock} (log {log})", flush=True)
+    return proc, str(sock)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness mutate --engine cosmic-ray",
                                  description=__doc__.splitlines()[0])
@@ -85,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--column", choices=("stock", "patched"), default="stock",
                     help="judge on stock DeepSpeed, or with the patched runtime applied (a mutant in a function "
                          "the patched runtime replaces is then 'replaced-by-fix', counted apart)")
+    ap.add_argument("--zygote", action=argparse.BooleanOptionalAction, default=True,
+                    help="local distributor: judge in children forked from one warm process (torch and the harness "
+                         "imported once) instead of a fresh interpreter per mutant (default: on)")
     ap.add_argument("--distributor", choices=("local", "http"), default="local")
     ap.add_argument("--worker-url", action="append", default=[], help="an HTTP worker (repeatable)")
     ap.add_argument("--report", default=None, help="HTML report (default: reports/mutation.html for a full "
@@ -101,7 +128,7 @@ def main(argv=None) -> int:
         return 2
     engine_py = engine.parent / "python"
     buildenv.apply_base_env()
-    from harness.source_mutation import coverage_map, equivalents, patched, report, scope, workspace
+    from harness.source_mutation import coverage_map, equivalents, patched, report, scope, workspace, zygote
 
     t0 = time.perf_counter()
     lock = workspace.lock_copy(progress=lambda s: print(s, flush=True))  # noqa: F841 - held until exit
@@ -155,7 +182,15 @@ def main(argv=None) -> int:
     print(f"config: {config}\nsession: {session}", flush=True)
     if args.prepare:
         return 0
-    r = subprocess.run([str(engine), "exec", str(config), str(session)], cwd=copy, env=env)
+    server = _start_zygote(env) if args.zygote and args.distributor == "local" else None
+    try:
+        exec_env = env if server is None else dict(env, **{zygote.SOCKET_ENV: server[1]})
+        r = subprocess.run([str(engine), "exec", str(config), str(session)], cwd=copy, env=exec_env)
+    finally:
+        if server is not None:
+            server[0].kill()
+            server[0].wait()
+            shutil.rmtree(Path(server[1]).parent, ignore_errors=True)
     workspace.ensure_copy(pristine)  # a killed exec may leave a mutant in the copy
     if r.returncode:
         print(f"cosmic-ray exec exited {r.returncode}", file=sys.stderr)

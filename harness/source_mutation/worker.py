@@ -115,6 +115,18 @@ def main(argv=None) -> int:
     ap.add_argument("--column", default="stock", choices=("stock", "patched"))
     ap.add_argument("--max-cases", type=int, default=None)
     args = ap.parse_args(argv)
+    import os
+
+    from harness.source_mutation import zygote
+
+    server = os.environ.get(zygote.SOCKET_ENV)
+    if server:  # a warm judging process (harness.source_mutation.zygote): forward, print its answer
+        rec = zygote.ask(server, {"site": args.site, "pristine": args.pristine, "map": args.map,
+                                  "column": args.column, "max_cases": args.max_cases})
+        if rec is not None:
+            _emit(rec)
+            return {"killed": 1, "harness-error": 3}.get(rec.get("status"), 0)
+        print(f"zygote at {server} did not answer: judging in this process", file=sys.stderr)
     try:
         from harness import buildenv
         from harness.source_mutation import workspace
