@@ -180,6 +180,18 @@ def compiled_cases(full: bool = False) -> list[Case]:
     return out
 
 
+# A per-head matrix whose heads are tall (head_dim 8 > 3 inputs): Newton-Schulz transposes each head
+# block and must transpose the batch back (original_muon.py's gram iteration, its last lines), which
+# HEAD_PARAM's wide heads never exercise.
+TALL_HEAD_PARAM = ParamShape("attn.qkv.weight", (16, 3), num_heads=2)
+
+
+def tall_head_cases(full: bool = False) -> list[Case]:
+    """Per-head Muon with tall heads, ZeRO-1 and ZeRO-3 at two ranks (fp32): 2 cases, CI and --full."""
+    return [_case(st, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (TALL_HEAD_PARAM,), suffix="-tallheads")
+            for st in (1, 3)]
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -449,7 +461,7 @@ def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
-             + knob_cases(full) + gather_cases(full) + model_cases(full))
+             + knob_cases(full) + gather_cases(full) + model_cases(full) + tall_head_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -35,6 +35,9 @@ EXTRA_GATE_CASES = (
     "z1-cpu-fp32-ws2-gather",  # each matrix in 4 all-gather chunks: offsets within a matrix past its first chunk
     "resnet-z0-none-fp32-ws2-standard",  # a 4-D Muon weight stepped by MuonWithAuxAdam itself (no ZeRO)
     "z2-none-fp16-ws2-nonorm-overflow",  # compute_grad_norm false: only check_overflow finds the overflow
+    "z1-none-bf16-ws3-clip0.05-gad32",  # the BF16_Optimizer exchange: a matrix starting inside a middle partition
+    "z3-none-fp32-ws3-manysmall",  # square Muon matrices (3x3) under gram Newton-Schulz
+    "z1-none-fp32-ws2-tallheads",  # per-head blocks taller than wide: transposed and back
 )
 
 
