@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,28 @@ TIMEOUT_FACTOR = 4.0
 TIMEOUT_PAD_S = 15.0
 TIMEOUT_FLOOR_S = 45.0
 FAST_FRACTION = 0.25
+
+
+ZYGOTE_ENV = "MUON_MUTATION_ZYGOTE"  # the socket of harness.source_mutation.zygote
+
+
+def ask_zygote(path: str, request: dict, timeout: float | None = None) -> dict | None:
+    """The record for ``request`` from the server at ``path``; None when no server answers."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10.0)
+            s.connect(path)
+            s.settimeout(timeout)
+            s.sendall((json.dumps(request) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    return json.loads(data) if data.strip() else None
 
 
 def _emit(record: dict) -> None:
@@ -117,11 +140,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import os
 
-    from harness.source_mutation import zygote
-
-    server = os.environ.get(zygote.SOCKET_ENV)
+    server = os.environ.get(ZYGOTE_ENV)
     if server:  # a warm judging process (harness.source_mutation.zygote): forward, print its answer
-        rec = zygote.ask(server, {"site": args.site, "pristine": args.pristine, "map": args.map,
+        rec = ask_zygote(server, {"site": args.site, "pristine": args.pristine, "map": args.map,
                                   "column": args.column, "max_cases": args.max_cases})
         if rec is not None:
             _emit(rec)
