@@ -222,21 +222,30 @@ def _gather_watch(case: Case, engine):
 
 
 @contextlib.contextmanager
-def case_patches(case: Case):
+def case_patches(case: Case, part: str = "all"):
     """THE single place where ``case.patched`` / ``case.mutant`` take effect: ``harness.patches``
     installs the patched runtime and/or a known-bug mutant inside this rank for the case and always
-    undoes them.
+    undoes them (``part``: "fixes" or "mutant" for one half, ``harness.patches.enter``).
     """
-    if not (case.patched or case.mutant):
+    if not ((case.patched and part != "mutant") or (case.mutant and part != "fixes")):
         yield
         return
     from harness import patches
 
-    patches.enter(case)
+    patches.enter(case, part)
     try:
         yield
     finally:
         patches.exit(case)
+
+
+@contextlib.contextmanager
+def recorded_patches(case: Case):
+    """The patched runtime, then the Muon call recorder, then a catalogued mutant: the mutant sits
+    between DeepSpeed and the recorder, as a source bug would, so the recorder sees what the mutated
+    DeepSpeed passes and what the real ``muon_update`` returns. Yields the recorder."""
+    with case_patches(case, "fixes"), capture.MuonCallRecorder() as recorder, case_patches(case, "mutant"):
+        yield recorder
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,8 +433,7 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
     t0 = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(case_patches(case))  # patched runtime / mutants: applied here only
-            recorder = stack.enter_context(capture.MuonCallRecorder())
+            recorder = stack.enter_context(recorded_patches(case))  # patched runtime / mutants: here only
             swap = stack.enter_context(capture.SwapCounter())
             stack.enter_context(force_ns_dtype(case.ns_dtype))
 

@@ -11,7 +11,10 @@ runtime's replacement) and never replaces a function with a copy of stock code, 
 the patched runtime. Most act at ``original_muon.muon_update`` (the one function every ZeRO path calls
 Muon through, looked up at call time); they find out which path called them by walking up to the
 innermost frame whose ``self`` is a ZeRO optimizer (``_ds_context``), and read the layout from that
-optimizer, as the buggy code would have.
+optimizer, as the buggy code would have. They are installed *outside* the Muon call recorder
+(``harness.ds_run.recorded_patches``: patched runtime, recorder, mutant), so the recorder sees what the
+mutated DeepSpeed passes to ``muon_update`` and what the real ``muon_update`` returns -- as it would
+for a bug in DeepSpeed's source -- never clean inputs and a doctored output.
 
 ``catches`` is a predicate on a case: True where the mutant is *expected* to make the verdict fail.
 ``harness.kill_matrix`` (the parent-side driver, ``python -m harness mutate``) checks the expectation

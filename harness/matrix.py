@@ -94,6 +94,12 @@ def overflow_cases(full: bool = False) -> list[Case]:
         for dt in (("fp16",) if not full else DTYPES):
             c = _case(st, off, dt, 2, steps=4, hysteresis=1, suffix="-overflow")
             out.append(c.replace(overflows=(Overflow(step=2, rank=1, micro=0),)))
+    # ZeRO-2 with ``zero_optimization.compute_grad_norm: false`` (ZeRO-1/2 only, no offload, no clipping):
+    # the overflow is found by check_overflow alone, no global norm is computed to find it again.
+    c = _case(2, "none", "fp16", 2, steps=4, hysteresis=1)
+    zero = {**c.config["zero_optimization"], "compute_grad_norm": False}
+    out.append(_with_config(c, "-nonorm-overflow", zero_optimization=zero).replace(
+        overflows=(Overflow(step=2, rank=1, micro=0),)))
     return out
 
 
@@ -173,6 +179,18 @@ def compiled_cases(full: bool = False) -> list[Case]:
             c = _case(3, "nvme", "fp32", 2, swapper=sw, suffix="-compiled-hpns")
             out.append(c.replace(compiled=True, timeout_s=900.0, ns_dtype="float64"))
     return out
+
+
+# A per-head matrix whose heads are tall (head_dim 8 > 3 inputs): Newton-Schulz transposes each head
+# block and must transpose the batch back (original_muon.py's gram iteration, its last lines), which
+# HEAD_PARAM's wide heads never exercise.
+TALL_HEAD_PARAM = ParamShape("attn.qkv.weight", (16, 3), num_heads=2)
+
+
+def tall_head_cases(full: bool = False) -> list[Case]:
+    """Per-head Muon with tall heads, ZeRO-1 and ZeRO-3 at two ranks (fp32): 2 cases, CI and --full."""
+    return [_case(st, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (TALL_HEAD_PARAM,), suffix="-tallheads")
+            for st in (1, 3)]
 
 
 def stage0_cases(full: bool = False) -> list[Case]:
@@ -469,7 +487,8 @@ def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
-             + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full))
+             + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
+             + tall_head_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -5,6 +5,9 @@
 ``case.mutant``, install that mutant of ``harness.known_bugs`` (on top of the patched runtime, so a
 mutant is judged against a clean baseline). ``exit(case)``: undo the mutant, then remove exactly the
 fixes ``enter`` activated -- always, and in reverse order, so nothing of a case outlives it.
+``enter(case, "fixes")`` and ``enter(case, "mutant")`` do one half each (each paired with its own
+``exit``): ``harness.ds_run`` installs the Muon call recorder between them, so a mutant sits between
+DeepSpeed and the recorder and the recorder sees what the (mutated) DeepSpeed really passes.
 Mutants wrap whatever function is installed (stock or patched) and never replace a function the
 patched runtime replaces with stock code.
 """
@@ -15,17 +18,22 @@ from harness.case import Case
 _STACK: list[tuple[str, object]] = []  # (case name, undo callable), innermost last
 
 
-def enter(case: Case) -> None:
+PARTS = ("all", "fixes", "mutant")
+
+
+def enter(case: Case, part: str = "all") -> None:
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     undo: list = []
     try:
-        if case.patched:
+        if case.patched and part != "mutant":
             from harness import patched_runtime
 
             before = set(patched_runtime.applied())
             now = set(patched_runtime.apply())
             added = sorted(now - before)
             undo.append(lambda added=added: patched_runtime.remove(added))
-        if case.mutant:
+        if case.mutant and part != "fixes":
             from harness import known_bugs
 
             undo.append(known_bugs.install(case.mutant))

@@ -130,6 +130,10 @@ def _environ(extra: dict):
 
 
 class RankPool:
+    # "spawn": every rank a fresh interpreter. harness.source_mutation.zygote sets "fork" in its judging
+    # child (torch imported, one thread, DeepSpeed from the mutated copy): a rank then skips torch's import.
+    START_METHOD = "spawn"
+
     def __init__(self, world_size: int, *, compiled: bool = False, root: Path | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -153,7 +157,7 @@ class RankPool:
         if compiled:
             env["TORCHDYNAMO_DISABLE"] = "0"
         self.env = env
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.START_METHOD)
         # spawn starts a resource tracker with the first process; start it now, before the pool's
         # marker is in the environment, so it is not mistaken for a leftover rank.
         from multiprocessing import resource_tracker

@@ -201,8 +201,16 @@ def reports_global_norm(case: Case) -> bool:
     """Whether the path reports a global norm at all: every ZeRO optimizer and the 16-bit wrappers
     (FP16_UnfusedOptimizer, BF16_Optimizer) keep ``_global_grad_norm`` for the engine to hand out;
     fp32 without ZeRO steps ``MuonWithAuxAdam`` itself, which keeps none (``engine.py`` 3518), so
-    ``get_global_grad_norm()`` is None there by design, not a capture hole."""
-    return not (case.stage == 0 and case.dtype == "fp32")
+    ``get_global_grad_norm()`` is None there by design, not a capture hole. So is ZeRO-1/2 told
+    ``zero_optimization.compute_grad_norm: false`` (``grad_norm_disabled``)."""
+    return not (case.stage == 0 and case.dtype == "fp32") and not grad_norm_disabled(case)
+
+
+def grad_norm_disabled(case: Case) -> bool:
+    """``zero_optimization.compute_grad_norm: false`` (ZeRO-1/2 only, DeepSpeed's config refuses it
+    elsewhere): the optimizer sets ``_global_grad_norm = None`` every step (stage_1_and_2.py ``step``),
+    so the verdict checks that no norm is reported instead of comparing one."""
+    return case.stage in (1, 2) and case.config.get("zero_optimization", {}).get("compute_grad_norm") is False
 
 
 def expected_muon_calls(case: Case, sc: oracles.StepConfig, layout) -> int:
@@ -489,6 +497,8 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         if not orec.skipped and rec.global_norm is None and reports_global_norm(case):
             verdict.checks.append(missing(label, "<step>", "global_norm", s, "get_global_grad_norm() gave "
                                           "nothing, but the oracle applied this step"))
+        if grad_norm_disabled(case):  # none by design: a reported norm contradicts the config
+            add("<step>", "global_norm_reported", s, [float(rec.global_norm is not None)], [0.0], exact)
         if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
             widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=widest,

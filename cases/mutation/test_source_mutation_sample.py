@@ -2,8 +2,8 @@
 ``muon_update`` (real edits of the private copy), judged on two cheap gate cases; every reached
 mutant must be killed or listed equivalent, and the same seed must name the same mutants.
 
-Cost here (2 shared cores): ~30 s to record the two cases' coverage map once per machine (kept in
-the cache folder), then ~12-20 s per mutant (a fresh worker, a fresh rank pool, the cases).
+Cost here (2 shared cores, load ~10): 58 s with the coverage map cached (the judging zygote forks a
+child and its ranks per mutant), ~45 s more to record the three cases' map once per machine.
 """
 from __future__ import annotations
 

@@ -110,3 +110,77 @@ def test_score_excludes_unreached_equivalent_and_harness_errors_and_fails_on_a_s
     assert "g.py:h" in report.render_html(scoped)
     err = report.read_dump([_dump_line("f.py", "core/AddNot", 1, 13, "harness-error")], res, {})
     assert not report.verdict(err)[0] and report.Summary(err).score is None
+
+
+def test_patched_column_spans_cover_every_replaced_function_decorators_included():
+    from harness import patched_runtime
+    from harness.source_mutation import patched
+
+    spans = patched.spans(DS)
+    keys = {t.key for f in patched_runtime.FIXES.values() for t in f.targets}
+    assert {f"deepspeed.{s['file'][:-3].replace('/', '.')}.{s['qualname']}" for s in spans} == keys
+    mu = next(s for s in spans if s["qualname"] == "muon_update")
+    text = (DS / mu["file"]).read_text().splitlines()
+    assert text[mu["first"] - 1].lstrip().startswith("@")  # the decorator line: the hash check reads it
+    assert "muon-conv-kernels" in mu["fixes"]
+    assert patched.replaced_by(spans, mu["file"], [mu["first"]]) is mu
+    assert patched.replaced_by(spans, mu["file"], [mu["last"] + 1]) is None
+
+
+def test_replaced_by_fix_is_counted_apart_never_scored_never_a_failure():
+    res = _resolved_fake()
+    lines = [_dump_line("f.py", "core/NumberReplacer", 0, 13, "killed", by="fast", seconds=3.0),
+             _dump_line("f.py", "core/NumberReplacer", 1, 14, "replaced-by-fix", replaced="f.py:fn",
+                        fixes=["some-fix"], detail="replaced")]
+    ms = report.read_dump(lines, res, {})
+    assert [m.status for m in ms] == ["killed", "replaced-by-fix"]
+    s = report.Summary(ms)
+    assert s.score == 1.0 and report.verdict(ms)[0]
+    assert "replaced-by-fix 1" in s.text() and "REPLACED BY A FIX" in s.text()
+    assert "Replaced by a fix" in report.render_html(s)
+
+
+def test_no_global_norm_is_expected_only_where_the_config_turns_it_off():
+    """compute_grad_norm false: DeepSpeed reports no norm by design, and the verdict checks exactly
+    that; every other ZeRO case must still report one (a missing norm there fails as no data)."""
+    from harness.matrix import overflow_cases
+    from harness.verdict import grad_norm_disabled, reports_global_norm
+
+    cases = {c.name: c for c in overflow_cases()}
+    off = cases["z2-none-fp16-ws2-nonorm-overflow"]
+    assert grad_norm_disabled(off) and not reports_global_norm(off)
+    on = cases["z2-none-fp16-ws2-overflow"]
+    assert not grad_norm_disabled(on) and reports_global_norm(on)
+
+
+def test_zygote_answers_a_request_in_a_forked_child_and_the_worker_forwards_to_it(tmp_path):
+    """The warm judging process (harness.source_mutation.zygote): a request for an unmutated copy gets
+    the worker's own "no-change" record back through the socket, from a forked child; with no
+    server behind the socket ``ask`` says so (None) and the worker judges in its own process."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from harness import buildenv
+    from harness.source_mutation import zygote
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "deepspeed").symlink_to(DS)  # the installed package: no scoped file differs
+    sock = tmp_path / "z.sock"
+    env = dict(os.environ, PYTHONPATH=str(buildenv.PROJECT_ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "harness.source_mutation.zygote", "--socket", str(sock),
+                             "--log", str(tmp_path / "z.log")], env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        CoverageMap({}, {}).dump(tmp_path / "map.json")
+        req = {"site": str(site), "pristine": str(DS), "map": str(tmp_path / "map.json")}
+        rec = zygote.ask(str(sock), req, timeout=120)
+        assert rec == {"status": "no-change", "detail": "the copy equals the installed source"}, rec
+    finally:
+        proc.kill()
+        proc.wait()
+    assert zygote.ask(str(sock), req, timeout=5) is None

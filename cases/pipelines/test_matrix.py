@@ -69,3 +69,8 @@ def test_lr_schedules(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.bf16opt_cases))
 def test_bf16_optimizer_and_comm32(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.tall_head_cases))
+def test_tall_heads(case, column, pool_manager, seed, request):
+    run_case(case, column, pool_manager, seed, request)

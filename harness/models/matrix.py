@@ -47,8 +47,17 @@ def synthetic_zero_init_cases() -> list:
         zero_init=True, name=f"z3-{off}-fp32-ws2-{NS_METHOD}-zinit") for off in ("none", "cpu")]
 
 
+def stage0_conv_cases() -> list:
+    """The conv net without ZeRO (fp32, two ranks): ``MuonWithAuxAdam.step`` itself orthogonalizes the
+    whole 4-D filters there (muon_optimizer.py, its ``p.dim() >= 2`` branch), the one path where a
+    conv weight reaches ``muon_update`` unflattened; the variants above are all ZeRO, which hands
+    Muon flat partitions. ~1 case; added for the source-mutation scope (the expert-group flag on
+    that call changes only 4-D weights)."""
+    return [models.model_case("resnet", 0, "none", "fp32", 2, steps=STEPS, ns_method=NS_METHOD)]
+
+
 def gate_model_cases(full: bool = False) -> list:
-    out = synthetic_zero_init_cases()
+    out = synthetic_zero_init_cases() + stage0_conv_cases()
     names = available_models()
     order = list(models.BUILTIN)
     if not full:

@@ -37,17 +37,20 @@ def engine_executable() -> Path | None:
     return None
 
 
-def session_tag(sample: int | None, seed: int, only: str | None) -> str:
+def session_tag(sample: int | None, seed: int, only: str | None, column: str = "stock") -> str:
     tag = "full" if sample is None else f"sample{sample}-seed{seed}"
     if only:
         tag += "-only-" + "".join(ch if ch.isalnum() else "_" for ch in only)[:40]
+    if column != "stock":  # the stock column's sessions keep their first names
+        tag += f"-{column}"
     return tag
 
 
-def write_config(path: Path, site: Path, pristine: Path, cmap: Path, distributor: str, urls: list[str]) -> None:
+def write_config(path: Path, site: Path, pristine: Path, cmap: Path, distributor: str, urls: list[str],
+                 column: str = "stock") -> None:
     py = Path(sys.executable)
     test = (f"env PYTHONPATH={buildenv.PROJECT_ROOT} {py} -m harness.source_mutation.worker "
-            f"--site {site} --pristine {pristine} --map {cmap}")
+            f"--site {site} --pristine {pristine} --map {cmap} --column {column}")
     text = ["[cosmic-ray]", 'module-path = "."', "timeout = 3600.0", "excluded-modules = []",
             f'test-command = "{test}"', "", "[cosmic-ray.distributor]", f'name = "{distributor}"']
     if distributor == "http":
@@ -61,6 +64,30 @@ def _engine_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(buildenv.PROJECT_ROOT)
     return env
+
+
+def _start_zygote(env: dict):
+    """Start ``harness.source_mutation.zygote`` and wait for its socket: (process, socket path), or
+    None when it does not come up (the workers then judge in their own processes)."""
+    import tempfile
+
+    from harness.source_mutation import workspace
+
+    folder = Path(tempfile.mkdtemp(prefix="muon-zygote-"))  # short: a unix socket path is <= 107 bytes
+    sock = folder / "judge.sock"
+    log = workspace.state_dir() / "zygote.log"
+    proc = subprocess.Popen([sys.executable, "-m", "harness.source_mutation.zygote", "--socket", str(sock),
+                             "--log", str(log)], env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not sock.exists():
+        time.sleep(0.2)
+    if not sock.exists():
+        proc.kill()
+        proc.wait()
+        print(f"zygote did not start (see {log}); judging each mutant in a fresh process", flush=True)
+        return None
+    print(f"zygote: {sock} (log {log})", flush=True)
+    return proc, str(sock)
 
 
 def main(argv=None) -> int:
@@ -79,6 +106,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prepare", action="store_true",
                     help="make the copy, the coverage map, the session and the config, then stop (a worker "
                          "machine of the HTTP distributor, or the main machine before exec)")
+    ap.add_argument("--column", choices=("stock", "patched"), default="stock",
+                    help="judge on stock DeepSpeed, or with the patched runtime applied (a mutant in a function "
+                         "the patched runtime replaces is then 'replaced-by-fix', counted apart)")
+    ap.add_argument("--zygote", action=argparse.BooleanOptionalAction, default=True,
+                    help="local distributor: judge in children forked from one warm process (torch and the harness "
+                         "imported once) instead of a fresh interpreter per mutant (default: on)")
     ap.add_argument("--distributor", choices=("local", "http"), default="local")
     ap.add_argument("--worker-url", action="append", default=[], help="an HTTP worker (repeatable)")
     ap.add_argument("--report", default=None, help="HTML report (default: reports/mutation.html for a full "
@@ -95,7 +128,7 @@ def main(argv=None) -> int:
         return 2
     engine_py = engine.parent / "python"
     buildenv.apply_base_env()
-    from harness.source_mutation import coverage_map, equivalents, report, scope, workspace
+    from harness.source_mutation import coverage_map, equivalents, patched, report, scope, workspace, zygote
 
     t0 = time.perf_counter()
     lock = workspace.lock_copy(progress=lambda s: print(s, flush=True))  # noqa: F841 - held until exit
@@ -103,18 +136,23 @@ def main(argv=None) -> int:
     copy = workspace.ensure_copy(pristine)
     resolved = scope.resolve(pristine)
     workspace.use_copy()
-    cmap, cmap_path = coverage_map.load_or_record(progress=lambda s: print(s, flush=True))
+    cmap, cmap_path = coverage_map.load_or_record(progress=lambda s: print(s, flush=True), column=args.column)
     usable = [n for n in cmap.cases if cmap.usable(n)]
     unusable = [f"{n} ({cmap.cases[n].status})" for n in cmap.cases if n not in usable]
     print(f"coverage map: {len(cmap.cases)} candidate cases, {len(usable)} usable baselines"
           + (f"; not usable: {', '.join(unusable)}" if unusable else ""), flush=True)
 
     state = workspace.state_dir()
-    tag = session_tag(args.sample, args.seed, args.only)
+    tag = session_tag(args.sample, args.seed, args.only, args.column)
     session = state / "sessions" / f"{tag}.sqlite"
     session.parent.mkdir(parents=True, exist_ok=True)
-    config = state / f"cosmic-ray-{args.distributor}.toml"
-    write_config(config, workspace.site_dir(), pristine, cmap_path, args.distributor, args.worker_url)
+    config = state / f"cosmic-ray-{args.distributor}{'' if args.column == 'stock' else '-' + args.column}.toml"
+    write_config(config, workspace.site_dir(), pristine, cmap_path, args.distributor, args.worker_url, args.column)
+    replaced: list[str] = []
+    if args.column == "patched":
+        spans_file = state / "patched-replaced.json"
+        patched.dump(patched.spans(pristine), spans_file)
+        replaced = ["--replaced", str(spans_file)]
     env = _engine_env()
     if args.fresh or not session.exists():
         cmd = [str(engine_py), "-m", "harness.source_mutation.session", "--session", str(session),
@@ -123,6 +161,7 @@ def main(argv=None) -> int:
             cmd += ["--sample", str(args.sample)]
         if args.only:
             cmd += ["--only", args.only]
+        cmd += replaced
         r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)
@@ -134,7 +173,7 @@ def main(argv=None) -> int:
         print(f"session {session.name}: resuming", flush=True)
     if args.retry and not args.fresh:
         r = subprocess.run([str(engine_py), "-m", "harness.source_mutation.session", "--session", str(session),
-                            "--map", str(cmap_path), "--retry", args.retry], cwd=copy, env=env,
+                            "--map", str(cmap_path), "--retry", args.retry, *replaced], cwd=copy, env=env,
                            capture_output=True, text=True)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)
@@ -143,7 +182,15 @@ def main(argv=None) -> int:
     print(f"config: {config}\nsession: {session}", flush=True)
     if args.prepare:
         return 0
-    r = subprocess.run([str(engine), "exec", str(config), str(session)], cwd=copy, env=env)
+    server = _start_zygote(env) if args.zygote and args.distributor == "local" else None
+    try:
+        exec_env = env if server is None else dict(env, **{zygote.SOCKET_ENV: server[1]})
+        r = subprocess.run([str(engine), "exec", str(config), str(session)], cwd=copy, env=exec_env)
+    finally:
+        if server is not None:
+            server[0].kill()
+            server[0].wait()
+            shutil.rmtree(Path(server[1]).parent, ignore_errors=True)
     workspace.ensure_copy(pristine)  # a killed exec may leave a mutant in the copy
     if r.returncode:
         print(f"cosmic-ray exec exited {r.returncode}", file=sys.stderr)
@@ -153,7 +200,8 @@ def main(argv=None) -> int:
         return 1
     mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load())
     scope_file = Path(str(session) + ".scope.json")
-    summary = report.Summary(mutants, time.perf_counter() - t0, title=f"Cosmic Ray source mutation ({tag})",
+    summary = report.Summary(mutants, time.perf_counter() - t0,
+                             title=f"Cosmic Ray source mutation ({tag}, {args.column} column)",
                              scope=json.loads(scope_file.read_text()) if scope_file.exists() else {})
     out = Path(args.report or ("reports/mutation.html" if args.sample is None and not args.only
                                else f"reports/mutation-{tag}.html"))

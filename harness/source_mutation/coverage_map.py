@@ -32,6 +32,12 @@ EXTRA_GATE_CASES = (
     "z3-nvme-pipe-fp16-ws2-standard", "z3-none-fp16-ws2-inmem", "z3-nvme-part-fp32-ws2-inmem",
     "sweep-z1-none-ws2-L0", "sweep-z3-none-ws2-L0-standard",
     "z1-none-bf16-ws2-ga2-clip0.05-gad32",  # the BF16_Optimizer route exchanges split matrices only at ws >= 2
+    "z1-cpu-fp32-ws2-gather",  # each matrix in 4 all-gather chunks: offsets within a matrix past its first chunk
+    "resnet-z0-none-fp32-ws2-standard",  # a 4-D Muon weight stepped by MuonWithAuxAdam itself (no ZeRO)
+    "z2-none-fp16-ws2-nonorm-overflow",  # compute_grad_norm false: only check_overflow finds the overflow
+    "z1-none-bf16-ws3-clip0.05-gad32",  # the BF16_Optimizer exchange: a matrix starting inside a middle partition
+    "z3-none-fp32-ws3-manysmall",  # square Muon matrices (3x3) under gram Newton-Schulz
+    "z1-none-fp32-ws2-tallheads",  # per-head blocks taller than wide: transposed and back
 )
 
 
@@ -105,22 +111,28 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def store_path() -> Path:
+def _column_tag(column: str) -> str:
+    """The stock column's files keep their first names; the patched column's are apart: the patched
+    runtime replaces functions, so the lines a case executes and its baseline status differ."""
+    return "" if column == "stock" else f"-{column}"
+
+
+def store_path(column: str = "stock") -> Path:
     """Every case ever recorded for this source and scope: a new candidate case costs its own run only."""
-    return workspace.state_dir() / f"coverage-{source_digest()}-all.json"
+    return workspace.state_dir() / f"coverage-{source_digest()}-all{_column_tag(column)}.json"
 
 
-def map_path(cases) -> Path:
+def map_path(cases, column: str = "stock") -> Path:
     """The map of one candidate set (what the worker reads: it selects among these cases only)."""
     h = hashlib.sha256(source_digest().encode())
     for c in cases:
         h.update(c.to_json().encode())
-    return workspace.state_dir() / f"coverage-{h.hexdigest()[:16]}.json"
+    return workspace.state_dir() / f"coverage-{h.hexdigest()[:16]}{_column_tag(column)}.json"
 
 
-def record(cases, progress=print) -> CoverageMap:
-    """Run each case once under coverage on the copy and return their map. The process must already
-    import DeepSpeed from the copy (``workspace.use_copy``)."""
+def record(cases, progress=print, column: str = "stock") -> CoverageMap:
+    """Run each case once under coverage on the copy, on ``column``, and return their map. The process
+    must already import DeepSpeed from the copy (``workspace.use_copy``)."""
     import coverage
 
     from harness.gate import evaluate
@@ -140,7 +152,7 @@ def record(cases, progress=print) -> CoverageMap:
     try:
         for c in cases:
             t0 = time.perf_counter()
-            o = evaluate(c, "stock", launcher)
+            o = evaluate(c, column, launcher)
             secs = time.perf_counter() - t0
             cmap.cases[c.name] = CaseInfo(c.name, round(secs, 2), o.status, c.world_size, c.to_json())
             progress(f"coverage: {c.name}: {o.status} in {secs:.1f} s")
@@ -179,20 +191,20 @@ def restrict(cmap: CoverageMap, names) -> CoverageMap:
                        scope_digest=cmap.scope_digest)
 
 
-def load_or_record(progress=print) -> tuple[CoverageMap, Path]:
-    """The map of the candidate cases, recording only the cases the store does not hold yet (a case
-    whose definition changed counts as new); returns it and the path it was written to."""
+def load_or_record(progress=print, column: str = "stock") -> tuple[CoverageMap, Path]:
+    """The map of the candidate cases on ``column``, recording only the cases the store does not hold
+    yet (a case whose definition changed counts as new); returns it and the path it was written to."""
     cases = candidate_cases()
-    store_file = store_path()
+    store_file = store_path(column)
     store = CoverageMap.load(store_file) if store_file.exists() else CoverageMap({}, {}, source_digest())
     missing = [c for c in cases if c.name not in store.cases or store.cases[c.name].case_json != c.to_json()]
     if missing:
         progress(f"coverage: recording {len(missing)} case(s) not in {store_file.name}")
         stale = {c.name for c in missing}
         store = restrict(store, [n for n in store.cases if n not in stale])
-        _merge(store, record(missing, progress))
+        _merge(store, record(missing, progress, column))
         store.dump(store_file)
     cmap = restrict(store, [c.name for c in cases])
-    path = map_path(cases)
+    path = map_path(cases, column)
     cmap.dump(path)
     return cmap, path

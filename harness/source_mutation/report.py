@@ -4,7 +4,9 @@ table, survivors with their diffs and the nearest case, and the not-reached line
 
 Score = killed / (killed + survived) over mutants a case reached that are not in the equivalents
 file. Not-reached mutants (no candidate case executes the line) are coverage gaps, listed by
-function and line, and are not in the score; neither are runs where the harness itself failed.
+function and line, and are not in the score; neither are runs where the harness itself failed. On the
+patched column a mutant inside a function the patched runtime replaces is "replaced-by-fix"
+(``harness.source_mutation.patched``): counted apart, with the function and its fixes, never scored.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from harness.source_mutation.session import RESULT_TAG, mutant_key
 class Mutant:
     key: str
     function: str
-    status: str  # killed, survived, equivalent, not-reached, pending, harness-error, no-change
+    status: str  # killed, survived, equivalent, not-reached, replaced-by-fix, pending, harness-error, no-change
     diff: str = ""
     record: dict = field(default_factory=dict)
     reason: str = ""  # for an equivalent
@@ -112,8 +114,8 @@ class Summary:
         ran = self.ran()
         per = sum(m.record["seconds"] for m in ran) / len(ran) if ran else 0.0
         lines = [f"{self.title}: {len(self.mutants)} mutants: " + ", ".join(
-            f"{s} {self.count(s)}" for s in ("killed", "survived", "equivalent", "not-reached", "pending",
-                                             "harness-error") if self.count(s)),
+            f"{s} {self.count(s)}" for s in ("killed", "survived", "equivalent", "not-reached", "replaced-by-fix",
+                                             "pending", "harness-error") if self.count(s)),
             "score over reached, non-equivalent mutants: "
             + ("n/a" if sc is None else f"{self.count('killed')}/{self.count('killed') + self.count('survived')}"
                f" = {100 * sc:.1f}%"),
@@ -129,6 +131,10 @@ class Summary:
             lines.append(f"SURVIVED {m.key} ({m.function}); nearest case {m.record.get('nearest')}")
             lines.extend("    " + d for d in m.diff.splitlines() if d.startswith(("+", "-")) and
                          not d.startswith(("+++", "---")))
+        for m in self.mutants:
+            if m.status == "replaced-by-fix":
+                fixes = ", ".join(m.record.get("fixes", []))
+                lines.append(f"REPLACED BY A FIX {m.key}: {m.record.get('replaced')} ({fixes})")
         for m in self.mutants:
             if m.status == "harness-error":
                 lines.append(f"HARNESS ERROR {m.key}: {m.record.get('detail', '')}")
@@ -153,7 +159,8 @@ def render_html(summary: Summary) -> str:
             "-" if k + s == 0 else f"{100 * k / (k + s):.0f}%")
         rows.append("<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
             fn, sum(counts.values()), k, s, counts.get("equivalent", 0), counts.get("not-reached", 0),
-            counts.get("pending", 0) + counts.get("harness-error", 0), score)) + "</tr>")
+            counts.get("replaced-by-fix", 0), counts.get("pending", 0) + counts.get("harness-error", 0), score))
+            + "</tr>")
     surv = []
     for m in summary.survivors():
         surv.append(f"<details open><summary><code>{e(m.key)}</code> in {e(m.function)}; nearest case "
@@ -162,6 +169,8 @@ def render_html(summary: Summary) -> str:
                     f"{e(', '.join(t['case'] + '=' + t['status'] for t in m.record.get('tried', [])))}</p></details>")
     unreached = [f"<li><code>{e(m.key)}</code> ({e(m.function)})</li>" for m in summary.mutants
                  if m.status == "not-reached"]
+    replaced = [f"<li><code>{e(m.key)}</code>: {e(str(m.record.get('detail', '')))}</li>" for m in summary.mutants
+                if m.status == "replaced-by-fix"]
     equiv = [f"<li><code>{e(m.key)}</code>: {e(m.reason)}</li>" for m in summary.mutants if m.status == "equivalent"]
     killed = [f"<tr><td><code>{e(m.key)}</code></td><td>{e(str(m.record.get('by')))}</td>"
               f"<td>{e(str(m.record.get('how')))}</td><td>{e(str(m.record.get('detail', ''))[:160])}</td></tr>"
@@ -182,11 +191,13 @@ padding:2px 6px;font-size:90%}}pre{{background:#f6f6f6;padding:6px}}</style></he
                   if not ln.startswith(('not reached:', 'no mutation site:'))))}</pre>
 <p><b>Score</b> (killed / reached non-equivalent): {'n/a' if sc is None else f'{100 * sc:.1f}%'}; {e(verdict)}.</p>
 <h2>Per function</h2><table><tr><th>function</th><th>mutants</th><th>killed</th><th>survived</th>
-<th>equivalent</th><th>not reached</th><th>pending / harness error</th><th>score</th></tr>{''.join(rows)}</table>
+<th>equivalent</th><th>not reached</th><th>replaced by a fix</th><th>pending / harness error</th><th>score</th></tr>
+{''.join(rows)}</table>
 <h2>Scope: every function, all its mutants</h2><table><tr><th>function</th><th>mutants</th>
 <th>on lines a candidate case executes</th><th>not reached: why</th></tr>{scope_rows}</table>
 <h2>Survivors</h2>{''.join(surv) or '<p>none</p>'}
 <h2>Equivalent (equivalents.txt)</h2><ul>{''.join(equiv) or '<li>none in this run</li>'}</ul>
 <h2>Not reached (coverage gaps)</h2><ul>{''.join(unreached) or '<li>none</li>'}</ul>
+<h2>Replaced by a fix (patched column: not judged)</h2><ul>{''.join(replaced) or '<li>none</li>'}</ul>
 <h2>Killed</h2><table><tr><th>mutant</th><th>killed by</th><th>how</th><th>first line</th></tr>{''.join(killed)}</table>
 </body></html>"""

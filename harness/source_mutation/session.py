@@ -21,7 +21,7 @@ import random
 import sys
 from pathlib import Path
 
-from harness.source_mutation import scope
+from harness.source_mutation import patched, scope
 from harness.source_mutation.selection import CoverageMap
 
 RESULT_TAG = "MUTATION-RESULT "  # the worker's tag (harness.source_mutation.worker.RESULT_TAG)
@@ -64,10 +64,33 @@ def scoped_items(ds_root: Path, only: str | None = None):
     return out, resolved
 
 
-def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, seed: int,
-          only: str | None = None) -> dict:
-    from cosmic_ray.work_db import WorkDB, use_db
+def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict]) -> str | None:
+    """Give a mutant its result now when no worker is needed: inside a function the patched runtime
+    replaces (patched column only: ``replaced`` is empty on stock), or on a line no case executes."""
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    m = w.mutations[0]
+    rel = str(m.module_path)
+    fn = scope.owner(resolved, rel, m.start_pos[0])
+    if fn is None:
+        return None
+    lines = list(range(m.start_pos[0], m.end_pos[0] + 1))
+    where = [f"{rel}:{m.start_pos[0]} ({fn.entry.qualname})"]
+    hit = patched.replaced_by(replaced, rel, lines)
+    if hit is not None:
+        rec = patched.record(hit, where)
+    elif not cmap.cases_for(resolved, rel, lines):
+        rec = {"status": "not-reached", "where": where, "detail": "no candidate case executes this line"}
+    else:
+        return None
+    db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
+                                       output=RESULT_TAG + json.dumps(rec, sort_keys=True)))
+    return rec["status"]
+
+
+def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, seed: int,
+          only: str | None = None, replaced: list[dict] | None = None) -> dict:
+    from cosmic_ray.work_db import WorkDB, use_db
 
     items, resolved = scoped_items(ds_root, only)
     if only:
@@ -83,30 +106,25 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
     Path(str(session) + ".scope.json").write_text(json.dumps(per_fn, indent=1, sort_keys=True))
     if sample is not None and sample < len(items):
         items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
-    unreached = 0
+    marked: dict[str, int] = {}
     with use_db(str(session), WorkDB.Mode.create) as db:
         db.clear()
         db.add_work_items([w for _, w, _ in items])
-        for _, w, fn in items:
-            m = w.mutations[0]
-            lines = list(range(m.start_pos[0], m.end_pos[0] + 1))
-            if not cmap.cases_for(resolved, fn.entry.file, lines):
-                unreached += 1
-                rec = {"status": "not-reached", "where": [f"{fn.entry.file}:{m.start_pos[0]} ({fn.entry.qualname})"],
-                       "detail": "no candidate case executes this line"}
-                db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
-                                                   output=RESULT_TAG + json.dumps(rec, sort_keys=True)))
+        for _, w, _ in items:
+            st = _premark(db, w, resolved, cmap, replaced or [])
+            if st:
+                marked[st] = marked.get(st, 0) + 1
     print("KEYS " + "; ".join(k for k, _, _ in items), file=sys.stderr)
-    return {"scoped_mutants": total, "in_session": len(items), "not_reached": unreached,
-            "functions": len(resolved)}
+    return {"scoped_mutants": total, "in_session": len(items), "not_reached": marked.get("not-reached", 0),
+            **({patched.STATUS: marked.get(patched.STATUS, 0)} if replaced else {}), "functions": len(resolved)}
 
 
-def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str]) -> dict:
+def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str],
+          replaced: list[dict] | None = None) -> dict:
     """Make the mutants whose recorded status is in ``statuses`` pending again (after a new case or a
     sharper tolerance), except listed equivalents; re-mark the ones the current coverage map still
     does not reach."""
     from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db
-    from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     from harness.source_mutation import equivalents
 
@@ -128,15 +146,7 @@ def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str]) -> 
         with db._session_maker.begin() as s:  # Cosmic Ray has no public "forget this result"
             s.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(ids)).delete(synchronize_session=False)
         for w in again:
-            m = w.mutations[0]
-            rel = str(m.module_path)
-            fn = scope.owner(resolved, rel, m.start_pos[0])
-            if fn is not None and not cmap.cases_for(resolved, rel, range(m.start_pos[0], m.end_pos[0] + 1)):
-                unreached += 1
-                rec = {"status": "not-reached", "where": [f"{rel}:{m.start_pos[0]} ({fn.entry.qualname})"],
-                       "detail": "no candidate case executes this line"}
-                db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
-                                                   output=RESULT_TAG + json.dumps(rec, sort_keys=True)))
+            unreached += _premark(db, w, resolved, cmap, replaced or []) == "not-reached"
     return {"retried": len(again), "still_not_reached": unreached}
 
 
@@ -148,11 +158,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None)
     ap.add_argument("--retry", default=None, help="comma-separated statuses to make pending again")
+    ap.add_argument("--replaced", default=None, help="the patched column's replaced functions (patched.dump)")
     args = ap.parse_args(argv)
+    replaced = patched.load(args.replaced)
     if args.retry:
-        print(json.dumps(retry(Path(args.session), Path("."), Path(args.map), set(args.retry.split(",")))))
+        print(json.dumps(retry(Path(args.session), Path("."), Path(args.map), set(args.retry.split(",")), replaced)))
         return 0
-    print(json.dumps(build(Path(args.session), Path("."), Path(args.map), args.sample, args.seed, args.only)))
+    print(json.dumps(build(Path(args.session), Path("."), Path(args.map), args.sample, args.seed, args.only,
+                           replaced)))
     return 0
 
 

@@ -7,9 +7,11 @@ comparing the copy's scoped files with the installed ones, so the command needs 
 the engine and works the same under its local and HTTP distributors.
 
 The mutant runs only against the gate cases that executed a changed line (the coverage map),
-cheapest first, and stops at the first kill. Killed means the gate's decision on the stock column
-changed: a case that passed (or matched its bug model) now fails, errors, or no longer shows its
-expected bug. A case timeout is a kill only when the unmutated case took under a quarter of it.
+cheapest first, and stops at the first kill. Killed means the gate's decision on the column judged
+(stock, or patched) changed: a case that passed (or matched its bug model) now fails, errors, or no
+longer shows its expected bug. A case timeout is a kill only when the unmutated case took under a
+quarter of it. On the patched column a mutant inside a function the patched runtime replaces is not
+run at all: it is "replaced by a fix" (``harness.source_mutation.patched``).
 
 Prints one ``MUTATION-RESULT {json}`` line (read back by ``harness.source_mutation.report``); exit
 status 1 when killed, 0 otherwise (survived, or not reached: no case executes the line), 3 when the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,28 @@ TIMEOUT_FLOOR_S = 45.0
 FAST_FRACTION = 0.25
 
 
+ZYGOTE_ENV = "MUON_MUTATION_ZYGOTE"  # the socket of harness.source_mutation.zygote
+
+
+def ask_zygote(path: str, request: dict, timeout: float | None = None) -> dict | None:
+    """The record for ``request`` from the server at ``path``; None when no server answers."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10.0)
+            s.connect(path)
+            s.settimeout(timeout)
+            s.sendall((json.dumps(request) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    return json.loads(data) if data.strip() else None
+
+
 def _emit(record: dict) -> None:
     print(RESULT_TAG + json.dumps(record, sort_keys=True), flush=True)
 
@@ -42,7 +67,7 @@ def judge_mutant(pristine: Path, copy: Path, cmap_path: Path, column: str = "sto
     from harness.case import Case
     from harness.gate import evaluate
     from harness.pool import PoolManager
-    from harness.source_mutation import scope
+    from harness.source_mutation import patched, scope
     from harness.source_mutation.selection import CoverageMap, changed_lines
 
     cmap = CoverageMap.load(cmap_path)
@@ -64,9 +89,14 @@ def judge_mutant(pristine: Path, copy: Path, cmap_path: Path, column: str = "sto
             if n not in cases:
                 cases.append(n)
     cases.sort(key=lambda n: (cmap.cases[n].seconds, n))
+    if column == "patched":
+        spans = patched.spans(pristine)
+        hit = next((e for rel, lines in changed.items() if (e := patched.replaced_by(spans, rel, lines))), None)
+        if hit is not None:
+            return patched.record(hit, where)
     if max_cases is not None:
         cases = cases[:max_cases]
-    rec = {"where": where, "candidates": cases, "tried": []}
+    rec = {"where": where, "candidates": cases, "tried": [], "column": column}
     if not cases:
         rec.update(status="not-reached", detail="no candidate case executes " + ", ".join(where))
         return rec
@@ -105,9 +135,19 @@ def main(argv=None) -> int:
     ap.add_argument("--site", required=True, help="the folder holding the mutated copy's deepspeed package")
     ap.add_argument("--pristine", required=True, help="the installed (unmutated) deepspeed package folder")
     ap.add_argument("--map", required=True, help="the coverage map (coverage.json)")
-    ap.add_argument("--column", default="stock", choices=("stock",))
+    ap.add_argument("--column", default="stock", choices=("stock", "patched"))
     ap.add_argument("--max-cases", type=int, default=None)
     args = ap.parse_args(argv)
+    import os
+
+    server = os.environ.get(ZYGOTE_ENV)
+    if server:  # a warm judging process (harness.source_mutation.zygote): forward, print its answer
+        rec = ask_zygote(server, {"site": args.site, "pristine": args.pristine, "map": args.map,
+                                  "column": args.column, "max_cases": args.max_cases})
+        if rec is not None:
+            _emit(rec)
+            return {"killed": 1, "harness-error": 3}.get(rec.get("status"), 0)
+        print(f"zygote at {server} did not answer: judging in this process", file=sys.stderr)
     try:
         from harness import buildenv
         from harness.source_mutation import workspace
