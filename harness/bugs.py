@@ -614,6 +614,26 @@ BUGS: tuple[Bug, ...] = (
         reproducer="cases/pipelines/test_universal.py::test_universal_checkpoint_cannot_convert_muon",
         crash=("KeyError", "'exp_avg'", "extract_zero_shards"),
     ),
+    Bug(
+        id="DSM-019",
+        title="ZeRO-2 + bf16 + grad_accum_dtype fp32 at one rank: the auxiliary Adam's parameters never "
+              "receive their gradient",
+        symptom="With one data-parallel rank, every non-Muon parameter (biases, norms, embeddings) reaches "
+                "the optimizer with a zero gradient, so Adam never moves it; the Muon matrices train. "
+                "safe_get_full_grad returns the same zeros. Found by the --full gate's gradient check "
+                "(z2-none-bf16-ws1-knob-gad32: layer0.bias grad 0 vs 0.788, 19.7x its allowance); by hand, "
+                "a Linear(5, 6) bias moved 0.0 in one step (0.02 without grad_accum_dtype). Two or three "
+                "ranks, CPU offload or not, train normally; the patched runtime does not fix it.",
+        trigger=lambda c: (c.stage == 2 and c.dtype == "bf16" and _gad(c) == "fp32" and c.dp_size == 1
+                           and any(not _is_muon(p) for p in c.params)),
+        quantities=frozenset({"grad"}),
+        where="stage_1_and_2.py (separate fp32 gradient accumulation, use_separate_grad_accum, at a "
+              "data-parallel world of 1): the non-Muon gradient partitions the step and the tensor_fragment "
+              "helpers read stay zero; the exact line is not located",
+        fix=None,
+        reproducer="python -m harness gate --full --only z2-none-bf16-ws1-knob-gad32",
+        model=lambda c: {"adam_grads_lost": True},
+    ),
 )
 
 

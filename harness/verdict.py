@@ -430,6 +430,8 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
                     if model_mod.backward_overflows(lp, case, data_rank[r], s, mu, S):
                         grads[r][mu] = {n: torch.full_like(g, math.inf) for n, g in grads[r][mu].items()}
         true_G = oracles.accumulate(grads, sc)
+        if conv.adam_grads_lost:  # DSM-019's model: what the Adam half receives is zero
+            true_G = {n: (g if spec[n].use_muon else torch.zeros_like(g)) for n, g in true_G.items()}
 
         # DeepSpeed's own averaged gradient, in true units, where it captured one (teacher forcing).
         forced = {}

@@ -237,7 +237,7 @@ def z3_distributed_muon(version: str | None = None) -> bool:
 # absent from a bug's row was not measured for it; the bug then excuses nothing there.
 # 0.19.8: the release the registry was built on (every bug confirmed there, harness/bugs.py).
 _ALL_0198 = {"0.19.8": True}
-AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in range(1, 19)}
+AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in range(1, 20)}
 # 0.19.7, measured with MUON_HARNESS_MEASURE=1 on the slices in MEASURED: xfailed carrying the id (True) or
 # xpassed (False: stage-0 bf16 cases showed neither DSM-014 nor DSM-016). Bugs not listed: not measured.
 for _bug, _present in {"DSM-001": True, "DSM-002": True, "DSM-003": True, "DSM-006": True, "DSM-014": False,

@@ -253,6 +253,9 @@ class Conventions:
     warmup_step_at_init: bool = False
     backward_loss_scaled: bool = True
     muon_momentum_lost_after: Optional[int] = None
+    # Accident of ZeRO-2 + bf16 + grad_accum_dtype fp32 at one data-parallel rank (DSM-019): every
+    # non-Muon parameter's gradient is lost before the step, so the auxiliary Adam reads zeros.
+    adam_grads_lost: bool = False
     fresh_after: Optional[int] = None
     fresh_params: tuple = ()
     # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_

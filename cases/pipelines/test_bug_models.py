@@ -22,7 +22,7 @@ from harness.scenarios import pipeline_case
 from harness.verdict import bug_model, judge
 
 MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009",
-            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016"}
+            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019"}
 
 
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():
@@ -76,6 +76,25 @@ def test_stock_bug_case_matches_its_model_and_an_extra_bug_fails_it(name, pool_m
         m = evaluate(case.replace(mutant=mutant), "stock", pool_manager)
         assert m.status == "failed", f"{mutant} on {name}: {m.status}\n{m.message}"
         assert "does not match the model" in m.message
+
+
+def test_lost_adam_gradients_are_modelled_only_where_deepspeed_loses_them(pool_manager, seed):
+    """DSM-019: at one rank the Adam half of ZeRO-2 bf16 + fp32 gradient accumulation reads zeros
+    (its model predicts exactly that: an xfail at full strength, on both columns, since no fix
+    exists); at two ranks it trains, and the same model judging that trajectory must fail on the
+    gradients it claims lost."""
+    from harness.matrix import gate_cases
+
+    full = {c.name: c for c in gate_cases(full=True)}
+    one = full["z2-none-bf16-ws1-knob-gad32"].replace(seed=seed)
+    for column in ("stock", "patched"):
+        o = evaluate(one, column, pool_manager)
+        assert o.status == "xfailed" and "DSM-019" in o.bug_ids and o.strength == "full", o.message
+    two = full["z2-cpu-bf16-ws2-knob-gad32"].replace(seed=seed)
+    assert "DSM-019" not in {b.id for b in bugs_for(two)}
+    traj = pool_manager.run(two).result
+    wrong = judge(two, traj, conventions=bug_model({"adam_grads_lost": True}))
+    assert not wrong.passed and {f.quantity for f in wrong.failures} == {"grad"}, wrong.message()
 
 
 def test_dropped_rank_fails_a_bug_affected_stock_case(pool_manager, seed):
