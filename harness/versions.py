@@ -86,7 +86,27 @@ def installed() -> Installed:
             location = info["url"][len("file://"):]
     if "+" in dist.version or "dev" in dist.version:
         source = True
+    if not source:
+        _check_metadata_matches_import(dist)
     return Installed(dist.version, source, location)
+
+
+def _check_metadata_matches_import(dist) -> None:
+    """The version is read from the first ``deepspeed`` metadata on the path; the package imported is
+    the first ``deepspeed`` package on the path. A release tree put first on ``PYTHONPATH`` (an
+    extracted sdist, with its ``deepspeed.egg-info``) shadows an installed one consistently; a
+    package without metadata of its own would be judged as some other release: refuse that."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.origin:
+        return
+    imported = Path(spec.origin).resolve().parent
+    described = Path(str(dist.locate_file("deepspeed"))).resolve()
+    if imported != described:
+        raise RuntimeError(f"DeepSpeed {dist.version}'s metadata describes {described}, but `import deepspeed` "
+                           f"loads {imported}: put the release's own metadata (an sdist's deepspeed.egg-info) "
+                           f"beside the package, or install it (scripts/deepspeed_venv.sh)")
 
 
 def in_range(version: str, lo: str | None = None, hi: str | None = None) -> bool:

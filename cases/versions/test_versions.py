@@ -117,3 +117,19 @@ def test_0197_refuses_the_bf16_optimizer_route_and_no_other_release_does():
     for c in gad:
         assert "BF16_Optimizer" in versions.adapt(c, "0.19.7").deselected
         assert versions.adapt(c, "0.19.8").case is c and versions.adapt(c, "0.19.6").case is c
+
+
+def test_a_deepspeed_package_without_its_own_metadata_is_refused(tmp_path):
+    """A bare ``deepspeed`` package first on the path would be judged as the installed release's version
+    (its metadata is the only one found): the harness names the mismatch instead."""
+    import subprocess
+    import sys
+
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("")
+    from harness import buildenv
+
+    out = subprocess.run([sys.executable, "-c", "from harness import versions; versions.installed()"],
+                         env={"PYTHONPATH": f"{tmp_path}:{buildenv.PROJECT_ROOT}", "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "import deepspeed` loads" in out.stderr and str(tmp_path) in out.stderr
