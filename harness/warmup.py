@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -83,7 +84,8 @@ def fill_compile_cache() -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-compile", action="store_true", help="do not fill the torch.compile cache")
-    ap.add_argument("--ops", default=",".join(OPS), help="comma-separated op builders to build (default: all)")
+    ap.add_argument("--ops", default=os.environ.get("MUON_HARNESS_OPS", ",".join(OPS)),
+                    help="comma-separated op builders to build (default: MUON_HARNESS_OPS, else all)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     buildenv.apply_base_env({"TORCHDYNAMO_DISABLE": "0"})
