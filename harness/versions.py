@@ -186,7 +186,27 @@ def _ns_methods(case, cfg: dict) -> set:
     default = cfg.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
     return {default} | {g.ns_method for g in case.groups if g.ns_method}
 
+@functools.cache
+def _model_declares_groups(model: str, seed: int) -> bool:
+    from harness import models
+
+    return bool(models.build_spec(model, seed).param_groups)
+
+
+def _passes_group_dicts(case) -> bool:
+    """Whether ``deepspeed.initialize`` gets param-group dicts (``harness.ds_run.model_parameters``): the
+    case's own groups, or the groups a model case's factory declares."""
+    return bool(case.groups) or bool(case.model) and _model_declares_groups(case.model, case.seed)
+
+
 REFUSALS: tuple[Refusal, ...] = (
+    # 0.18.9-0.19.1 engine.py _configure_basic_optimizer (0.18.9: lines 1748-1753) read ``p.use_muon`` of
+    # every item of model_parameters: a param-group dict raises AttributeError "'dict' object has no attribute
+    # 'use_muon'". 0.19.2 flattens the dicts (DSM-104), 0.19.7 splits each group.
+    Refusal("param-group-dicts-with-muon", None, "0.19.2",
+            "this release's Muon takes a flat parameter list: param-group dicts raise AttributeError "
+            "\"'dict' object has no attribute 'use_muon'\" (engine.py _configure_basic_optimizer)",
+            lambda c, cfg: _has_muon(c) and _passes_group_dicts(c)),
     Refusal("per-head-muon", None, "0.19.8",
             "per-head Muon (a parameter's muon_num_heads) reached muon_update in 0.19.8; this release "
             "orthogonalizes the whole matrix",
