@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slice", default="base-ws2")
     ap.add_argument("--json", default=None, help="write the outcomes here")
+    ap.add_argument("--only", default=None, help="substring filter on the slice's case names (a re-check)")
     args = ap.parse_args(argv)
     os.environ["MUON_HARNESS_MEASURE"] = "1"
     from harness import buildenv, versions
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     from harness.pool import PoolManager
 
     print(f"measure: {versions.banner()}", flush=True)
-    cases = slice_cases(args.slice)
+    cases = [c for c in slice_cases(args.slice) if not args.only or args.only in c.name]
     manager = PoolManager()
     rows = []
     t0 = time.perf_counter()
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
             ids = ",".join(o.bug_ids) or "-"
             print(f"{o.status:9s} {ids:24s} {o.seconds:6.1f}s {c.name}{note}  {head}", flush=True)
             rows.append({"case": c.name, "status": o.status, "bug_ids": o.bug_ids, "crash_absent": absent,
-                         "seconds": round(o.seconds, 1), "message": o.message[-3000:]})
+                         "seconds": round(o.seconds, 1), "message": o.message[:4000]})
     finally:
         manager.close()
     counts = Counter(r["status"] for r in rows)
