@@ -295,6 +295,30 @@ AFFECTED.update({
     "DSM-106": {"0.19.7": True, "0.19.8": False},
 })
 
+# 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.measure_release --slice base-ws2, the
+# 18 base-grid cases at world size 2 without per-head matrices; README "DeepSpeed versions"). Recorded: a
+# bug True where a case xfailed with it as the only candidate that can explain it (a crash bug: its exact
+# crash), False where a case expecting it xpassed (or its crash did not happen). DSM-001 is True where its
+# bf16 cases xfailed and the other candidates there (DSM-103/107) were measured absent in the fp32 cases.
+_SLICE = {
+    "0.19.0": {"DSM-101": True, "DSM-102": True, "DSM-105": False},
+    "0.19.1": {"DSM-101": True, "DSM-102": True, "DSM-105": False},
+    "0.19.2": {"DSM-101": True, "DSM-102": True, "DSM-105": False},
+    "0.19.3": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
+               "DSM-107": False},
+    "0.19.4": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
+               "DSM-107": False},
+    "0.19.5": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
+               "DSM-107": False},
+    "0.19.6": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
+               "DSM-107": False},
+    "0.19.7": {"DSM-107": False},
+}
+AFFECTED["DSM-107"] = {"0.19.8": False}
+for _rel, _row in _SLICE.items():
+    for _bug, _present in _row.items():
+        AFFECTED[_bug][_rel] = _present
+
 # Releases a gate run was made on (so a bug without a measurement there is reported, not silently
 # ignored): release -> the slice that was run (README "DeepSpeed versions").
 MEASURED: dict[str, str] = {
@@ -304,6 +328,8 @@ MEASURED: dict[str, str] = {
     "0.18.9": "stock column, MUON_HARNESS_MEASURE=1, the optimizer-offload slice (--only=-cpu-; gram and per-head "
               "cases deselected)",
 }
+MEASURED.update({r: "python -m harness.measure_release --slice base-ws2 (18 cases, stock column)"
+                 for r in ("0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6")})
 
 
 def judged_as() -> str | None:
