@@ -5,10 +5,22 @@ default (/tmp/torch_extensions) is poisoned as soon as another DeepSpeed version
 (``module 'deepspeed_shm_comm' has no attribute 'vector_kernel_level'``), and a stale ``lock`` file
 left by a killed build makes the next load wait forever. So the harness keeps a cache of its own,
 keyed by the torch and DeepSpeed versions, and clears stale locks before any process loads an op.
+
+Op builds are shared across DeepSpeed releases: each op is built once per *content key* (a hash of the
+source and header files the builder lists and they include, the compiler flags and link flags it
+passes, the torch and Python versions and the compiler) into ``op_store()``, and a release's own
+extensions folder only links to it. A cold build costs 8-18 minutes per op on two cores, and most
+releases do not touch most ops (``python -m harness.buildenv --share SDIST...`` shows which share).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +84,8 @@ def clear_stale_locks(max_age_s: float) -> list[Path]:
     if not root.exists():
         return removed
     now = time.time()
-    for lock in root.rglob("lock"):
+    locks = list(root.rglob("lock")) + (list(op_store().rglob("lock")) if op_store().exists() else [])
+    for lock in locks:
         try:
             if now - lock.stat().st_mtime >= max_age_s:
                 lock.unlink()
@@ -80,3 +93,231 @@ def clear_stale_locks(max_age_s: float) -> list[Path]:
         except FileNotFoundError:
             pass
     return removed
+
+
+# ------------------------------------------------------------------------------------------------
+# op builds keyed by what goes into them, shared across DeepSpeed releases
+
+# The builders the harness needs on the cpu accelerator, in load order: async_io resolves symbols from
+# pin_memory (0.19.5+ load pin_memory first), so pin_memory is built (and loaded) before it.
+OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
+def op_store() -> Path:
+    """Where each op is built once per content key: ``<name>-<key>/`` is the TORCH_EXTENSIONS_DIR of
+    that one build (torch puts it in ``<name>-<key>/<name>/<name>.so``)."""
+    return cache_root() / "ops" / f"torch{TORCH_VERSION}-py{sys.version_info[0]}{sys.version_info[1]}"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def source_closure(sources: list[str], include_dirs: list[str]) -> dict[str, str]:
+    """Every file that goes into the build, by path, with its sha256: the sources and, transitively,
+    each header they ``#include`` that resolves to a file next to the includer or in one of the
+    builder's include folders (conditional includes too: over-counting only splits the cache). Headers
+    that resolve nowhere are torch's, Python's or the system's: the torch/Python versions and the
+    compiler in the key stand for them. Paths are given relative to the longest common folder, so the
+    same tree in two venvs hashes the same."""
+    seen: dict[Path, str] = {}
+    todo = [Path(s).resolve() for s in sources]  # resolved: a venv reached through a link hashes the same
+    incs = [Path(d).resolve() for d in include_dirs]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        data = f.read_bytes()  # a listed source that is missing fails here, naming the file
+        seen[f] = _sha(data)
+        for name in _INCLUDE.findall(data.decode("utf-8", "replace")):
+            for d in [f.parent, *incs]:
+                cand = (d / name).resolve()
+                if cand.is_file():
+                    todo.append(cand)
+                    break
+    root = Path(os.path.commonpath([str(p) for p in seen] + [str(d) for d in incs]))
+    return {str(p.relative_to(root)): h for p, h in sorted(seen.items())}
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "c++")  # what torch's cpp_extension compiles with
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{cxx}: {exc}"
+    return out.splitlines()[0] if out else cxx
+
+
+def op_inputs(builder) -> dict:
+    """What DeepSpeed's ``OpBuilder.jit_load`` hands torch's ``load`` for a cpu op (0.18.9-0.19.8
+    builder.py ``jit_load``: the sources and include folders made absolute with ``deepspeed_src_path``,
+    ``cxx_args()`` plus ``-UC10_USE_GLOG``, ``extra_ldflags()``; no nvcc on the cpu accelerator), with
+    the files' contents in place of their paths."""
+    src = [os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.strip_empty_entries(builder.sources())]
+    inc = [os.path.abspath(builder.deepspeed_src_path(p))
+           for p in builder.strip_empty_entries(builder.include_paths())]
+    import torch
+
+    return {
+        "name": builder.NAME,
+        "files": source_closure(src, inc),
+        "include_dirs": _relative_dirs(src, inc),
+        "cxx_args": builder.strip_empty_entries(builder.cxx_args()) + ["-UC10_USE_GLOG"],
+        "ldflags": builder.strip_empty_entries(builder.extra_ldflags()),
+        "torch": torch.__version__,
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "compiler": _compiler(),
+    }
+
+
+def _relative_dirs(src: list[str], inc: list[str]) -> list[str]:
+    real = [os.path.realpath(p) for p in src + inc]
+    root = os.path.commonpath(real)
+    return [os.path.relpath(os.path.realpath(d), root) for d in inc]
+
+
+def op_key(inputs: dict, depends_on: tuple[str, ...] = ()) -> str:
+    """16 hex digits of the inputs (and the keys of the ops this one resolves symbols from)."""
+    blob = json.dumps({"inputs": inputs, "depends_on": list(depends_on)}, sort_keys=True).encode()
+    return _sha(blob)[:16]
+
+
+def builder_key(builder, depends_on: tuple[str, ...] = ()) -> str:
+    return op_key(op_inputs(builder), depends_on)
+
+
+def op_build_root(name: str, key: str) -> Path:
+    return op_store() / f"{name}-{key}"
+
+
+def _create_builder(name: str):
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        b = get_accelerator().create_op_builder(name)
+    except (AttributeError, ImportError, ValueError):
+        return None
+    if b is None or type(b).__name__ == "NotImplementedBuilder":
+        return None
+    return b
+
+
+def release_op_keys(names=OPS) -> dict[str, str]:
+    """The content key of each op the installed DeepSpeed offers on the cpu accelerator (ops the
+    release lacks are left out); async_io's key includes pin_memory's where the release has it."""
+    keys: dict[str, str] = {}
+    for name in names:
+        b = _create_builder(name)
+        if b is None:
+            continue
+        deps = (keys["pin_memory"],) if b.NAME == "async_io" and "pin_memory" in keys else ()
+        keys[b.NAME] = builder_key(b, deps)
+    return keys
+
+
+def _link(link: Path, target: Path) -> None:
+    """``link`` -> ``target``, replacing a link to somewhere else; never a real folder."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(target, target_is_directory=True)
+    os.replace(tmp, link)  # atomic: a rank preloading sees the old link or the new one
+
+
+def _adopt(built: Path, root: Path, name: str) -> None:
+    """Copy a build made before the store existed (the release's own folder) into the store, so
+    other releases with the same key share it. Copied whole, then renamed in place (atomic)."""
+    tmp = op_store() / f".{root.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(built, tmp / name, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    try:
+        os.replace(tmp, root)
+    except OSError:  # another process adopted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_op(name: str, key: str, build) -> str:
+    """Make ``<extensions_dir>/<op>/<op>.so`` available for the installed release, building it only if
+    no release has built this key yet. ``build()`` JIT-builds the op (DeepSpeed's own ``load``) with
+    TORCH_EXTENSIONS_DIR pointing at the key's folder. Returns how: "present" (the release's folder
+    already holds a build; adopted into the store), "shared" (linked to a build of the same key) or
+    "built"."""
+    root = op_build_root(name, key)
+    stored = root / name / f"{name}.so"
+    mine = extensions_dir() / name
+    if (mine / f"{name}.so").exists() and not mine.is_symlink():
+        if not stored.exists():
+            op_store().mkdir(parents=True, exist_ok=True)
+            _adopt(mine, root, name)
+        return "present"
+    how = "shared"
+    if not stored.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        old = os.environ.get("TORCH_EXTENSIONS_DIR")
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+        try:
+            build()
+        finally:
+            if old is None:
+                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+            else:
+                os.environ["TORCH_EXTENSIONS_DIR"] = old
+        if not stored.exists():
+            raise RuntimeError(f"op {name}: DeepSpeed's build left no {stored}")
+        how = "built"
+    if mine.exists() and not mine.is_symlink():
+        shutil.rmtree(mine)  # a half-built folder of this release (no .so): the store's build replaces it
+    _link(mine, root / name)
+    return how
+
+
+def tree_op_keys(tree: str | Path, python: str | None = None) -> dict[str, str]:
+    """The op keys of a DeepSpeed tree that is not installed (an extracted sdist or a source checkout),
+    computed in a child interpreter with the tree first on its path (its ``deepspeed`` and ``op_builder``
+    are imported, never built)."""
+    env = dict(os.environ, **base_env(), PYTHONPATH=os.pathsep.join([str(Path(tree).resolve()), str(PROJECT_ROOT)]))
+    code = "import json; from harness import buildenv; print(json.dumps(buildenv.release_op_keys()))"
+    out = subprocess.run([python or sys.executable, "-c", code], env=env, cwd=str(tree), capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"op keys of {tree}: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sharing(keys_by_release: dict[str, dict[str, str]]) -> dict[str, list[list[str]]]:
+    """op -> the groups of releases that share one build (each group one key), in release order."""
+    out: dict[str, list[list[str]]] = {}
+    ops = sorted({op for keys in keys_by_release.values() for op in keys})
+    for op in ops:
+        groups: dict[str, list[str]] = {}
+        for rel, keys in keys_by_release.items():
+            if op in keys:
+                groups.setdefault(keys[op], []).append(rel)
+        out[op] = list(groups.values())
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="op build keys: which DeepSpeed releases share which op builds")
+    ap.add_argument("--share", nargs="+", metavar="TREE", required=True,
+                    help="extracted DeepSpeed sdists / source checkouts (their version.txt names them)")
+    args = ap.parse_args(argv)
+    keys = {}
+    for tree in args.share:
+        label = (Path(tree) / "version.txt").read_text().strip() if (Path(tree) / "version.txt").exists() else tree
+        if (Path(tree) / ".git").exists():
+            label += " (source checkout)"
+        keys[label] = tree_op_keys(tree)
+    for op, groups in sharing(keys).items():
+        print(f"{op}: {len(groups)} build(s) for {sum(map(len, groups))} release(s): "
+              + "; ".join(",".join(g) for g in groups))
+    print(json.dumps(keys, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

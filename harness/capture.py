@@ -835,7 +835,9 @@ def group_lrs(engine) -> dict:
     groups every ZeRO / fp16 wrapper shares), read before the boundary ``step()``: what the step uses.
     Keyed by the group's ``name`` (DeepSpeed names each Muon/Adam half, ``engine.py _muon_param_groups``)."""
     opt = engine.basic_optimizer  # INTERNAL: the MuonWithAuxAdam the engine built
-    return {str(g.get("name", i)): float(g["lr"]) for i, g in enumerate(opt.param_groups)}
+    from harness.capture_adapters import group_name  # releases before 0.19.2 name no group
+
+    return {group_name(g, i): float(g["lr"]) for i, g in enumerate(opt.param_groups)}
 
 
 def loss_scale_of(engine) -> float:

@@ -24,6 +24,10 @@ class Adapter:
     # ``_get_param_partition_group(p)``, 0.19.3 on) or "attribute" (``p.ds_process_group``, falling back to
     # the optimizer's ``dp_process_group``: what that method returns where it exists).
     z3_partition_group: str = "method"
+    # How the optimizer's param groups are named: "name" (each group's own ``name``: "muon-params" /
+    # "adam-params", 0.19.2 on) or "use_muon" (no name before 0.19.2: 0.18.9-0.19.1 engine.py
+    # ``param_groups.append(dict(params=..., use_muon=True/False, ...))``; the name is derived from the flag).
+    group_names: str = "name"
     note: str = ""
 
 
@@ -33,8 +37,11 @@ ADAPTERS: tuple[Adapter, ...] = (
     # <= 0.19.7: stage_1_and_2.py:39 and stage3.py:50 (0.19.7) import muon_update at module level (0.19.8
     # imports it inside get_flat_partition / _muon_update_sub_group / _apply_muon_updates_cpu_offload).
     # <= 0.19.2: stage3.py has no _get_param_partition_group (added in 0.19.3).
-    Adapter(None, "0.19.3", _BOUND, "attribute",
-            "muon_update bound at import; ZeRO-3 partition group read from the parameter"),
+    # <= 0.19.1: the Muon/Adam halves carry no ``name`` (0.18.9/0.19.0 engine.py:1763/1772, 0.19.1 :1778/1787).
+    Adapter(None, "0.19.2", _BOUND, "attribute", "use_muon",
+            "muon_update bound at import; ZeRO-3 partition group read from the parameter; unnamed groups"),
+    Adapter("0.19.2", "0.19.3", _BOUND, "attribute",
+            note="muon_update bound at import; ZeRO-3 partition group read from the parameter"),
     Adapter("0.19.3", "0.19.8", _BOUND, "method",
             "muon_update bound at import by the ZeRO-1/2 and ZeRO-3 optimizers"),
     Adapter("0.19.8", None, (), "muon_update imported at each call site (the layout the capture was written on)"),
@@ -55,3 +62,12 @@ def z3_partition_group(opt, p):
     if adapter_for().z3_partition_group == "method":
         return opt._get_param_partition_group(p)  # INTERNAL (0.19.3+)
     return getattr(p, "ds_process_group", opt.dp_process_group)  # INTERNAL (<= 0.19.2)
+
+
+def group_name(group: dict, index: int) -> str:
+    """The name the harness knows an optimizer param group by ("muon-params" / "adam-params", or
+    "group<i>-..." for several incoming groups): the group's own name, or on releases that name none,
+    the one its ``use_muon`` flag stands for (those releases build one Muon and one Adam group)."""
+    if adapter_for().group_names == "use_muon" and "name" not in group and "use_muon" in group:
+        return "muon-params" if group["use_muon"] else "adam-params"
+    return str(group.get("name", index))

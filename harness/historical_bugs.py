@@ -53,6 +53,10 @@ def _z12_group_with_two_muon(c: Case) -> bool:
     return any(len(shapes) >= 2 for shapes in _muon_shapes_by_group(c))
 
 
+def _z12_no_offload_muon_ws2(c: Case) -> bool:
+    return c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2 and _has_muon(c)
+
+
 SPECS: tuple[dict, ...] = (
     dict(
         id="DSM-101",
@@ -131,5 +135,20 @@ SPECS: tuple[dict, ...] = (
               "swapper lacks",
         reproducer="z3-nvme-pipe-fp32-ws2-ga2-standard (gate case) on DeepSpeed 0.19.7",
         crash=("AttributeError", "has no attribute 'release_swap_buffers'", "_release_swap_buffers"),
+    ),
+    dict(
+        id="DSM-107",
+        title="ZeRO-1/2 without offload: muon_update reads a different gradient on each rank",
+        symptom="At world size >= 2 the gradient muon_update orthogonalises differs between the ranks and is not "
+                "the data-parallel average (0.19.0 z1-none-fp32-ws2-ga2, layer0.weight at (1, 3): -0.207 where "
+                "the average is -0.412): the capture notes the ranks' disagreement, and the update, master and "
+                "model diverge from step 1 (fp32: 6.6x the master allowance). Seen on layer0.weight, the Muon "
+                "matrix that the two ranks' partitions share.",
+        trigger=_z12_no_offload_muon_ws2,
+        quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model"}),
+        where="0.19.0-0.19.2 stage_1_and_2.py get_flat_partition (0.19.0: lines 2003-2013): muon_update over "
+              "the whole matrix's self.all_grad_tensors entry on each rank; which part of it holds the averaged "
+              "gradient was not investigated",
+        reproducer="z1-none-fp32-ws2-ga2 (gate case) on DeepSpeed 0.19.0",
     ),
 )

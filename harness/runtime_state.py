@@ -54,12 +54,17 @@ def preload_built_ops() -> list[str]:
     loaded = []
     for name in PRELOAD_BUILDERS:
         builder = get_accelerator().create_op_builder(name)
-        if builder is None or builder.NAME in OpBuilder._loaded_ops:
+        if builder is None or builder.NAME in OpBuilder._loaded_ops or builder.NAME in builder._loaded_ops:
             continue
         folder = Path(ext) / builder.NAME
         if not (folder / f"{builder.NAME}.so").exists():
             continue
         module = _import_module_from_library(builder.NAME, str(folder), True)
+        # The op cache DeepSpeed's load() reads is the class attribute of the OpBuilder the builder derives
+        # from: with a release tree first on the path (an sdist, a source checkout) that is its top-level
+        # ``op_builder`` package's OpBuilder, not ``deepspeed.ops.op_builder``'s (two classes, two caches).
+        base = next((k for k in type(builder).__mro__ if "_loaded_ops" in vars(k)), OpBuilder)
+        base._loaded_ops[builder.NAME] = module
         OpBuilder._loaded_ops[builder.NAME] = module
         if name == "PinMemoryBuilder":
             # What DeepSpeed's own pin_memory loader does (op_builder/pin_memory_load.py): publish the

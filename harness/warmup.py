@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from harness import buildenv
 
-OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
+OPS = buildenv.OPS
+OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
 STALE_LOCK_AGE_S = 20 * 60
 
 
@@ -34,31 +36,38 @@ def _say(msg: str) -> None:
 
 def build_ops(names=OPS, say=_say) -> dict[str, float]:
     """Build (or load from the cache) each op in turn, saying which one before it starts and how long
-    it took when done: a cold build is minutes of silence otherwise."""
+    it took when done: a cold build is minutes of silence otherwise.
+
+    Each op is built once per content key (``harness.buildenv.ensure_op``): a release whose op sources
+    and flags match another's links to that build instead of rebuilding it. Ranks import the ``.so``
+    directly (``harness.runtime_state.preload_built_ops``): a JIT load would rebuild it whenever the
+    build file names other absolute paths than the ones that built it."""
     from deepspeed.accelerator import get_accelerator
 
+    from harness import runtime_state
+
     seconds = {}
+    keys: dict[str, str] = {}
     for name in names:
         say(f"warmup: op {name} ...")
         t0 = time.perf_counter()
         builder = get_accelerator().create_op_builder(name)
+        if name in OPTIONAL and (builder is None or type(builder).__name__ == "NotImplementedBuilder"):
+            say(f"warmup: op {name}: not in this DeepSpeed release (skipped)")
+            continue
         if builder is None:
             raise RuntimeError(f"DeepSpeed's cpu accelerator has no op builder {name}")
         if not builder.is_compatible(verbose=True):
             hint = " (install Debian's libaio-dev)" if name == "AsyncIOBuilder" else ""
             raise RuntimeError(f"op {builder.NAME} is not compatible with this machine{hint}")
-        built = buildenv.extensions_dir() / builder.NAME / f"{builder.NAME}.so"
-        if built.exists():
-            # Already built for this torch and DeepSpeed (the cache is keyed by both). A JIT load would
-            # rebuild it whenever the checkout's path differs from the one that built it (the build
-            # file names absolute include paths): minutes per op in every fresh clone, and two
-            # checkouts taking turns rebuild each other's ops. Ranks import the .so directly.
-            seconds[builder.NAME] = time.perf_counter() - t0
-            say(f"warmup: op {builder.NAME} already built ({built})")
-            continue
-        builder.load(verbose=False)
+        deps = (keys["pin_memory"],) if builder.NAME == "async_io" and "pin_memory" in keys else ()
+        keys[builder.NAME] = key = buildenv.builder_key(builder, deps)
+        if deps:
+            # async_io's load() loads pin_memory first; have it in memory so the build does not rebuild it
+            runtime_state.preload_built_ops()
+        how = buildenv.ensure_op(builder.NAME, key, lambda b=builder: b.load(verbose=False))
         seconds[builder.NAME] = time.perf_counter() - t0
-        say(f"warmup: op {builder.NAME} ready in {seconds[builder.NAME]:.1f}s")
+        say(f"warmup: op {builder.NAME} ready in {seconds[builder.NAME]:.1f}s ({how}, key {key})")
     return seconds
 
 
@@ -75,6 +84,8 @@ def fill_compile_cache() -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-compile", action="store_true", help="do not fill the torch.compile cache")
+    ap.add_argument("--ops", default=os.environ.get("MUON_HARNESS_OPS", ",".join(OPS)),
+                    help="comma-separated op builders to build (default: MUON_HARNESS_OPS, else all)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     buildenv.apply_base_env({"TORCHDYNAMO_DISABLE": "0"})
@@ -85,7 +96,7 @@ def main(argv=None) -> int:
     for lock in removed:
         print(f"warmup: removed stale build lock {lock}")
     fill_cpuinfo_cache()
-    ops = build_ops()
+    ops = build_ops(tuple(o for o in args.ops.split(",") if o)) if args.ops != ",".join(OPS) else build_ops()
     if not args.skip_compile:
         _say("warmup: torch.compile cache for muon_update ...")
         _say(f"warmup: torch.compile cache for muon_update filled in {fill_compile_cache():.1f}s")

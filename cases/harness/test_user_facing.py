@@ -41,6 +41,8 @@ def test_warmup_says_each_op_before_building_it_then_its_time(monkeypatch):
     import deepspeed.accelerator
 
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accel)
+    monkeypatch.setattr(warmup.buildenv, "builder_key", lambda b, deps=(): "k")
+    monkeypatch.setattr(warmup.buildenv, "ensure_op", lambda name, key, build: build() or "built")
     secs = warmup.build_ops(("CPUAdamBuilder", "AsyncIOBuilder"), say=lambda m: events.append(("say", m)))
     assert set(secs) == {"cpuadam", "asyncio"}
     kinds = [k if k == "load" else ("start" if m.endswith("...") else "ready") for k, m in events]

@@ -117,3 +117,52 @@ def test_0197_refuses_the_bf16_optimizer_route_and_no_other_release_does():
     for c in gad:
         assert "BF16_Optimizer" in versions.adapt(c, "0.19.7").deselected
         assert versions.adapt(c, "0.19.8").case is c and versions.adapt(c, "0.19.6").case is c
+
+
+def test_a_deepspeed_package_without_its_own_metadata_is_refused(tmp_path):
+    """A bare ``deepspeed`` package first on the path would be judged as the installed release's version
+    (its metadata is the only one found): the harness names the mismatch instead."""
+    import subprocess
+    import sys
+
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("")
+    from harness import buildenv
+
+    out = subprocess.run([sys.executable, "-c", "from harness import versions; versions.installed()"],
+                         env={"PYTHONPATH": f"{tmp_path}:{buildenv.PROJECT_ROOT}", "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "import deepspeed` loads" in out.stderr and str(tmp_path) in out.stderr
+
+
+def test_param_group_dicts_with_muon_are_refused_before_0192():
+    from harness.matrix import groups_cases
+
+    grouped = next(c for c in groups_cases(False) if c.groups)
+    for rel in ("0.18.9", "0.19.0", "0.19.1"):
+        a = versions.adapt(grouped, rel)
+        assert a.case is None and "param-group dicts" in a.deselected, rel
+    assert versions.adapt(grouped, "0.19.2").case is not None
+    assert versions.adapt(pipeline_case(1, "none", "fp32", 2, ns_method="standard"), "0.18.9").case is not None
+
+
+def test_a_model_that_declares_groups_is_refused_before_0192_and_one_that_does_not_is_not():
+    from harness.models import model_case
+
+    moe = model_case("moe", 2, world_size=2)  # its factory declares parameter groups
+    assert "param-group dicts" in versions.adapt(moe, "0.19.1").deselected
+    assert versions.adapt(moe, "0.19.2").case is not None
+    plain = model_case("resnet", 2, world_size=2)  # no groups: a flat parameter list
+    assert versions.adapt(plain, "0.19.1").case is not None
+
+
+@pytest.mark.parametrize("release,group,want", [
+    ("0.18.9", {"use_muon": True, "lr": 1.0}, "muon-params"),
+    ("0.19.1", {"use_muon": False, "lr": 1.0}, "adam-params"),
+    ("0.19.2", {"use_muon": True, "name": "muon-params"}, "muon-params"),
+    ("0.19.8", {"use_muon": True, "name": "group1-muon-params"}, "group1-muon-params"),
+    ("0.19.8", {"lr": 1.0}, "0"),
+])
+def test_group_names_per_release(monkeypatch, release, group, want):
+    monkeypatch.setattr(versions, "installed", lambda: versions.Installed(release, False, "/x"))
+    assert capture_adapters.group_name(group, 0) == want

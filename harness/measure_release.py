@@ -1,0 +1,92 @@
+"""Measure which registered bugs one DeepSpeed release shows, on a slice that is the same for every
+release (``python -m harness.measure_release --slice base-ws2``).
+
+Why a module and not a gate ``--only``: the comparison across releases needs exactly the same cases on
+each, and the base grid at world size 2 has no common name substring. Every registered bug is a
+candidate excuse (``MUON_HARNESS_MEASURE=1``, ``harness.versions.excuses``): xfailed with an id says the
+bug showed as its model predicts, xpassed that it was expected and absent, failed/error a divergence no
+bug explains (a new finding). One line per case, then the counts and the ids seen; ``--json`` writes the
+outcomes for the README's version table (``versions.AFFECTED`` is filled from them by hand, with care).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+
+def slice_cases(name: str) -> list:
+    """``base-ws2``: the gate's 18 base-grid cases at world size 2 (ZeRO-1/2/3 x no offload / cpu offload x
+    fp32/fp16/bf16, with the gate's knobs: grad accumulation, clipping, gram/standard Newton-Schulz), each
+    without its per-head matrix (per-head Muon exists only from 0.19.8: with it, half the slice would be
+    deselected on every older release). Gram cases are deselected before 0.19.0."""
+    import itertools
+
+    from harness import matrix
+
+    if name == "base-ws2":
+        grid = list(itertools.product(matrix.STAGES, ("none", "cpu"), matrix.DTYPES, matrix.WORLD_SIZES))
+        return [matrix._case(st, off, dt, ws, **dict(matrix._knobs(i), heads=False))
+                for i, (st, off, dt, ws) in enumerate(grid) if ws == 2]
+    raise SystemExit(f"--slice {name}: unknown (base-ws2)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slice", default="base-ws2")
+    ap.add_argument("--json", default=None, help="write the outcomes here")
+    ap.add_argument("--only", default=None, help="substring filter on the slice's case names (a re-check)")
+    args = ap.parse_args(argv)
+    os.environ["MUON_HARNESS_MEASURE"] = "1"
+    from harness import buildenv, versions
+
+    buildenv.apply_base_env()
+    from harness.gate import evaluate
+    from harness.pool import PoolManager
+
+    print(f"measure: {versions.banner()}", flush=True)
+    cases = [c for c in slice_cases(args.slice) if not args.only or args.only in c.name]
+    manager = PoolManager()
+    rows = []
+    t0 = time.perf_counter()
+    try:
+        for c in cases:
+            o = evaluate(c, "stock", manager)
+            absent = []
+            if o.message.startswith(f"{c.name}: expected the crash of "):
+                # a candidate crash bug that did not crash is absent here; judge the case again without it
+                from harness.bugs import BUGS, HISTORICAL
+
+                absent = [b.id for b in BUGS + HISTORICAL if b.id in o.bug_ids and b.crash is not None]
+                os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(absent)
+                try:
+                    o = evaluate(c, "stock", manager)
+                finally:
+                    os.environ.pop("MUON_HARNESS_MEASURE_EXCLUDE", None)
+            head = o.message.strip().splitlines()[0][:200] if o.message.strip() else ""
+            note = f" (crash absent: {','.join(absent)})" if absent else ""
+            ids = ",".join(o.bug_ids) or "-"
+            print(f"{o.status:9s} {ids:24s} {o.seconds:6.1f}s {c.name}{note}  {head}", flush=True)
+            rows.append({"case": c.name, "status": o.status, "bug_ids": o.bug_ids, "crash_absent": absent,
+                         "seconds": round(o.seconds, 1), "message": o.message[:4000]})
+    finally:
+        manager.close()
+    counts = Counter(r["status"] for r in rows)
+    shown = sorted({b for r in rows if r["status"] == "xfailed" for b in r["bug_ids"]})
+    absent = sorted({b for r in rows if r["status"] == "xpassed" for b in r["bug_ids"]}
+                    | {b for r in rows for b in r["crash_absent"]})
+    print(f"measure: DeepSpeed {versions.installed().label}, slice {args.slice}: {len(rows)} cases in "
+          f"{time.perf_counter() - t0:.0f}s: {dict(counts)}; shown {shown}; expected and absent {absent}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"release": versions.installed().version, "slice": args.slice,
+                                               "outcomes": rows}, indent=1))
+    return 0 if not (counts["failed"] or counts["error"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
