@@ -537,7 +537,7 @@ BUGS: tuple[Bug, ...] = (
                 "real step is bias-corrected as step 2 (0.735 lr instead of lr), and Muon's decoupled weight "
                 "decay shrinks the fp32 masters once. Measured (z0-none-bf16-ws1): Adam master 2.65e-4 off "
                 "(1.7e3x) at step 1.",
-        trigger=lambda c: _z0_unfused(c) and (_has_adam(c) or _wd_of(c) > 0),
+        trigger=lambda c: _z0_unfused(c) and (_has_adam(c) or _wd_of(c) > 0) and not _z0_bf16_compiled(c, "exact"),
         quantities=frozenset({"master", "model"}),
         model=lambda c: {"warmup_step_at_init": True},
         where="fp16/unfused_optimizer.py initialize_optimizer_states (:412-433), called from __init__ (:108)",
@@ -568,7 +568,8 @@ BUGS: tuple[Bug, ...] = (
                 "take it over the Muon updates): the same config reports a different norm and, with clipping, "
                 "takes a different step. Measured (z0-none-bf16-ws2): reported norm 1.92 vs 3.65. fp32 stage 0 "
                 "clips the raw gradients too (engine clip_fp32_gradients) and reports no norm.",
-        trigger=lambda c: c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0),
+        trigger=lambda c: (c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0)
+                           and not _z0_bf16_compiled(c, "exact", "hpns")),
         quantities=frozenset({"global_norm"}),
         # The clip before Muon over the raw gradients, and their norm reported as the backward left them
         # (times the loss scale, where the backward was scaled: DSM-015 fixed). fp32 stage 0 reports no
@@ -634,6 +635,19 @@ def _last_muon_group_ns_method(c: Case) -> str:
 def _z0_unfused(c: Case) -> bool:
     """Stage 0 in fp16/bf16: the engine wraps Muon in FP16_UnfusedOptimizer (engine.py:2360-2362, 2599)."""
     return c.stage == 0 and c.dtype in ("fp16", "bf16")
+
+
+def _z0_bf16_compiled(c: Case, *modes: str) -> bool:
+    """A compiled stage-0 bf16 case judged in one of ``modes`` (``harness.verdict.comparison_mode``:
+    "hpns" with Newton-Schulz forced to float64, else "exact"), where DSM-014/DSM-016 cannot show: the
+    allowances derived for inductor's Newton-Schulz at these cases' measured smallest singular value
+    exceed what the bugs move. Measured (z0-none-bf16-ws2-compiled-*, full gate): DSM-016's raw norm is
+    56% off the update norm, inside the norm allowance (rtol 6.1 exact, 9.5 hpns: ratio 0.09, 0.06);
+    DSM-014's Adam master is 2.65e-4 off, inside exact mode's master allowance (8.6e-4: ratio 0.31) but
+    681x hpns's. fp16 keeps both: DSM-015 makes those cases diverge anyway."""
+    if not (c.compiled and c.stage == 0 and c.dtype == "bf16"):
+        return False
+    return ("hpns" if c.ns_dtype == "float64" else "exact") in modes
 
 
 def _wd_of(c: Case) -> float:
