@@ -51,6 +51,9 @@ class Bug:
     # Crash bugs: (exception type, message fragment, a frame on the call path) the rank's traceback
     # must show; the stock case is an xfail only for exactly that crash.
     crash: tuple[str, str, str] | None = None
+    # Further (type, fragment, frame) signatures of the same crash where it surfaces elsewhere for
+    # some shapes; each is matched exactly like ``crash``.
+    crash_also: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def modelled(self) -> str:
@@ -75,9 +78,12 @@ class Bug:
         """Does a rank's traceback show exactly this bug's crash (type, message, call path)?"""
         if self.crash is None:
             return False
-        etype, fragment, frame = self.crash
-        last = [line for line in traceback.strip().splitlines() if line.startswith(etype + ":")]
-        return bool(last) and fragment in last[-1] and f"in {frame}" in traceback
+        lines = traceback.strip().splitlines()
+        for etype, fragment, frame in (self.crash, *self.crash_also):
+            last = [line for line in lines if line.startswith(etype + ":")]
+            if last and fragment in last[-1] and f"in {frame}" in traceback:
+                return True
+        return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -504,6 +510,11 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: any(len(p.shape) == 4 and _is_muon(p) for p in c.params),
         quantities=frozenset({"crash"}),
         crash=("RuntimeError", "must match the size of tensor", "muon_update"),
+        # A 1x1 conv (k x c x 1 x 1): the 2-D update (k, c) broadcasts against the 4-D gradient instead of
+        # raising, muon_update returns a (k, c, k, c) tensor, and ZeRO-3 fails copying it back into the
+        # gradient (stage3.py _muon_update_sub_group :1760, g.data.copy_(update)). Measured:
+        # resnet-z3-none-bf16-ws3-standard, rank 2 (its shortcut conv 16x8x1x1).
+        crash_also=(("RuntimeError", "doesn't match the broadcast shape", "_muon_update_sub_group"),),
         where="original_muon.py muon_update (:223-235)",
         fix="muon-conv-kernels",
         reproducer="pipeline_case(2, 'none', 'fp32', 1, params=(ParamShape('conv.weight', (4, 2, 3, 3)), "
