@@ -51,6 +51,9 @@ class Bug:
     # Crash bugs: (exception type, message fragment, a frame on the call path) the rank's traceback
     # must show; the stock case is an xfail only for exactly that crash.
     crash: tuple[str, str, str] | None = None
+    # Further (type, fragment, frame) signatures of the same crash where it surfaces elsewhere for
+    # some shapes; each is matched exactly like ``crash``.
+    crash_also: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def modelled(self) -> str:
@@ -75,9 +78,12 @@ class Bug:
         """Does a rank's traceback show exactly this bug's crash (type, message, call path)?"""
         if self.crash is None:
             return False
-        etype, fragment, frame = self.crash
-        last = [line for line in traceback.strip().splitlines() if line.startswith(etype + ":")]
-        return bool(last) and fragment in last[-1] and f"in {frame}" in traceback
+        lines = traceback.strip().splitlines()
+        for etype, fragment, frame in (self.crash, *self.crash_also):
+            last = [line for line in lines if line.startswith(etype + ":")]
+            if last and fragment in last[-1] and f"in {frame}" in traceback:
+                return True
+        return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -504,6 +510,11 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: any(len(p.shape) == 4 and _is_muon(p) for p in c.params),
         quantities=frozenset({"crash"}),
         crash=("RuntimeError", "must match the size of tensor", "muon_update"),
+        # A 1x1 conv (k x c x 1 x 1): the 2-D update (k, c) broadcasts against the 4-D gradient instead of
+        # raising, muon_update returns a (k, c, k, c) tensor, and ZeRO-3 fails copying it back into the
+        # gradient (stage3.py _muon_update_sub_group :1760, g.data.copy_(update)). Measured:
+        # resnet-z3-none-bf16-ws3-standard, rank 2 (its shortcut conv 16x8x1x1).
+        crash_also=(("RuntimeError", "doesn't match the broadcast shape", "_muon_update_sub_group"),),
         where="original_muon.py muon_update (:223-235)",
         fix="muon-conv-kernels",
         reproducer="pipeline_case(2, 'none', 'fp32', 1, params=(ParamShape('conv.weight', (4, 2, 3, 3)), "
@@ -537,7 +548,7 @@ BUGS: tuple[Bug, ...] = (
                 "real step is bias-corrected as step 2 (0.735 lr instead of lr), and Muon's decoupled weight "
                 "decay shrinks the fp32 masters once. Measured (z0-none-bf16-ws1): Adam master 2.65e-4 off "
                 "(1.7e3x) at step 1.",
-        trigger=lambda c: _z0_unfused(c) and (_has_adam(c) or _wd_of(c) > 0),
+        trigger=lambda c: _z0_unfused(c) and (_has_adam(c) or _wd_of(c) > 0) and not _z0_bf16_compiled(c, "exact"),
         quantities=frozenset({"master", "model"}),
         model=lambda c: {"warmup_step_at_init": True},
         where="fp16/unfused_optimizer.py initialize_optimizer_states (:412-433), called from __init__ (:108)",
@@ -568,7 +579,8 @@ BUGS: tuple[Bug, ...] = (
                 "take it over the Muon updates): the same config reports a different norm and, with clipping, "
                 "takes a different step. Measured (z0-none-bf16-ws2): reported norm 1.92 vs 3.65. fp32 stage 0 "
                 "clips the raw gradients too (engine clip_fp32_gradients) and reports no norm.",
-        trigger=lambda c: c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0),
+        trigger=lambda c: (c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0)
+                           and not _z0_bf16_compiled(c, "exact", "hpns")),
         quantities=frozenset({"global_norm"}),
         # The clip before Muon over the raw gradients, and their norm reported as the backward left them
         # (times the loss scale, where the backward was scaled: DSM-015 fixed). fp32 stage 0 reports no
@@ -654,6 +666,19 @@ def _last_muon_group_ns_method(c: Case) -> str:
 def _z0_unfused(c: Case) -> bool:
     """Stage 0 in fp16/bf16: the engine wraps Muon in FP16_UnfusedOptimizer (engine.py:2360-2362, 2599)."""
     return c.stage == 0 and c.dtype in ("fp16", "bf16")
+
+
+def _z0_bf16_compiled(c: Case, *modes: str) -> bool:
+    """A compiled stage-0 bf16 case judged in one of ``modes`` (``harness.verdict.comparison_mode``:
+    "hpns" with Newton-Schulz forced to float64, else "exact"), where DSM-014/DSM-016 cannot show: the
+    allowances derived for inductor's Newton-Schulz at these cases' measured smallest singular value
+    exceed what the bugs move. Measured (z0-none-bf16-ws2-compiled-*, full gate): DSM-016's raw norm is
+    56% off the update norm, inside the norm allowance (rtol 6.1 exact, 9.5 hpns: ratio 0.09, 0.06);
+    DSM-014's Adam master is 2.65e-4 off, inside exact mode's master allowance (8.6e-4: ratio 0.31) but
+    681x hpns's. fp16 keeps both: DSM-015 makes those cases diverge anyway."""
+    if not (c.compiled and c.stage == 0 and c.dtype == "bf16"):
+        return False
+    return ("hpns" if c.ns_dtype == "float64" else "exact") in modes
 
 
 def _wd_of(c: Case) -> float:

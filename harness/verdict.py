@@ -289,6 +289,18 @@ def _lp_weights(case: Case, traj: Trajectory, step: int) -> dict[str, torch.Tens
     return {n: _t(ps.model) for n, ps in traj.steps[step - 2].params.items()}
 
 
+def _start_weights(case: Case, traj: Trajectory, conv: oracles.Conventions) -> dict[str, torch.Tensor]:
+    """The weights the oracle starts from: the captured masters after initialize, except where the bug
+    model has DeepSpeed step at initialize (``Conventions.warmup_step_at_init``, DSM-014). There the
+    captured masters are already decayed once, and rounding them back to the model dtype does not undo
+    a decay above half a bf16/fp16 ulp (a user group's lr * weight_decay of 0.003 does not), so the model
+    starts from the harness's own weights (``harness.model.initial_weights``) and applies the warm-up
+    itself. Module cases build their weights elsewhere: they keep the captured masters."""
+    if conv.warmup_step_at_init and not case.model:
+        return {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case).items()}
+    return {n: _t(a) for n, a in traj.initial.items()}
+
+
 class _OracleLayout(LayoutView):
     def __init__(self, layout):
         self.layout = layout
@@ -395,7 +407,7 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
     data_rank = [case.data_rank(r, mp_rank) for r in range(W)]
     oracle_norms: dict[int, float | None] = {}
     grad_store = grad_store_dtype(case)
-    state = oracles.initial_state(sc, {n: _t(a) for n, a in traj.initial.items()}, conv)
+    state = oracles.initial_state(sc, _start_weights(case, traj, conv), conv)
     n_muon_calls = expected_muon_calls(case, sc, layout)
     # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
     ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}

@@ -117,6 +117,20 @@ def test_conv_crash_is_accepted_only_as_the_exact_exception(pool_manager):
     assert not bug.crash_matches(tb.replace("in muon_update", "in step"))
 
 
+def test_pointwise_conv_crash_is_accepted_at_zero3_copy_back(pool_manager):
+    """A 1x1 conv: muon_update's 2-D update broadcasts against the 4-D gradient instead of raising, and
+    ZeRO-3 fails copying the result back (DSM-012's second signature); only in that frame."""
+    c = pipeline_case(3, "none", "fp32", 1, steps=2,
+                      params=(ParamShape("conv.weight", (4, 2, 1, 1)), ParamShape("conv.bias", (4,))))
+    o = evaluate(c, "stock", pool_manager)
+    assert o.status == "xfailed" and o.strength == "crash" and o.bug_ids == ["DSM-012"], o.message
+    bug = BY_ID["DSM-012"]
+    tb = 'File "x/stage3.py", line 1, in _muon_update_sub_group\nRuntimeError: output with shape [4, 2, 1, 1] ' \
+         "doesn't match the broadcast shape [4, 2, 4, 2]"
+    assert bug.crash_matches(tb)
+    assert not bug.crash_matches(tb.replace("in _muon_update_sub_group", "in step"))
+
+
 def test_capture_holes_fail_with_their_own_message(pool_manager):
     c = _case(2, "none", "fp32", 2)
     traj = pool_manager.run(c).result
