@@ -193,11 +193,15 @@ def restrict(cmap: CoverageMap, names) -> CoverageMap:
 
 def load_or_record(progress=print, column: str = "stock") -> tuple[CoverageMap, Path]:
     """The map of the candidate cases on ``column``, recording only the cases the store does not hold
-    yet (a case whose definition changed counts as new); returns it and the path it was written to."""
+    yet (a case whose definition changed, or that errored, counts as new); returns it and the path it
+    was written to."""
     cases = candidate_cases()
     store_file = store_path(column)
     store = CoverageMap.load(store_file) if store_file.exists() else CoverageMap({}, {}, source_digest())
-    missing = [c for c in cases if c.name not in store.cases or store.cases[c.name].case_json != c.to_json()]
+    # A case recorded as an error is recorded again: its error was most likely the environment's (a
+    # copy without metadata, a killed run), and kept it would leave every mutant it covers unreached.
+    missing = [c for c in cases if c.name not in store.cases or store.cases[c.name].case_json != c.to_json()
+               or store.cases[c.name].status == "error"]
     if missing:
         progress(f"coverage: recording {len(missing)} case(s) not in {store_file.name}")
         stale = {c.name for c in missing}

@@ -39,6 +39,19 @@ FAST_FRACTION = 0.25
 ZYGOTE_ENV = "MUON_MUTATION_ZYGOTE"  # the socket of harness.source_mutation.zygote
 
 
+
+def recv_line(sock: socket.socket) -> bytes:
+    """One request or reply of the zygote's protocol: a JSON document ended by a newline (or by the
+    peer closing). Both ends (this client, the zygote) read with this, so they agree on where a message stops."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def ask_zygote(path: str, request: dict, timeout: float | None = None) -> dict | None:
     """The record for ``request`` from the server at ``path``; None when no server answers."""
     try:
@@ -47,12 +60,7 @@ def ask_zygote(path: str, request: dict, timeout: float | None = None) -> dict |
             s.connect(path)
             s.settimeout(timeout)
             s.sendall((json.dumps(request) + "\n").encode())
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            data = recv_line(s)
     except OSError:
         return None
     return json.loads(data) if data.strip() else None

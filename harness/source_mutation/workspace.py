@@ -74,8 +74,23 @@ def ensure_copy(src: Path | None = None) -> Path:
     for rel in scope.files():
         if (dst / rel).read_bytes() != (src / rel).read_bytes():
             shutil.copyfile(src / rel, dst / rel)
+    _copy_metadata(dst.parent)
     clear_scoped_bytecode(dst)
     return dst
+
+
+def _copy_metadata(site: Path) -> None:
+    """The installed release's ``.dist-info`` beside the copy. The copy shadows the installed package
+    on ``sys.path``, and ``harness.versions`` refuses a ``deepspeed`` whose nearest metadata describes
+    another folder (a tree without metadata would be judged as some other release); with its own
+    metadata the copy is, as it should be, the installed release."""
+    from importlib import metadata
+
+    dist = metadata.distribution("deepspeed")
+    info = Path(str(dist._path))  # the .dist-info / .egg-info folder of the installed release
+    target = site / info.name
+    if not target.exists():
+        shutil.copytree(info, target)
 
 
 class _NotScoped:

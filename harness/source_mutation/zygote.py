@@ -29,6 +29,7 @@ from pathlib import Path
 # The client half (the engine's test command forwards here) lives in the worker, which this imports.
 from harness.source_mutation.worker import ZYGOTE_ENV as SOCKET_ENV  # noqa: F401
 from harness.source_mutation.worker import ask_zygote as ask  # noqa: F401
+from harness.source_mutation.worker import recv_line
 
 
 def _judge_in_child(request: dict) -> dict:
@@ -74,12 +75,7 @@ def serve(path: str, log: str) -> None:
     while True:
         conn, _ = srv.accept()
         with conn:
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            data = recv_line(conn)
             try:
                 request = json.loads(data)
             except ValueError:
