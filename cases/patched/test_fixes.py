@@ -104,3 +104,17 @@ def test_patched_runtime_keeps_fp32_paths_exact(pool_manager):
         a = pool_manager.run(c).result
         b = pool_manager.run(c.replace(patched=True)).result
         assert a.fingerprint() == b.fingerprint(), c.name
+
+
+def test_conv_fix_reaches_stage_0_after_a_stock_case_in_the_same_ranks(pool_manager):
+    """Stage 0's ``muon_optimizer.py`` binds ``muon_update`` at its import. A rank that ran a stock
+    stage-0 case first had it bound to the unfixed function, and the patched conv net then crashed
+    (DSM-012) only in that order (found by the CI suite's order, not the gate's). The fix now
+    replaces that binding too."""
+    from harness.gate import evaluate
+    from harness.matrix import gate_cases
+
+    cases = {c.name: c for c in gate_cases()}
+    assert evaluate(cases["z0-none-fp32-ws2-ga2"], "stock", pool_manager).status == "passed"
+    o = evaluate(cases["resnet-z0-none-fp32-ws2-standard"], "patched", pool_manager)
+    assert o.status == "passed", o.message

@@ -12,8 +12,11 @@ same memory, so the in-place momentum update and Nesterov blend land where DeepS
 returns the update viewed back as 4-D. Newton-Schulz, the finite guard and the aspect scale
 ``sqrt(max(1, out/(in*kh*kw)))`` are then those of the orthogonalised matrix.
 
-Every DeepSpeed call site imports ``muon_update`` from ``original_muon`` at call time, so replacing
-the module attribute reaches all of them.
+The ZeRO call sites import ``muon_update`` from ``original_muon`` at call time, so replacing that
+module attribute reaches them; stage 0's ``muon_optimizer.py`` binds it once, at its own import. A
+rank that imported it before the fix (a stock case first) kept the unfixed function there, and the
+patched stage-0 conv case crashed only in that order. The binding is a second target, installed
+first, while ``original_muon`` is still the original.
 """
 from __future__ import annotations
 
@@ -53,10 +56,13 @@ def make_muon_update(orig):
 
 
 T_MUON_UPDATE = Target("deepspeed.runtime.zero.muon.original_muon", "muon_update", "a77932ec952c6824", make_muon_update)
+# The same function, as stage 0's module bound it (``from .original_muon import muon_update``).
+T_MUON_UPDATE_Z0 = Target("deepspeed.runtime.zero.muon.muon_optimizer", "muon_update", "a77932ec952c6824",
+                          make_muon_update)
 
 FIXES = (
     Fix(name=CONV, bug_id="DSM-012",
         symptom="Any 4-D (conv) parameter makes muon_update raise a broadcast RuntimeError at the first step.",
         trigger="a parameter with 4 dims (tagged use_muon), any stage/offload/dtype",
-        targets=(T_MUON_UPDATE,)),
+        targets=(T_MUON_UPDATE_Z0, T_MUON_UPDATE)),
 )
