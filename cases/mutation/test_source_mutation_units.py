@@ -118,7 +118,10 @@ def test_patched_column_spans_cover_every_replaced_function_decorators_included(
 
     spans = patched.spans(DS)
     keys = {t.key for f in patched_runtime.FIXES.values() for t in f.targets}
-    assert {f"deepspeed.{s['file'][:-3].replace('/', '.')}.{s['qualname']}" for s in spans} == keys
+    # A target that is a module's binding of a function defined elsewhere (stage 0's import of
+    # muon_update) has no lines of its own: the defining module's target spans them.
+    bindings = {"deepspeed.runtime.zero.muon.muon_optimizer.muon_update"}
+    assert {f"deepspeed.{s['file'][:-3].replace('/', '.')}.{s['qualname']}" for s in spans} == keys - bindings
     mu = next(s for s in spans if s["qualname"] == "muon_update")
     text = (DS / mu["file"]).read_text().splitlines()
     assert text[mu["first"] - 1].lstrip().startswith("@")  # the decorator line: the hash check reads it

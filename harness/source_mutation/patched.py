@@ -48,11 +48,19 @@ def spans(ds_root: Path) -> list[dict]:
             continue  # a replaced function outside the files any scoped function lives in
         tree = trees.setdefault(e["file"], ast.parse(path.read_text()))
         fn = scope._find(tree, e["qualname"])
+        if fn is None and _imported(tree, e["qualname"]):
+            continue  # a module's binding of a function defined elsewhere: its own target has the lines
         if fn is None:
             raise scope.ScopeError(f"{e['file']}: the patched runtime replaces {e['qualname']!r}, not found")
         first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
         out.append({**e, "first": first, "last": fn.end_lineno or fn.lineno, "fixes": sorted(set(e["fixes"]))})
     return sorted(out, key=lambda e: (e["file"], e["first"]))
+
+
+def _imported(tree: ast.Module, name: str) -> bool:
+    """Is ``name`` bound in the module by an import (``from .original_muon import muon_update``)?"""
+    return any(isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names)
+               for node in ast.walk(tree))
 
 
 def dump(items: list[dict], path: Path) -> None:
