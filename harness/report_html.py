@@ -99,6 +99,7 @@ def build_html(records: list[CaseRecord], maps_for, *, title: str | None = None,
     parts.append(f"<footer>Rendered {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by "
                  f"<code>harness.report</code> from {len(records)} stored outcome(s). "
                  f"Rebuild: <code>python -m harness report {_e(source or 'RESULTS_DIR')}</code></footer>")
+    parts.append(_bug_titles_json(records))
     parts.append(f"<script>{_JS}</script></body></html>")
     return "\n".join(parts)
 
@@ -254,7 +255,8 @@ def _grid_block(main, anchors) -> str:
             if r is None:
                 cells.append("<td class='cell none'>&ndash;</td>")
                 continue
-            inner = f"{_badge(r.status)} <span class='ratio'>{_ratio_txt(r.worst_ratio)}</span> {_bugs(r.bug_ids)}"
+            chips = _bugs(r.bug_ids, titled=False)
+            inner = f"{_badge(r.status)} <span class='ratio'>{_ratio_txt(r.worst_ratio)}</span> {chips}"
             if r.status in DETAIL_STATUSES:
                 inner = f"<a href='#{anchors[r.key]}' class='open-case'>{inner}</a>"
             cells.append(f"<td class='cell st-{r.status}'>{inner}</td>")
@@ -380,7 +382,7 @@ def _passed_block(main) -> str:
         rows.append(f"<tr class='st-{r.status}' data-case='{_e(r.case_name)}'><td>{_badge(r.status)}</td>"
                     f"<td class='cname'>{_e(r.case_name)}</td><td>{_e(r.column)}</td><td>{_e(r.mode)}</td>"
                     f"<td class='num'>{_ratio_txt(r.worst_ratio)}</td>"
-                    f"<td class='barcell'><span class='bar' style='width:{frac * 100:.0f}%'></span></td>"
+                    f"<td class='barcell'><i style='width:{frac * 100:.0f}%'></i></td>"
                     f"<td class='num'>{r.seconds:.1f}s</td></tr>")
     return (f"<section id='passed'><h2>Passing ({len(ok)})</h2><table class='passed'><thead><tr><th></th><th>case</th>"
             "<th>column</th><th>mode</th><th>worst ratio</th><th>(log, 1e-4 &hellip; 1)</th><th>time</th></tr></thead>"
@@ -418,7 +420,7 @@ def _details_block(main, anchors, maps_for, heatmaps_per_param, all_plots=False,
     if compact:
         rows = "".join(
             f"<tr id='{anchors[r.key]}' class='st-{r.status}' data-case='{_e(r.case_name)}'><td>{_badge(r.status)}</td>"
-            f"<td class='cname'>{_e(r.case_name)}</td><td>{_e(r.column)}</td><td>{_bugs(r.bug_ids)}</td>"
+            f"<td class='cname'>{_e(r.case_name)}</td><td>{_e(r.column)}</td><td>{_bugs(r.bug_ids, titled=False)}</td>"
             f"<td class='num'>{_ratio_txt(r.worst_ratio)}</td><td class='msg1'>{_e(_first_line(r))}</td></tr>"
             for r in compact)
         parts.append(f"<h3 id='more-xfails'>Other strict xfails ({len(compact)}), each matching its bug's model</h3>"
@@ -660,15 +662,27 @@ _BADGE = {"passed": "PASS", "failed": "FAIL", "xfailed": "XFAIL", "xpassed": "XP
 
 
 def _badge(status: str) -> str:
-    return f"<span class='badge st-{_e(status)}'>{_BADGE.get(status, _e(status.upper()))}</span>"
+    return f"<b class='badge st-{_e(status)}'>{_BADGE.get(status, _e(status.upper()))}</b>"
 
 
-def _bugs(ids: Iterable[str]) -> str:
+def _bugs(ids: Iterable[str], titled: bool = True) -> str:
+    """Bug-id chips. A grid cell or compact row leaves its title out (``titled=False``): a ``--full``
+    page has ~2,500 of them and the titles alone were 0.2 MB; the page's script takes each title from
+    the one ``bug-titles`` table (``_bug_titles_json``) on load."""
     out = []
     for i in ids or ():
         b = _bug(i)
-        out.append(f"<span class='bug' title='{_e(b.title) if b else ''}'>{_e(i)}</span>")
+        title = f" title='{_e(b.title) if b else ''}'" if titled else ""
+        out.append(f"<span class='bug'{title}>{_e(i)}</span>")
     return " ".join(out)
+
+
+def _bug_titles_json(records) -> str:
+    """The titles of the bugs the page names, once, for the script to put on the untitled chips."""
+    ids = sorted({i for r in records for i in (r.bug_ids or ())})
+    table = {i: b.title for i in ids if (b := _bug(i))}
+    text = json.dumps(table).replace("</", "<\\/")
+    return f"<script type='application/json' id='bug-titles'>{text}</script>"
 
 
 def _bug(bug_id: str):

@@ -73,7 +73,8 @@ def test_real_failure_renders_in_chromium(real_report):
                     found: !!d, closedSvg: closedSvg, heat: !!h, heatSvg: h ? h.querySelectorAll('svg').length : 0,
                     w: r ? r.width : 0, h: r ? r.height : 0,
                     boundaries: h ? h.querySelectorAll('[id$="boundary-r1"]').length : 0,
-                    passRow: !!document.querySelector('#passed tr[data-case="%s"]')};
+                    passRow: !!document.querySelector('#passed tr[data-case="%s"]'),
+                    chip: (document.querySelector('table.grid span.bug') || {}).title || ''};
         })()""" % (failing, failing, passing))
         time.sleep(0.2)
         chrome.screenshot(SCREENSHOT)
@@ -90,7 +91,13 @@ def test_real_failure_renders_in_chromium(real_report):
     assert page["heat"] and page["heatSvg"] == 1 and page["w"] > 300 and page["h"] > 60
     assert page["boundaries"] == 1  # layer0.weight is cut between rank 0 and rank 1
     assert page["passRow"]
+    assert page["chip"] == known_bugs_title("DSM-001")  # a grid chip gets its title from the page's one table
     assert SCREENSHOT.stat().st_size > 20_000
+
+
+def known_bugs_title(bug_id: str) -> str:
+    from harness.bugs import BUGS
+    return next(b.title for b in BUGS if b.id == bug_id)
 
 
 def n_details(html_path) -> int:

@@ -1,5 +1,12 @@
 
 (function(){
+  var bt = document.getElementById('bug-titles');
+  if(bt){
+    var titles = JSON.parse(bt.textContent);
+    document.querySelectorAll('span.bug:not([title])').forEach(function(s){
+      var t = titles[s.textContent]; if(t) s.title = t;
+    });
+  }
   function materialize(root){
     root.querySelectorAll('script.lazy-svg').forEach(function(s){
       s.insertAdjacentHTML('afterend', s.textContent);
