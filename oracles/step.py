@@ -349,6 +349,9 @@ class StepRecord:
     clip_coef: float                      # k >= 1; 1 when clipping is off or the step was skipped
     params: Mapping[str, ParamRecord] = field(default_factory=dict)
     reported_norm: Optional[float] = None  # what get_global_grad_norm() returns (Conventions.reported_norm)
+    # the same, taken over the implementation's own Muon updates (``step(norm_directions=...)``); None
+    # when they were not given or the norm is another run's (``shared_norm``)
+    reported_norm_own: Optional[float] = None
 
 
 def _model_torch_dtype(cfg: StepConfig) -> torch.dtype:
@@ -482,7 +485,8 @@ def _skip(state: OracleState, cfg: StepConfig, conv: Conventions, G: Mapping[str
 def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepConfig,
          conv: Conventions = Conventions(), ns_mode: str = "exact",
          forced_clip_coef: Optional[float] = None,
-         shared_norm: Optional[float] = None) -> tuple[OracleState, StepRecord]:
+         shared_norm: Optional[float] = None,
+         norm_directions: Optional[Mapping[str, torch.Tensor]] = None) -> tuple[OracleState, StepRecord]:
     """One optimizer step. ``ns_mode``: ``"exact"`` (float64 Newton-Schulz) or ``"emulated"``
     (:mod:`oracles.emulate`: DeepSpeed's 16-bit iteration with its rounding points; when
     ``momentum_dtype`` is a storage dtype the momentum lerps are then also evaluated as DeepSpeed
@@ -500,7 +504,16 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     same step computed it, used for the clip, the non-finite-norm skip and the reported norm instead of
     this run's own: a model-parallel replica's, where DeepSpeed counts a parameter without
     model-parallel attributes only on model-parallel rank 0 (docs/deepspeed-0.19.8.md section 14).
-    None: this run's norm."""
+    None: this run's norm.
+
+    ``norm_directions``: teacher forcing of the reported norm: the Muon updates the implementation
+    itself computed (every Muon parameter's). The record's ``reported_norm_own`` is then the norm
+    ``get_global_grad_norm()`` should report given those updates, by the same rule and units as
+    ``reported_norm``. The norm over the oracle's own directions inherits Newton-Schulz's allowance
+    (rtol up to ~10 where the iteration is not emulated bit for bit, e.g. compiled), wide enough to
+    hide a norm taken over the wrong vectors; over the implementation's own updates only its norm
+    arithmetic is left to allow for. (Where the clip acts before Muon the norm is over the fed
+    gradients already, and the two coincide.)"""
     if ns_mode not in NS_MODES:
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
     if conv.muon_momentum_lost_after is not None and state.step_count == conv.muon_momentum_lost_after:
@@ -584,10 +597,16 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         return _skip(state, cfg, conv, G, "update_overflow", momentum=new_mom)
 
     # -- 5. norm, second skip test, scaler ---------------------------------------------------------
+    own = None
     if conv.clip_norm_source == "muon_update":
         norm = global_norm([directions[p.name] for p in muon_specs] + [Gs[p.name] for p in adam_specs])
+        if norm_directions is not None and all(p.name in norm_directions for p in muon_specs):
+            own = global_norm([norm_directions[p.name].to(torch.float64) for p in muon_specs]
+                              + [Gs[p.name] for p in adam_specs])
         if shared_norm is not None:
-            norm = shared_norm
+            norm, own = shared_norm, None
+    elif shared_norm is None:
+        own = norm  # the fed gradients' norm: the implementation's own by construction
     if not math.isfinite(norm):
         return _skip(state, cfg, conv, G, "nonfinite_norm")
     scaler = update_scale(state.scaler, False, cfg.loss_scaler)
@@ -628,8 +647,11 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],
                               round_to(master[n], lp), res.m, res.v)
     new_state = OracleState(master, momentum, adam_m, adam_v, t, scaler, state.step_count + 1, state.skipped_steps)
-    reported = {"norm": norm, "clip_norm": clip_norm, "raw": norm / read * backward_scale}[conv.reported_norm]
-    return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs, reported)
+    def as_reported(n: float) -> float:
+        return {"norm": n, "clip_norm": n * ratio, "raw": n / read * backward_scale}[conv.reported_norm]
+
+    return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs, as_reported(norm),
+                                 None if own is None else as_reported(own))
 
 
 def _round_padded_tail(m: torch.Tensor, world_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -330,6 +330,26 @@ def ns_relative_error(u_compute: float, sigma_lo: float, *, long_dim: int, u_acc
     return KAPPA * ((C_IN * u_compute + input_rel_err) * gains[0] + C_ITER * per_iter * sum(gains[1:]))
 
 
+def own_norm_allowance(n_elements: int, model_dtype: str, store_dtype: str) -> Allowance:
+    """The reported global norm against the same norm taken in float64 over the implementation's *own*
+    Muon updates and gradients (``oracles.step`` ``norm_directions``): no Newton-Schulz error enters,
+    only the implementation's norm arithmetic. Derived, worst case:
+
+    * summing ``n`` squares in fp32 (DeepSpeed's ZeRO paths widen to float64, ``get_norm_dtype``; a
+      path that did not is still covered): ``gamma_n(u32)`` on the sum of squares, half that on its root;
+    * a partial norm returned as a tensor of the model dtype (``torch.linalg.vector_norm`` of a 16-bit
+      partition) and squared, summed over partitions and rooted again: ``2 u_model``;
+    * the update written into a buffer of another dtype than the one it was captured in: ``u_store``;
+    * a few fp32 operations on the combined value (square root, unscale by a power of two): ``4 u32``.
+    """
+    u32 = UNIT_ROUNDOFF["fp32"]
+    nu = n_elements * u32
+    gamma = nu / (1.0 - nu) if nu < 0.5 else 1.0
+    rtol = 0.5 * gamma + 2.0 * unit_roundoff(model_dtype) + unit_roundoff(store_dtype) + 4.0 * u32
+    return Allowance(0.0, rtol, f"norm of DeepSpeed's own updates: gamma_n(u32)/2 (n={n_elements}) + 2 u_model "
+                                f"({model_dtype}) + u_store ({store_dtype}) + 4 u32")
+
+
 def normalised_sigma_lo(U: torch.Tensor, rank_tol: float = 1e-10) -> float:
     """``sigma_min(U)/(||U||_F)`` over the min(rows, cols) singular values; 0 if numerically
     rank-deficient. Batched (3-D) input: the minimum over the batch."""

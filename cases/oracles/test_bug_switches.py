@@ -216,3 +216,32 @@ def test_switch_values_are_checked():
             assert next(iter(bad)) in str(e)
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+def test_reported_norm_over_the_implementations_own_updates():
+    """``norm_directions`` (teacher forcing of the norm): given the oracle's own directions it reproduces
+    the reported norm to float64 summation; given another update it is that update's norm by the same
+    rule (Muon update + Adam gradient); where the clip reads the gradients it is the fed gradients'
+    norm whatever the updates; a shared (other replica's) norm leaves nothing of this run's to judge."""
+    cfg = StepConfig(SPECS, model_dtype="fp32")
+    st = initial_state(cfg, _weights())
+    _, rec = oracle_step(st, _grads(), cfg)
+    O = rec.params["w"].direction
+    _, same = oracle_step(st, _grads(), cfg, norm_directions={"w": O})
+    assert abs(same.reported_norm_own - rec.reported_norm) <= 4 * 2.0 ** -53 * rec.reported_norm
+    other = 2.0 * O
+    _, twice = oracle_step(st, _grads(), cfg, norm_directions={"w": other})
+    g_b = _grads()[0][0]["b"]
+    expected = float(torch.sqrt((other ** 2).sum() + (g_b ** 2).sum()))
+    assert abs(twice.reported_norm_own - expected) <= 4 * 2.0 ** -53 * expected
+    assert twice.reported_norm == rec.reported_norm  # the oracle's own norm and step are untouched
+    assert torch.equal(twice.params["w"].master, rec.params["w"].master)
+    _, none = oracle_step(st, _grads(), cfg)
+    assert none.reported_norm_own is None  # nothing given, nothing to judge
+    g = Conventions(clip_norm_source="gradient")
+    _, by_grad = oracle_step(initial_state(cfg, _weights(), g), _grads(), cfg, g, norm_directions={"w": other})
+    g_w = _grads()[0][0]["w"]
+    grad_norm = float(torch.sqrt((g_w ** 2).sum() + (g_b ** 2).sum()))
+    assert abs(by_grad.reported_norm_own - grad_norm) <= 4 * 2.0 ** -53 * grad_norm
+    _, shared = oracle_step(st, _grads(), cfg, shared_norm=1.5, norm_directions={"w": other})
+    assert shared.reported_norm_own is None and shared.reported_norm == 1.5

@@ -226,3 +226,21 @@ def test_one_record_for_the_verdict_and_the_allowance():
     assert "element (0, 0)" in text and "2 of 12 elements" in text and "unit test" in text
     ok = a.check(e + 1e-3, e)
     assert ok.ok and ok.rel_index and np.isclose(ok.rel_error, 1e-3)
+
+
+@pytest.mark.parametrize("dtype,n", [("bf16", 64), ("bf16", 524288), ("fp16", 4096), ("fp32", 100000)])
+def test_own_norm_allowance_holds_on_the_arithmetic_it_bounds(dtype, n):
+    """A norm taken the way a 16-bit ZeRO path may take it (partition norms as 16-bit tensors, squared,
+    summed, rooted in fp32) stays inside ``own_norm_allowance`` of the float64 norm of the same stored
+    values, and the allowance stays far below a norm taken over other vectors (DSM-016: 50% off)."""
+    from oracles import own_norm_allowance
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    gen = torch.Generator().manual_seed(n)
+    v = (torch.randn(n, generator=gen, dtype=torch.float64) * 0.1).to(torch_dtype)
+    exact = float(torch.linalg.vector_norm(v.to(torch.float64)))
+    parts = [torch.linalg.vector_norm(p) for p in v.chunk(3)]  # each returned in the storage dtype
+    got = float(torch.sqrt(sum(p.to(torch.float32) ** 2 for p in parts)))
+    a = own_norm_allowance(n, dtype, dtype)
+    assert abs(got - exact) <= a.rtol * exact
+    assert a.rtol < 0.05
