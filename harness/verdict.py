@@ -547,7 +547,8 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
                                    world_size=W, gas=GAS, ns_method=ns_of[n], grad_dtype="fp64",
                                    momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
-                                   clipping_active=sc.gradient_clipping > 0)
+                                   clipping_active=sc.gradient_clipping > 0,
+                                   use_muon=None if p.use_muon else False)  # Adam: no NS error in its step
             if mode == "exact" and p.use_muon and o.direction is not None:
                 a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size)
             # muon_update hands back O in the dtype of the gradient buffer it is written into (the model

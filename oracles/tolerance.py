@@ -405,8 +405,12 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
                adam_betas: tuple[float, float] = (0.9, 0.95), grad_term_scale: Optional[float] = None,
                grad_to_momentum: Optional[float] = None, weight_scale: float = 0.0,
                step_to_weight: float = 1.0, backward_rel_err: float = 0.0, backward_term_err: float = 0.0,
-               clipping_active: bool = True) -> Allowances:
+               clipping_active: bool = True, use_muon: Optional[bool] = None) -> Allowances:
     """The allowance per quantity for one Muon parameter of ``shape`` (see the module docstring).
+
+    ``use_muon``: which update the parameter's weights take, for the master and model allowances:
+    ``False`` (an auxiliary-Adam parameter) counts Adam's update error only, so Newton-Schulz's (rtol
+    up to ~1 where it is not emulated bit for bit) does not widen them; None: the worse of the two.
 
     ``grad_dtype``/``momentum_dtype`` default to the model dtype (DeepSpeed's non-offload storage);
     pass ``"fp32"`` for the offload paths. ``sigma_lo``: :func:`normalised_sigma_lo` of the NS input
@@ -493,7 +497,7 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
     adam_update = Allowance(atol_u, rtol_ad + 2.0 * u_w, "rtol_adam + 2 u_w")
 
     # -- weights
-    worst_update = max(update.rtol, adam_update.rtol)
+    worst_update = {True: update.rtol, False: adam_update.rtol}.get(use_muon, max(update.rtol, adam_update.rtol))
     rtol_w = T * (2.0 * u_w + worst_update * step_to_weight)
     master = Allowance(0.0, rtol_w, f"T (2 u_w + rtol_update * step_to_weight), T={T}, "
                                     f"step_to_weight={step_to_weight:.3g}")

@@ -244,3 +244,21 @@ def test_own_norm_allowance_holds_on_the_arithmetic_it_bounds(dtype, n):
     a = own_norm_allowance(n, dtype, dtype)
     assert abs(got - exact) <= a.rtol * exact
     assert a.rtol < 0.05
+
+
+def test_an_adam_parameters_weights_do_not_inherit_newton_schulz_error():
+    """``use_muon=False``: the master allowance of an auxiliary-Adam parameter counts Adam's update error
+    only; where Newton-Schulz is not bit-exact (exact mode, small sigma_lo) Muon's update error is orders
+    of magnitude larger and used to widen Adam's masters too (DSM-014 hid inside it on compiled stage 0).
+    With clipping on, Adam does inherit it, through the clip coefficient taken from the updates' norm."""
+    kw = dict(model_dtype="bf16", shape=(6, 5), sigma_lo=1e-3, step_to_weight=1e-3, steps=1, clipping_active=False)
+    both = allowances("exact", **kw)
+    adam = allowances("exact", use_muon=False, **kw)
+    muon = allowances("exact", use_muon=True, **kw)
+    u_w = 2.0 ** -24
+    assert adam.master.rtol == pytest.approx(2 * u_w + adam.adam_update.rtol * 1e-3)
+    assert muon.master.rtol == pytest.approx(2 * u_w + muon.update.rtol * 1e-3)
+    assert both.master.rtol == max(adam.master.rtol, muon.master.rtol)
+    assert adam.master.rtol < muon.master.rtol / 10
+    clipped = allowances("exact", use_muon=False, **{**kw, "clipping_active": True})
+    assert clipped.adam_update.rtol >= 2 * clipped.clip_coef.rtol > 100 * adam.adam_update.rtol  # k carries NS error
