@@ -582,6 +582,15 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
                                                        + f" + 2 u_out ({u_out:.3g}) x step_to_weight", x.cap)
                                      for x in (a.master, a.model))
             add(n, "master", s, ps.master, o.master.numpy(), a_master)
+            if o.master_own is not None:
+                # the same master from DeepSpeed's own update and its own norm's clip: the step's
+                # arithmetic (lr, weight decay, clip) without Newton-Schulz's allowance in it
+                clip_rtol = (oracles.own_norm_allowance(sum(math.prod(q.shape) for q in sc.params), case.dtype,
+                                                        case.dtype).rtol if sc.gradient_clipping > 0 else 0.0)
+                own_step = float((o.master_own - state.master[n].to(torch.float64)).abs().max())
+                add(n, "master", s, ps.master, o.master_own.numpy(),
+                    oracles.own_master_allowance(own_step / weight_scale if weight_scale > 0 else 1.0,
+                                                 clip_rtol, u_store))
             add(n, "model", s, ps.model, o.model.numpy(), a_model)
 
         if mo is not None:

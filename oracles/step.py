@@ -334,6 +334,9 @@ class ParamRecord:
     model: torch.Tensor                   # model-dtype weights after the step (as float64)
     adam_m: Optional[torch.Tensor] = None
     adam_v: Optional[torch.Tensor] = None
+    # a Muon master as the implementation's own update (``step(norm_directions=...)``) and the clip
+    # coefficient of its own norm should have left it; None when no update was given
+    master_own: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -506,10 +509,12 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     model-parallel attributes only on model-parallel rank 0 (docs/deepspeed-0.19.8.md section 14).
     None: this run's norm.
 
-    ``norm_directions``: teacher forcing of the reported norm: the Muon updates the implementation
-    itself computed (every Muon parameter's). The record's ``reported_norm_own`` is then the norm
-    ``get_global_grad_norm()`` should report given those updates, by the same rule and units as
-    ``reported_norm``. The norm over the oracle's own directions inherits Newton-Schulz's allowance
+    ``norm_directions``: teacher forcing of the reported norm and of the Muon masters: the Muon updates
+    the implementation itself computed (every Muon parameter's). The record's ``reported_norm_own`` is
+    then the norm ``get_global_grad_norm()`` should report given those updates, by the same rule and
+    units as ``reported_norm``, and each Muon ``ParamRecord.master_own`` the master those updates and
+    that norm's clip coefficient should give: the step's arithmetic (lr, weight decay, clip) judged
+    without Newton-Schulz's error in it. The norm over the oracle's own directions inherits Newton-Schulz's allowance
     (rtol up to ~10 where the iteration is not emulated bit for bit, e.g. compiled), wide enough to
     hide a norm taken over the wrong vectors; over the implementation's own updates only its norm
     arithmetic is left to allow for. (Where the clip acts before Muon the norm is over the fed
@@ -615,9 +620,12 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     if conv.clip_norm_source == "muon_update":
         k = clip_coefficient(clip_norm, c)
         muon_div, adam_div = k, k
+        # the divisor the implementation's own updates call for: the clip of their own norm
+        muon_div_own = clip_coefficient(own * ratio, c) if own is not None and math.isfinite(own) else None
     else:
         k = pre_k
         muon_div, adam_div = 1.0, k
+        muon_div_own = 1.0
 
     # -- 6. apply ----------------------------------------------------------------------------------
     master, momentum = dict(state.master), dict(state.momentum)
@@ -633,8 +641,14 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         theta_new = theta * (1.0 - lr * wd) - lr * (directions[n] * (muon_factor / muon_div))
         master[n] = round_master(theta_new, conv)
         momentum[n] = new_mom[n]
+        own_master = None
+        if norm_directions is not None and n in norm_directions and muon_div_own is not None:
+            O_own = norm_directions[n].to(torch.float64)
+            if conv.update_store_dtype is not None:
+                O_own = round_to(O_own, MODEL_DTYPES[conv.update_store_dtype])
+            own_master = round_master(theta * (1.0 - lr * wd) - lr * (O_own * (muon_factor / muon_div_own)), conv)
         recs[n] = ParamRecord(n, True, G[n], new_mom[n], directions[n], theta_new - theta, master[n],
-                              round_to(master[n], lp))
+                              round_to(master[n], lp), master_own=own_master)
     for spec in adam_specs:
         n = spec.name
         theta = state.master[n].to(torch.float64)

@@ -350,6 +350,22 @@ def own_norm_allowance(n_elements: int, model_dtype: str, store_dtype: str) -> A
                                 f"({model_dtype}) + u_store ({store_dtype}) + 4 u32")
 
 
+def own_master_allowance(step_to_weight: float, clip_rtol: float, u_store: float) -> Allowance:
+    """A Muon master against the one the implementation's *own* update should give
+    (``oracles.step`` ``ParamRecord.master_own``): ``theta (1 - lr wd) - lr O / k`` with ``O`` as
+    captured and ``k`` from the norm of the captured updates. No Newton-Schulz error enters. Derived:
+    the fp32 weight update rounds twice (``mul_``, ``add_``: ``2 u_w`` of the weight); the applied
+    update ``lr O / k`` carries the unscale and lr products and the add's operand (``4 u_w``), ``O``
+    stored once in the dtype of the buffer it is applied from where that is not the dtype it was
+    captured in (ZeRO-3 offload forms ``S O`` in the 16-bit accumulation dtype: ``u_store``) and ``k``'s
+    relative error ``clip_rtol`` (the own norm's allowance where clipping is on), scaled to the weight
+    by ``step_to_weight``."""
+    u_w = UNIT_ROUNDOFF["fp32"]
+    rtol = 2.0 * u_w + (4.0 * u_w + u_store + clip_rtol) * step_to_weight
+    return Allowance(0.0, rtol, f"own update: 2 u_w + (4 u_w + u_store + rtol_k) * step_to_weight, "
+                                f"u_store={u_store:.3g}, rtol_k={clip_rtol:.3g}, step_to_weight={step_to_weight:.3g}")
+
+
 def normalised_sigma_lo(U: torch.Tensor, rank_tol: float = 1e-10) -> float:
     """``sigma_min(U)/(||U||_F)`` over the min(rows, cols) singular values; 0 if numerically
     rank-deficient. Batched (3-D) input: the minimum over the batch."""
