@@ -276,6 +276,10 @@ def _t(a) -> torch.Tensor:
     return torch.as_tensor(np.asarray(a), dtype=torch.float64)
 
 
+OWN_MODEL = oracles.Allowance(0.0, 0.0, "own master: the model weights are DeepSpeed's fp32 master rounded "
+                                        "once to the model dtype (deterministic)")
+
+
 def round_to_lp(w: torch.Tensor, case: Case) -> torch.Tensor:
     """``w`` as the model-dtype weights of the case hold it (as float64)."""
     return w.to(oracles.MODEL_DTYPES[case.dtype]).to(torch.float64)
@@ -592,6 +596,9 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
                     oracles.own_master_allowance(own_step / weight_scale if weight_scale > 0 else 1.0,
                                                  clip_rtol, u_store))
             add(n, "model", s, ps.model, o.model.numpy(), a_model)
+            # ... and against DeepSpeed's own master rounded once to the model dtype, which is all the
+            # copy back to the module does (round to nearest): exact, whatever the Newton-Schulz mode
+            add(n, "model", s, ps.model, round_to_lp(_t(ps.master), case).numpy(), OWN_MODEL)
 
         if mo is not None:
             mo.check_buffers(rec, add)

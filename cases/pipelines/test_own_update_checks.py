@@ -14,6 +14,7 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 
 from harness.scenarios import pipeline_case
 from harness.verdict import judge
@@ -43,6 +44,7 @@ def test_a_step_applied_with_an_lr_one_percent_off_is_caught_by_the_own_update_c
         if ps.update is not None:  # a Muon matrix: its step 1 update applied 1% larger
             m = np.asarray(ps.master, dtype=np.float64)
             ps.master = (m + 0.01 * (m - prev[n])).astype(np.float32)
+            ps.model = torch.as_tensor(ps.master).to(torch.bfloat16).to(torch.float32).numpy()  # copied on
             moved.append(n)
     assert moved
     step = wrong.steps[1].step
@@ -63,3 +65,21 @@ def test_a_norm_over_the_wrong_vectors_is_caught_by_the_own_norm_check(run):
     norm_checks = [c for c in v.checks if c.quantity == "global_norm" and c.step == wrong.steps[0].step]
     assert any(_own(c) and not c.passed for c in norm_checks), v.message()
     assert any(not _own(c) and c.passed for c in norm_checks)
+
+
+def test_a_model_weight_one_ulp_off_its_own_master_is_caught(run):
+    """The copy of the fp32 master into the bf16 module is one round-to-nearest: a single element one ulp
+    away (a stale or mis-sliced copy on one rank) fails the own-master model check, exactly; the
+    oracle-derived model check allows a rounding flip and cannot tell."""
+    case, traj = run
+    wrong = copy.deepcopy(traj)
+    rec = wrong.steps[1]
+    name = next(n for n, ps in rec.params.items() if ps.update is not None)
+    m = torch.as_tensor(np.asarray(rec.params[name].model, dtype=np.float32)).to(torch.bfloat16)
+    flat = m.reshape(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=torch.bfloat16))
+    rec.params[name].model = m.to(torch.float32).numpy()
+    v = judge(case, wrong, mode="exact")
+    failed = [(c.param, c.quantity, c.step) for c in v.failures]
+    assert failed == [(name, "model", rec.step)] and all(c.record.derivation.startswith("own master")
+                                                          for c in v.failures), v.message()
