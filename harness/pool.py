@@ -68,10 +68,26 @@ def _fresh_dynamo() -> None:
     torch._dynamo.reset()
 
 
+def _process_name(uid: str) -> str:
+    """The name (``/proc/PID/comm``, 15 characters at most) a rank of pool ``uid`` gives itself: a
+    forked rank's ``/proc/PID/environ`` is its parent's, so the pool marker cannot be read there."""
+    return f"muonr{uid[:10]}"
+
+
+def _name_process(name: str) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
+
+
 def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env: dict) -> None:
     os.setsid()
     set_parent_death_signal()
     os.environ.update(env)
+    _name_process(_process_name(env.get(POOL_MARKER, "")))
     pool = Path(pool_dir)
     redirect_output(pool / f"rank{rank}.log")
     stack_file = open(pool / f"rank{rank}.stack", "w")
@@ -129,10 +145,31 @@ def _environ(extra: dict):
                     os.environ[k] = v
 
 
+def _fork_is_safe(compiled: bool) -> bool:
+    """Whether this process may fork its ranks instead of spawning them.
+
+    A forked rank inherits torch and the harness already imported: a pool starts in ~2 s instead of
+    ~11 s (measured here under load, two ranks), which is most of what a crashing case costs (a
+    stock DSM-012 conv case discards its pool: 75 of them in ``--full``). Forking is safe only when
+    nothing else runs in this process at the fork: no other Python thread (pytest-xdist's execnet
+    threads, for one, could hold a lock the child then never sees released) and no OpenMP team
+    (``buildenv.apply_base_env`` keeps torch at one thread; a process with more forks no ranks).
+    Compiled pools always spawn: torch._dynamo reads ``TORCHDYNAMO_DISABLE`` when it is imported, so a
+    rank forked from a process that imported it disabled would run a compiled case eagerly."""
+    if compiled or threading.active_count() != 1:
+        return False
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        return False
+    if "torch" in sys.modules and sys.modules["torch"].get_num_threads() != 1:
+        return False
+    return True
+
+
 class RankPool:
     # "spawn": every rank a fresh interpreter. harness.source_mutation.zygote sets "fork" in its judging
     # child (torch imported, one thread, DeepSpeed from the mutated copy): a rank then skips torch's import.
-    START_METHOD = "spawn"
+    # "auto" (the default): fork where it is safe (``_fork_is_safe``), else spawn.
+    START_METHOD = "auto"
 
     def __init__(self, world_size: int, *, compiled: bool = False, root: Path | None = None):
         if world_size < 1:
@@ -157,7 +194,9 @@ class RankPool:
         if compiled:
             env["TORCHDYNAMO_DISABLE"] = "0"
         self.env = env
-        ctx = mp.get_context(self.START_METHOD)
+        self.start_method = self.START_METHOD if self.START_METHOD != "auto" else (
+            "fork" if _fork_is_safe(compiled) else "spawn")
+        ctx = mp.get_context(self.start_method)
         # spawn starts a resource tracker with the first process; start it now, before the pool's
         # marker is in the environment, so it is not mistaken for a leftover rank.
         from multiprocessing import resource_tracker
@@ -249,6 +288,31 @@ class RankPool:
                 raise RankDied(case_name, r, self.procs[r].exitcode, self.log_tail(r))
         return msgs
 
+    def _dead_peer(self, reporter: int, pending: set[int], grace_s: float = 0.3) -> int | None:
+        """A rank of ``pending`` (those not heard from yet) other than ``reporter`` that has exited
+        without a word (or does within ``grace_s``): a peer that died makes the others' collectives
+        fail ("Connection reset by peer"), and which of the two the parent hears of first is a race. A
+        peer that reported its own error before exiting (its collective failed because ``reporter``
+        raised) is not a death."""
+        others = [r for r in pending if r != reporter]
+        deadline = time.monotonic() + grace_s
+        while others:
+            for r in list(others):
+                if self.procs[r].exitcode is None:
+                    continue
+                try:
+                    if self.conns[r].poll():
+                        self.conns[r].recv()
+                        others.remove(r)  # it said something before exiting: not a silent death
+                        continue
+                except (EOFError, OSError):
+                    pass
+                return r
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        return None
+
     def log_tail(self, rank: int, chars: int = 4000) -> str:
         try:
             text = (self.dir / f"rank{rank}.log").read_text(errors="replace")
@@ -295,6 +359,11 @@ class RankPool:
                     raise CaseTimeout(case.name, case.timeout_s, stacks) from None
                 for r, msg in msgs.items():
                     if msg[0] == "error":
+                        dead = self._dead_peer(r, pending - set(msgs))  # those in msgs have spoken
+                        if dead is not None:  # the root cause: the peer's error is its broken connection
+                            code, tail = self.procs[dead].exitcode, self.log_tail(dead)
+                            self.close(kill=True)
+                            raise RankDied(case.name, dead, code, tail)
                         self.close(kill=True)
                         raise RankFailed(case.name, r, msg[1])
                     results[r] = msg
@@ -346,7 +415,9 @@ class PoolManager:
 
 
 def marked_processes(marker: str | None = None) -> list[int]:
-    """PIDs whose environment carries the pool marker (any pool, or one pool's uid)."""
+    """PIDs whose environment carries the pool marker (any pool, or one pool's uid), or that are
+    named as a pool's rank (``_process_name``: a forked rank, whose environ is its parent's)."""
+    prefix = POOL_MARKER.encode() + b"="
     found = []
     me = os.getpid()
     for entry in os.listdir("/proc"):
@@ -355,18 +426,16 @@ def marked_processes(marker: str | None = None) -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except (FileNotFoundError, PermissionError, ProcessLookupError):
             continue
-        for kv in env:
-            if kv.startswith(POOL_MARKER.encode() + b"="):
-                if marker is None or kv.split(b"=", 1)[1].decode() == marker:
-                    # Zombies keep their environ readable only until reaped; skip them.
-                    try:
-                        with open(f"/proc/{entry}/stat") as f:
-                            state = f.read().rsplit(")", 1)[1].split()[0]
-                    except (FileNotFoundError, ProcessLookupError):
-                        break
-                    if state != "Z":
-                        found.append(int(entry))
-                break
+        if marker is None:
+            marked = any(kv.startswith(prefix) for kv in env) or (comm.startswith("muonr") and len(comm) == 15)
+        else:
+            marked = prefix + marker.encode() in env or comm == _process_name(marker)
+        if marked and state != "Z":  # a zombie keeps its environ readable only until reaped
+            found.append(int(entry))
     return found

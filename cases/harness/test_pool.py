@@ -156,3 +156,50 @@ def test_a_compiled_case_in_reused_ranks_gives_the_bits_of_fresh_ranks():
     finally:
         fresh_pool.close()
     assert reused.fingerprint() == fresh.fingerprint()
+
+
+def test_forked_ranks_give_the_same_bits_and_leave_nothing(tmp_path, monkeypatch):
+    """Forked ranks (torch inherited; what a single-threaded gate process uses) run a case to the same
+    bits as spawned ones, are found by their pool's name although their environ is the parent's, and
+    are gone after close."""
+    import numpy as np
+
+    from harness.pool import RankPool
+
+    case = pipeline_case(2, "none", "bf16", 2, steps=2)
+    out = {}
+    for method in ("spawn", "fork"):
+        monkeypatch.setattr(RankPool, "START_METHOD", method)
+        pool = RankPool(2, root=tmp_path)
+        try:
+            assert pool.start_method == method
+            assert sorted(marked_processes(pool.uid)) == sorted(pool.pids())
+            out[method] = pool.run(case).result
+        finally:
+            pool.close()
+        assert _wait_marker_gone(pool.uid) == []
+    for a, b in zip(out["spawn"].steps, out["fork"].steps):
+        for n, ps in a.params.items():
+            assert np.array_equal(ps.master, b.params[n].master) and np.array_equal(ps.update, b.params[n].update)
+
+
+def test_fork_only_where_nothing_else_runs(monkeypatch):
+    """Another thread (pytest-xdist's execnet has some) or a compiled pool means spawn."""
+    import threading
+
+    from harness import pool as pool_mod
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert pool_mod._fork_is_safe(compiled=True) is False
+    if threading.active_count() == 1:
+        assert pool_mod._fork_is_safe(compiled=False) is True
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert pool_mod._fork_is_safe(compiled=False) is False
+    finally:
+        stop.set()
+        t.join()
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert pool_mod._fork_is_safe(compiled=False) is False
