@@ -193,6 +193,19 @@ def tall_head_cases(full: bool = False) -> list[Case]:
             for st in (1, 3)]
 
 
+def defaults_cases(full: bool = False) -> list[Case]:
+    """Muon configured with no optimizer params at all (``"params": {}``), ZeRO-1 and ZeRO-3 at two
+    ranks (fp32): every setting then comes from MuonWithAuxAdam's own defaults (Muon lr 0.02, momentum
+    0.95, weight decay 0, gram Newton-Schulz; Adam lr 3e-4, betas (0.9, 0.95), eps 1e-10), which every
+    other case overrides from its config (docs/deepspeed-0.19.8.md, section 2). The oracle reads the
+    same documented defaults (``harness.verdict.step_config``). 2 cases, CI and --full."""
+    out = []
+    for st in (1, 3):
+        c = _case(st, "none", "fp32", 2)
+        out.append(_with_config(c, "-defaults", optimizer={"type": "Muon", "params": {}}))
+    return out
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -488,7 +501,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
-             + tall_head_cases(full))
+             + tall_head_cases(full) + defaults_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -38,6 +38,7 @@ EXTRA_GATE_CASES = (
     "z1-none-bf16-ws3-clip0.05-gad32",  # the BF16_Optimizer exchange: a matrix starting inside a middle partition
     "z3-none-fp32-ws3-manysmall",  # square Muon matrices (3x3) under gram Newton-Schulz
     "z1-none-fp32-ws2-tallheads",  # per-head blocks taller than wide: transposed and back
+    "z1-none-fp32-ws2-defaults",  # no optimizer params: MuonWithAuxAdam's own defaults (momentum 0.95, ...)
 )
 
 
