@@ -74,3 +74,10 @@ def test_bf16_optimizer_and_comm32(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.tall_head_cases))
 def test_tall_heads(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.defaults_cases))
+def test_optimizer_defaults(case, column, pool_manager, seed, request):
+    """No optimizer params: the step must follow MuonWithAuxAdam's documented defaults."""
+    assert case.config["optimizer"]["params"] == {}
+    run_case(case, column, pool_manager, seed, request)
