@@ -206,6 +206,26 @@ def defaults_cases(full: bool = False) -> list[Case]:
     return out
 
 
+# Attention projections as a Llama-style model names them: 2 query heads and 1 key/value head of
+# width 4 (grouped-query attention). With ``per_head_muon: true`` DeepSpeed tags them itself from the
+# model's config (harness.ds_run.head_config): set_optimizer_flags, then
+# resolve_per_head_muon_after_sharding, instead of the harness setting muon_num_heads.
+DS_HEAD_PARAMS = (ParamShape("attn.q_proj.weight", (8, 6), num_heads=2),
+                  ParamShape("attn.k_proj.weight", (4, 6), num_heads=1))
+
+
+def ds_tagged_head_cases(full: bool = False) -> list[Case]:
+    """Per-head Muon tagged by DeepSpeed's own route (``per_head_muon``), ZeRO-1 and ZeRO-3 at two
+    ranks (fp32): 2 cases, CI and --full."""
+    out = []
+    for st in (1, 3):
+        c = _case(st, "none", "fp32", 2, params=tuple(TINY_PARAMS) + DS_HEAD_PARAMS)
+        opt = json.loads(json.dumps(c.config["optimizer"]))
+        opt["params"]["per_head_muon"] = True
+        out.append(_with_config(c, "-dsheads", optimizer=opt))
+    return out
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -501,7 +521,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
-             + tall_head_cases(full) + defaults_cases(full))
+             + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

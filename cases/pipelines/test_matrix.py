@@ -81,3 +81,11 @@ def test_optimizer_defaults(case, column, pool_manager, seed, request):
     """No optimizer params: the step must follow MuonWithAuxAdam's documented defaults."""
     assert case.config["optimizer"]["params"] == {}
     run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.ds_tagged_head_cases))
+def test_per_head_tagged_by_deepspeed(case, column, pool_manager, seed, request):
+    """per_head_muon: DeepSpeed tags the q/k projections from the model's config; the oracle keeps the
+    case's head counts, so a wrong tag (a head count, a width, a projection left whole) fails."""
+    assert case.config["optimizer"]["params"]["per_head_muon"] is True
+    run_case(case, column, pool_manager, seed, request)

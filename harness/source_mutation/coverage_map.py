@@ -39,6 +39,7 @@ EXTRA_GATE_CASES = (
     "z3-none-fp32-ws3-manysmall",  # square Muon matrices (3x3) under gram Newton-Schulz
     "z1-none-fp32-ws2-tallheads",  # per-head blocks taller than wide: transposed and back
     "z1-none-fp32-ws2-defaults",  # no optimizer params: MuonWithAuxAdam's own defaults (momentum 0.95, ...)
+    "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
 )
 
 
