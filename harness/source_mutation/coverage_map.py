@@ -40,7 +40,6 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-tallheads",  # per-head blocks taller than wide: transposed and back
     "z1-none-fp32-ws2-defaults",  # no optimizer params: MuonWithAuxAdam's own defaults (momentum 0.95, ...)
     "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
-    "z1-none-fp32-ws1",  # ZeRO-1/2 at one rank: the all-gather's world-size-1 shortcut
 )
 
 
