@@ -226,6 +226,19 @@ def ds_tagged_head_cases(full: bool = False) -> list[Case]:
     return out
 
 
+# A 5-D Muon weight (a Conv3d filter, out x in x kd x kh x kw): muon_update reshapes only 4-D filters
+# to (out, rest) (original_muon.py:224, ``ndim == 4``, as Muon's reference does); a 5-D update is
+# orthogonalised per leading index like any batched tensor (oracles.newton_schulz.muon_direction).
+CONV3D_PARAM = ParamShape("conv.weight", (4, 2, 2, 2, 2))
+
+
+def conv3d_cases(full: bool = False) -> list[Case]:
+    """A 5-D Muon weight stepped by MuonWithAuxAdam itself (stage 0) and by ZeRO-1, two ranks, fp32:
+    2 cases, CI and --full."""
+    return [_case(st, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (CONV3D_PARAM,), suffix="-conv3d")
+            for st in (0, 1)]
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -521,7 +534,8 @@ def gate_cases(full: bool = False) -> list[Case]:
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
-             + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full))
+             + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
+             + conv3d_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -89,3 +89,10 @@ def test_per_head_tagged_by_deepspeed(case, column, pool_manager, seed, request)
     case's head counts, so a wrong tag (a head count, a width, a projection left whole) fails."""
     assert case.config["optimizer"]["params"]["per_head_muon"] is True
     run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.conv3d_cases))
+def test_conv3d_weight(case, column, pool_manager, seed, request):
+    """A 5-D Muon weight: orthogonalised per leading index, not reshaped as a 4-D filter is."""
+    assert any(len(p.shape) == 5 for p in case.params)
+    run_case(case, column, pool_manager, seed, request)
