@@ -239,6 +239,16 @@ def conv3d_cases(full: bool = False) -> list[Case]:
             for st in (0, 1)]
 
 
+def low_momentum_cases(full: bool = False) -> list[Case]:
+    """Muon momentum 0.3, ZeRO-1 at two ranks (fp32): every other case uses 0.9 or 0.95, and for a
+    momentum in [0.5, 1) ``1 - beta`` and ``1 % beta`` are the same double (Sterbenz), so a wrong
+    operator there needs a momentum below 0.5 to show. 1 case, CI and --full."""
+    c = _case(1, "none", "fp32", 2)
+    opt = json.loads(json.dumps(c.config["optimizer"]))
+    opt["params"]["momentum"] = 0.3
+    return [_with_config(c, "-mom0.3", optimizer=opt)]
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -535,7 +545,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full))
+             + conv3d_cases(full) + low_momentum_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -96,3 +96,9 @@ def test_conv3d_weight(case, column, pool_manager, seed, request):
     """A 5-D Muon weight: orthogonalised per leading index, not reshaped as a 4-D filter is."""
     assert any(len(p.shape) == 5 for p in case.params)
     run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.low_momentum_cases))
+def test_low_momentum(case, column, pool_manager, seed, request):
+    assert case.config["optimizer"]["params"]["momentum"] < 0.5
+    run_case(case, column, pool_manager, seed, request)
