@@ -42,6 +42,7 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
     "z0-none-fp32-ws2-conv3d",  # a 5-D Muon weight: only 4-D filters are reshaped to a matrix
     "z1-none-fp32-ws2-mom0.3",  # momentum below 0.5: 1 - beta and 1 % beta differ
+    "resnet-z3-none-fp32-ws2-standard",  # ZeRO-3, no offload: muon_update with its default is_expert_group
 )
 
 
