@@ -290,11 +290,14 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
         from harness.mpu import grid_mpu
 
         mpu = grid_mpu(case.model_parallel)
+    ds_tags_heads = bool(cfg.get("optimizer", {}).get("params", {}).get("per_head_muon", False))
+    if ds_tags_heads and not case.model:
+        model.config = head_config(case)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_params, config=cfg,
                                            lr_scheduler=client_scheduler(case), mpu=mpu)
     named = dict(engine.module.named_parameters())
     for ps in case.params:
-        if ps.num_heads:
+        if ps.num_heads and not ds_tags_heads:
             # Per-head Muon: DeepSpeed's own route (optimizer param "per_head_muon" + an HF-style
             # model.config) cannot describe a synthetic model, so the attribute its call sites read
             # (getattr(param, "muon_num_heads")) is set directly after initialize.
@@ -302,6 +305,29 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
             p.muon_num_heads = ps.num_heads
             p.muon_head_dim = ps.shape[0] // ps.num_heads
     return engine, named
+
+
+QUERY_LEAVES = ("q_proj",)  # the leaf names a Hugging Face config's head counts describe
+KV_LEAVES = ("k_proj", "v_proj")
+
+
+def head_config(case: Case):
+    """The Hugging Face style ``model.config`` a user's attention model carries, for DeepSpeed's own
+    per-head tagging (optimizer param ``per_head_muon``; docs/deepspeed-0.19.8.md, section 2): the
+    query heads, the key/value heads and the head width, read from the case's per-head parameters
+    (``q_proj`` / ``k_proj`` / ``v_proj`` leaves, one head width). DeepSpeed then decides itself which
+    matrices are per-head and with how many heads; the oracle keeps the case's ``num_heads``."""
+    from types import SimpleNamespace
+
+    heads = {ps.name.split(".")[-2]: ps for ps in case.params if ps.num_heads}
+    widths = {ps.shape[0] // ps.num_heads for ps in heads.values()}
+    q = [ps.num_heads for leaf, ps in heads.items() if leaf in QUERY_LEAVES]
+    kv = {ps.num_heads for leaf, ps in heads.items() if leaf in KV_LEAVES}
+    if len(widths) != 1 or len(q) != 1 or len(kv) > 1 or set(heads) - set(QUERY_LEAVES + KV_LEAVES):
+        raise ValueError(f"{case.name}: per_head_muon needs one q_proj and k_proj/v_proj leaves of one head "
+                         f"width to describe as a model config; got {sorted(heads)} with widths {sorted(widths)}")
+    return SimpleNamespace(num_attention_heads=q[0], num_key_value_heads=(kv.pop() if kv else q[0]),
+                           head_dim=widths.pop())
 
 
 def client_scheduler(case: Case):

@@ -193,6 +193,62 @@ def tall_head_cases(full: bool = False) -> list[Case]:
             for st in (1, 3)]
 
 
+def defaults_cases(full: bool = False) -> list[Case]:
+    """Muon configured with no optimizer params at all (``"params": {}``), ZeRO-1 and ZeRO-3 at two
+    ranks (fp32): every setting then comes from MuonWithAuxAdam's own defaults (Muon lr 0.02, momentum
+    0.95, weight decay 0, gram Newton-Schulz; Adam lr 3e-4, betas (0.9, 0.95), eps 1e-10), which every
+    other case overrides from its config (docs/deepspeed-0.19.8.md, section 2). The oracle reads the
+    same documented defaults (``harness.verdict.step_config``). 2 cases, CI and --full."""
+    out = []
+    for st in (1, 3):
+        c = _case(st, "none", "fp32", 2)
+        out.append(_with_config(c, "-defaults", optimizer={"type": "Muon", "params": {}}))
+    return out
+
+
+# Attention projections as a Llama-style model names them: 2 query heads and 1 key/value head of
+# width 4 (grouped-query attention). With ``per_head_muon: true`` DeepSpeed tags them itself from the
+# model's config (harness.ds_run.head_config): set_optimizer_flags, then
+# resolve_per_head_muon_after_sharding, instead of the harness setting muon_num_heads.
+DS_HEAD_PARAMS = (ParamShape("attn.q_proj.weight", (8, 6), num_heads=2),
+                  ParamShape("attn.k_proj.weight", (4, 6), num_heads=1))
+
+
+def ds_tagged_head_cases(full: bool = False) -> list[Case]:
+    """Per-head Muon tagged by DeepSpeed's own route (``per_head_muon``), ZeRO-1 and ZeRO-3 at two
+    ranks (fp32): 2 cases, CI and --full."""
+    out = []
+    for st in (1, 3):
+        c = _case(st, "none", "fp32", 2, params=tuple(TINY_PARAMS) + DS_HEAD_PARAMS)
+        opt = json.loads(json.dumps(c.config["optimizer"]))
+        opt["params"]["per_head_muon"] = True
+        out.append(_with_config(c, "-dsheads", optimizer=opt))
+    return out
+
+
+# A 5-D Muon weight (a Conv3d filter, out x in x kd x kh x kw): muon_update reshapes only 4-D filters
+# to (out, rest) (original_muon.py:224, ``ndim == 4``, as Muon's reference does); a 5-D update is
+# orthogonalised per leading index like any batched tensor (oracles.newton_schulz.muon_direction).
+CONV3D_PARAM = ParamShape("conv.weight", (4, 2, 2, 2, 2))
+
+
+def conv3d_cases(full: bool = False) -> list[Case]:
+    """A 5-D Muon weight stepped by MuonWithAuxAdam itself (stage 0) and by ZeRO-1, two ranks, fp32:
+    2 cases, CI and --full."""
+    return [_case(st, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (CONV3D_PARAM,), suffix="-conv3d")
+            for st in (0, 1)]
+
+
+def low_momentum_cases(full: bool = False) -> list[Case]:
+    """Muon momentum 0.3, ZeRO-1 at two ranks (fp32): every other case uses 0.9 or 0.95, and for a
+    momentum in [0.5, 1) ``1 - beta`` and ``1 % beta`` are the same double (Sterbenz), so a wrong
+    operator there needs a momentum below 0.5 to show. 1 case, CI and --full."""
+    c = _case(1, "none", "fp32", 2)
+    opt = json.loads(json.dumps(c.config["optimizer"]))
+    opt["params"]["momentum"] = 0.3
+    return [_with_config(c, "-mom0.3", optimizer=opt)]
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -488,7 +544,8 @@ def gate_cases(full: bool = False) -> list[Case]:
              + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
-             + tall_head_cases(full))
+             + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
+             + conv3d_cases(full) + low_momentum_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -74,3 +74,31 @@ def test_bf16_optimizer_and_comm32(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.tall_head_cases))
 def test_tall_heads(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.defaults_cases))
+def test_optimizer_defaults(case, column, pool_manager, seed, request):
+    """No optimizer params: the step must follow MuonWithAuxAdam's documented defaults."""
+    assert case.config["optimizer"]["params"] == {}
+    run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.ds_tagged_head_cases))
+def test_per_head_tagged_by_deepspeed(case, column, pool_manager, seed, request):
+    """per_head_muon: DeepSpeed tags the q/k projections from the model's config; the oracle keeps the
+    case's head counts, so a wrong tag (a head count, a width, a projection left whole) fails."""
+    assert case.config["optimizer"]["params"]["per_head_muon"] is True
+    run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.conv3d_cases))
+def test_conv3d_weight(case, column, pool_manager, seed, request):
+    """A 5-D Muon weight: orthogonalised per leading index, not reshaped as a 4-D filter is."""
+    assert any(len(p.shape) == 5 for p in case.params)
+    run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.low_momentum_cases))
+def test_low_momentum(case, column, pool_manager, seed, request):
+    assert case.config["optimizer"]["params"]["momentum"] < 0.5
+    run_case(case, column, pool_manager, seed, request)

@@ -38,6 +38,11 @@ EXTRA_GATE_CASES = (
     "z1-none-bf16-ws3-clip0.05-gad32",  # the BF16_Optimizer exchange: a matrix starting inside a middle partition
     "z3-none-fp32-ws3-manysmall",  # square Muon matrices (3x3) under gram Newton-Schulz
     "z1-none-fp32-ws2-tallheads",  # per-head blocks taller than wide: transposed and back
+    "z1-none-fp32-ws2-defaults",  # no optimizer params: MuonWithAuxAdam's own defaults (momentum 0.95, ...)
+    "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
+    "z0-none-fp32-ws2-conv3d",  # a 5-D Muon weight: only 4-D filters are reshaped to a matrix
+    "z1-none-fp32-ws2-mom0.3",  # momentum below 0.5: 1 - beta and 1 % beta differ
+    "resnet-z3-none-fp32-ws2-standard",  # ZeRO-3, no offload: muon_update with its default is_expert_group
 )
 
 

@@ -109,10 +109,13 @@ SCOPE: tuple[Scoped, ...] = (
 # Why the candidate cases never execute a scoped function (the report prints it beside the function).
 NOT_REACHED_WHY = {
     "__init__.py:_per_head_muon_meta": "per-head tagging from an HF model.config (optimizer param per_head_muon): "
-                                       "the harness sets muon_num_heads itself (harness/ds_run.py), so DeepSpeed's "
-                                       "own per-head route is never run -- a coverage gap",
-    "__init__.py:_attention_head_count": "same per-head tagging route as _per_head_muon_meta -- a coverage gap",
-    "__init__.py:resolve_per_head_muon_after_sharding": "same per-head tagging route -- a coverage gap",
+                                       "only the *-dsheads cases take DeepSpeed's own route (harness.ds_run."
+                                       "head_config); every other case sets muon_num_heads itself",
+    "__init__.py:_attention_head_count": "no caller in DeepSpeed 0.19.8: set_optimizer_flags calls "
+                                         "_resolve_attention_head_count directly (__init__.py:376)",
+    "__init__.py:resolve_per_head_muon_after_sharding": "called only under AutoTP tensor parallelism "
+                                                        "(engine.py:595-604, autotp_size > 1), which no case runs "
+                                                        "-- a coverage gap",
     "runtime/zero/muon/original_muon.py:MuonWithAuxAdam.step": "the base class's step: DeepSpeed's own "
                                                                "MuonWithAuxAdam (muon_optimizer.py) overrides it",
     "runtime/zero/muon/original_muon.py:adam_update": "called only by the overridden base-class step",
