@@ -80,7 +80,8 @@ class Bug:
             return False
         lines = traceback.strip().splitlines()
         for etype, fragment, frame in (self.crash, *self.crash_also):
-            last = [line for line in lines if line.startswith(etype + ":")]
+            # (a bare ``assert`` ends the traceback with the type alone)
+            last = [line for line in lines if line.startswith(etype + ":") or line.strip() == etype]
             if last and fragment in last[-1] and f"in {frame}" in traceback:
                 return True
         return False

@@ -57,6 +57,22 @@ def _z12_no_offload_muon_ws2(c: Case) -> bool:
     return c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2 and _has_muon(c)
 
 
+def _fp16_scale(c: Case) -> bool:
+    """fp16 with a loss scale other than 1 (a static ``loss_scale`` of 1 leaves nothing to unscale)."""
+    f = c.config.get("fp16", {})
+    return c.dtype == "fp16" and float(f.get("loss_scale", 0) or 0) != 1.0
+
+
+def _muon_update_in_scaled_buffer(c: Case) -> bool:
+    """Where a release before 0.19.8 writes the Muon update into the loss-scaled gradient buffer: ZeRO-1/2
+    without offload (``get_flat_partition``) and ZeRO-3 with or without offload (in the gradient reduce).
+    Not ZeRO-1/2 with offload (no Muon at all there: DSM-101) nor stage 0 (the fp16 wrapper unscales the
+    gradients before MuonWithAuxAdam runs)."""
+    if not (_has_muon(c) and _fp16_scale(c)):
+        return False
+    return c.stage == 3 or (c.stage in (1, 2) and c.offload == "none")
+
+
 SPECS: tuple[dict, ...] = (
     dict(
         id="DSM-101",
@@ -150,5 +166,39 @@ SPECS: tuple[dict, ...] = (
               "the whole matrix's self.all_grad_tensors entry on each rank; which part of it holds the averaged "
               "gradient was not investigated",
         reproducer="z1-none-fp32-ws2-ga2 (gate case) on DeepSpeed 0.19.0",
+    ),
+    dict(
+        id="DSM-108",
+        title="fp16: the Muon step is divided by the loss scale",
+        symptom="The Muon update O replaces the loss-scaled gradient without the factor S, and the step then "
+                "divides every gradient by S: the Muon step is O/S (1/256 of what it should be at the gate's "
+                "initial_scale_power 8) and the clip norm counts O/S. Seen on 0.19.7 as the fp16 ZeRO-1/2 "
+                "masters barely moving (z1-none-fp16-ws2-groups layer1.weight step 1: 0.6477 where the oracle "
+                "has 0.6251, 18x the allowance) and on ZeRO-3 fp16 (z3-cpu-fp16-ws1-standard).",
+        trigger=_muon_update_in_scaled_buffer,
+        quantities=frozenset({"master", "model", "global_norm"}),
+        where="0.19.7 stage_1_and_2.py get_flat_partition (muon_update's output stored in averaged_gradients) "
+              "then step -> unscale_and_clip_grads (:2651-2661, combined_scale = clip * loss_scale); stage3.py "
+              "_apply_distributed_muon_update (:1688-1697) then unscale_and_clip_grads (:2705-2710). 0.19.8 "
+              "marks such groups (groups_lacking_loss_scale, stage_1_and_2.py:2742, :3120-3121; "
+              "sub_groups_lacking_loss_scale, stage3.py:1840) and multiplies the update by S first",
+        reproducer="z1-none-fp16-ws2-groups (gate case) on DeepSpeed 0.19.7",
+        model=lambda c: {"muon_update_unscaled": True},
+    ),
+    dict(
+        id="DSM-109",
+        title="ZeRO-3 NVMe offload with the Muon momentum kept in memory crashes at initialize",
+        symptom="deepspeed.initialize raises a bare AssertionError (swap_in_tensors: async_pread did not return 0) "
+                "while initialize_optimizer_states swaps the first Muon sub-group in, with "
+                "save_muon_momentum_buffer_in_memory on and the optimizer offloaded to NVMe.",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme" and _has_muon(c)
+        and bool(c.config["zero_optimization"].get("save_muon_momentum_buffer_in_memory")),
+        quantities=frozenset({"crash"}),
+        where="0.19.7 stage3.py:1285 initialize_optimizer_states -> 2446 _optimizer_states_and_gradient_swap_in -> "
+              "partitioned_optimizer_swapper.py:182 -> swap_tensor/utils.py:21; _create_momentum_buffer "
+              "(stage3.py:1021-1033) puts the in-memory buffer into the optimizer state, which the swapper then "
+              "reads from a file never written; 0.19.8 marks that buffer swappable=False (its stage3.py:1073)",
+        reproducer="z3-nvme-part-fp32-ws2-inmem (gate case) on DeepSpeed 0.19.7",
+        crash=("AssertionError", "", "_optimizer_states_and_gradient_swap_in"),
     ),
 )
