@@ -34,15 +34,12 @@ def _z3_dist_muon_mixed_shapes(c: Case) -> bool:
     """0.19.7 ZeRO-3 runs Muon during the gradient reduce (``stage3.py:1623-1700``
     ``_apply_distributed_muon_update``): the Muon parameters of a sub-group are dealt out one per rank
     in rounds of W, and each round all-gathers every rank's gradient; gloo (and NCCL) need equal sizes,
-    so a round holding matrices of different shapes raises."""
-    if c.stage != 3 or c.world_size < 2:
+    so a round holding matrices of different shapes raises. Rounds are per sub-group (``sub_group_size``
+    splits them: measured, z3-none-fp32-ws2-subgroups runs on 0.19.7); a case whose buckets skip Muon
+    (DSM-110) never reaches the all-gather."""
+    if c.stage != 3 or c.world_size < 2 or _z3_muon_skipped(c):
         return False
-    W = c.world_size
-    for shapes in _muon_shapes_by_group(c):
-        for i in range(0, len(shapes), W):
-            if len(set(shapes[i:i + W])) > 1:
-                return True
-    return False
+    return any(len(set(r)) > 1 for r in _z3_rounds(c))
 
 
 def _z12_group_with_two_muon(c: Case) -> bool:
@@ -71,6 +68,60 @@ def _muon_update_in_scaled_buffer(c: Case) -> bool:
     if not (_has_muon(c) and _fp16_scale(c)):
         return False
     return c.stage == 3 or (c.stage in (1, 2) and c.offload == "none")
+
+
+def _z3_muon_skipped(c: Case) -> bool:
+    """ZeRO-3 before 0.19.8 runs Muon only in ``__avg_scatter_contiguous_grads`` (0.19.7 stage3.py:1772), which
+    a bucket reaches only with contiguous_gradients on, reduce_scatter off and the bucket within
+    reduce_bucket_size (stage3.py:1599): otherwise the bucket's Muon matrices are stepped with their raw
+    gradient. True when some Muon matrix of the case goes that way (a gradient larger than the bucket size is
+    put in a bucket of its own, which then exceeds it: stage3.py:1552-1569)."""
+    if c.stage != 3 or not _has_muon(c):
+        return False
+    z = c.config.get("zero_optimization", {})
+    if not z.get("contiguous_gradients", True) or z.get("reduce_scatter", True):
+        return True
+    bucket = int(z.get("reduce_bucket_size", 500_000_000))
+    return any(p.numel > bucket for p in c.params if p.uses_muon)
+
+
+def _z3_rounds(c: Case) -> list[list[tuple]]:
+    """The shapes of each round of ZeRO-3's one-matrix-per-rank deal before 0.19.8: per sub-group (the
+    layout's, ``sub_group_size``), the Muon matrices in the order backward fills the bucket (reverse model
+    order), W at a time. Assumes one reduce bucket (the cases' models are far below the default size)."""
+    from harness import verdict
+    from oracles.layout import placement
+
+    layout = verdict.layout_for(c, verdict.step_config(c))
+    W = c.world_size
+    by_sub: dict[int, list[tuple]] = {}
+    for p in reversed(c.params):
+        if p.uses_muon:
+            by_sub.setdefault(placement(layout, p.name).group, []).append(tuple(p.shape))
+    return [shapes[i:i + W] for shapes in by_sub.values() for i in range(0, len(shapes), W)]
+
+
+def _z12_momentum_split(c: Case) -> bool:
+    """DSM-103 on a matrix that straddles ranks: on each rank only the last Muon matrix of its partition keeps
+    this step's momentum, so a matrix that is the last on one holder and not on another ends the step with
+    different momentum on each (and each rank's part of its next update comes from a different momentum)."""
+    if c.stage not in (1, 2) or c.offload != "none" or c.world_size < 2 or not _has_muon(c):
+        return False
+    from harness import verdict
+    from oracles.layout import param_slices, rank_segments
+
+    layout = verdict.layout_for(c, verdict.step_config(c))
+    muon = {p.name for p in c.params if p.uses_muon}
+    last: dict[tuple[int, int], str] = {}  # (rank, group) -> the last Muon matrix of that partition
+    for r in range(c.world_size):
+        for seg in rank_segments(layout, r):
+            if seg.kind == "param" and seg.name in muon:
+                last[(r, seg.group)] = seg.name
+    for name in muon:
+        fates = {last.get((s.rank, s.group)) == name for s in param_slices(layout, name)}
+        if len(fates) > 1:
+            return True
+    return False
 
 
 SPECS: tuple[dict, ...] = (
@@ -200,5 +251,48 @@ SPECS: tuple[dict, ...] = (
               "reads from a file never written; 0.19.8 marks that buffer swappable=False (its stage3.py:1073)",
         reproducer="z3-nvme-part-fp32-ws2-inmem (gate case) on DeepSpeed 0.19.7",
         crash=("AssertionError", "", "_optimizer_states_and_gradient_swap_in"),
+    ),
+    dict(
+        id="DSM-110",
+        title="ZeRO-3: Muon silently skipped for a bucket reduced outside the contiguous path",
+        symptom="With contiguous_gradients off, reduce_scatter on, or a Muon gradient larger than reduce_bucket_size, "
+                "the bucket is averaged by __avg_scatter_grads, which never calls muon_update: its Muon matrices "
+                "are stepped with the raw averaged gradient (the capture sees no muon_update gradient; measured "
+                "on 0.19.7 z3-none-bf16-ws2-knob-buckets and -ga2-knob-nocontig).",
+        trigger=_z3_muon_skipped,
+        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        where="0.19.7 stage3.py:1599-1604 __reduce_and_partition_ipg_grads: only __avg_scatter_contiguous_grads "
+              "(:1772) calls _apply_distributed_muon_update",
+        reproducer="z3-none-bf16-ws2-knob-buckets (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-111",
+        title="ZeRO-3 with gradient accumulation runs Muon on every micro-batch",
+        symptom="ZeRO-3 reduces each micro-batch's gradients, and before 0.19.8 Muon runs inside that reduce: "
+                "with gradient_accumulation_steps k each Muon matrix is orthogonalised k times per step, on each "
+                "micro-batch's averaged gradient, its momentum advances k times, and the partition accumulates the "
+                "sum of the k updates (capture: 'muon_update ran 2 times', z3-nvme-part-fp32-ws1-ga2 on 0.19.7).",
+        trigger=lambda c: c.stage == 3 and _has_muon(c) and c.config.get("gradient_accumulation_steps", 1) > 1
+        and not _z3_muon_skipped(c),
+        quantities=frozenset({"capture", "muon_calls", "grad", "momentum", "update", "master", "model",
+                              "global_norm"}),
+        where="0.19.7 stage3.py:1772 _apply_distributed_muon_update in __avg_scatter_contiguous_grads, called on "
+              "every backward's reduce (no gradient-accumulation-boundary test); 0.19.8 runs Muon in the step",
+        reproducer="z3-nvme-part-fp32-ws1-ga2 (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-112",
+        title="ZeRO-1/2: ranks end a step with different momentum for a matrix they share (DSM-103 on a "
+              "straddling matrix)",
+        symptom="A Muon matrix split between two ranks' partitions that is the last Muon matrix of one rank's "
+                "partition and not of the other's keeps this step's momentum on the first rank only (DSM-103's "
+                "restaging); the capture finds the ranks' stored momentum different, and the next update is "
+                "assembled from parts computed from different momenta (0.19.7: z2-none-fp32-ws3, the ws3 and "
+                "layout-sweep cases, moe-z2-none-fp32-ws2).",
+        trigger=_z12_momentum_split,
+        quantities=frozenset({"capture", "momentum", "update", "master", "model", "global_norm"}),
+        where="as DSM-103 (0.19.7 stage_1_and_2.py:2249 / 2344 _muon_staging_momentum inside the per-parameter "
+              "loop), on each rank's own partition list; registered apart because it diverges in more quantities",
+        reproducer="z2-none-fp32-ws3 (gate case) on DeepSpeed 0.19.7",
     ),
 )

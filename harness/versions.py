@@ -311,6 +311,9 @@ AFFECTED.update({
     # DSM-108/109: the whole CI gate on 0.19.7 (session 5), judged again with them registered
     "DSM-108": {"0.19.7": True, "0.19.8": False},
     "DSM-109": {"0.19.7": True, "0.19.8": False},
+    "DSM-110": {"0.19.7": True, "0.19.8": False},
+    "DSM-111": {"0.19.7": True, "0.19.8": False},
+    "DSM-112": {"0.19.7": True, "0.19.8": False},
 })
 
 # 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.measure_release --slice base-ws2, the

@@ -68,3 +68,38 @@ def test_dsm108_selects_the_paths_that_write_o_into_the_scaled_buffer(case, hit)
     assert bug.trigger(case) is hit
     if hit:  # its model is a real switch of the oracle
         assert Conventions(**bug.model(case)).muon_update_unscaled is True
+
+
+def _ids(case):
+    return {b.id for b in HISTORICAL if b.trigger(case)}
+
+
+def test_zero3_triggers_follow_the_reduce_path_sub_groups_and_accumulation():
+    """DSM-110 where a bucket skips the contiguous reduce, DSM-102 only where Muon runs and a round mixes
+    shapes within one sub-group, DSM-111 with gradient accumulation (each as measured on 0.19.7)."""
+    from harness.matrix import gate_cases
+
+    cases = {c.name: c for c in gate_cases(False)}
+    assert "DSM-110" in _ids(cases["z3-none-bf16-ws2-knob-buckets"])  # a 30-element gradient, 16-element buckets
+    assert "DSM-110" in _ids(cases["z3-none-bf16-ws2-ga2-knob-nocontig"])
+    assert "DSM-102" not in _ids(cases["z3-none-bf16-ws2-knob-buckets"])  # Muon never runs: nothing to gather
+    assert _ids(cases["z3-none-fp32-ws2-subgroups"]) == set()  # one matrix per sub-group: rounds never mix
+    assert "DSM-102" in _ids(cases["z3-nvme-part-fp32-ws2"])
+    assert "DSM-111" in _ids(cases["z3-nvme-part-fp32-ws1-ga2"])
+    assert "DSM-111" not in _ids(cases["z3-nvme-part-fp32-ws2"])
+    plain = pipeline_case(3, "none", "fp32", 2, ns_method="standard")
+    assert "DSM-110" not in _ids(plain)  # the pipeline cases turn reduce_scatter off: the contiguous path
+    rs_on = plain.ds_config.replace('"reduce_scatter":false', '"reduce_scatter":true')
+    assert rs_on != plain.ds_config and "DSM-110" in _ids(plain.replace(ds_config=rs_on))
+
+
+def test_dsm112_needs_a_straddling_matrix_whose_fate_differs_between_its_holders():
+    from harness.matrix import gate_cases
+
+    cases = {c.name: c for c in gate_cases(False)}
+    for name in ("z2-none-fp32-ws3", "sweep-z1-none-ws2-L0", "moe-z2-none-fp32-ws2-standard"):
+        assert "DSM-112" in _ids(cases[name]), name
+    # ws2 base grid: the shared matrix is the last of both partitions (measured: momentum alone diverges)
+    assert "DSM-112" not in _ids(cases["z2-none-fp32-ws2-ga2-clip0.05-standard"])
+    assert "DSM-112" not in _ids(pipeline_case(2, "none", "fp32", 1, ns_method="standard"))
+    assert "DSM-112" not in _ids(pipeline_case(2, "cpu", "fp32", 3, ns_method="standard"))
