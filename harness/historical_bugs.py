@@ -72,14 +72,15 @@ def _muon_update_in_scaled_buffer(c: Case) -> bool:
 
 def _z3_muon_skipped(c: Case) -> bool:
     """ZeRO-3 before 0.19.8 runs Muon only in ``__avg_scatter_contiguous_grads`` (0.19.7 stage3.py:1772), which
-    a bucket reaches only with contiguous_gradients on, reduce_scatter off and the bucket within
-    reduce_bucket_size (stage3.py:1599): otherwise the bucket's Muon matrices are stepped with their raw
-    gradient. True when some Muon matrix of the case goes that way (a gradient larger than the bucket size is
-    put in a bucket of its own, which then exceeds it: stage3.py:1552-1569)."""
+    a bucket reaches only with contiguous_gradients on and the bucket within reduce_bucket_size
+    (stage3.py:1599; reduce_scatter on is refused with Muon at construction, stage3.py:352): otherwise the
+    bucket's Muon matrices are stepped with their raw gradient. True when some Muon matrix of the case goes
+    that way (a gradient larger than the bucket size is put in a bucket of its own, which then exceeds it:
+    stage3.py:1552-1569)."""
     if c.stage != 3 or not _has_muon(c):
         return False
     z = c.config.get("zero_optimization", {})
-    if not z.get("contiguous_gradients", True) or z.get("reduce_scatter", True):
+    if not z.get("contiguous_gradients", True):
         return True
     bucket = int(z.get("reduce_bucket_size", 500_000_000))
     return any(p.numel > bucket for p in c.params if p.uses_muon)
@@ -255,7 +256,7 @@ SPECS: tuple[dict, ...] = (
     dict(
         id="DSM-110",
         title="ZeRO-3: Muon silently skipped for a bucket reduced outside the contiguous path",
-        symptom="With contiguous_gradients off, reduce_scatter on, or a Muon gradient larger than reduce_bucket_size, "
+        symptom="With contiguous_gradients off or a Muon gradient larger than reduce_bucket_size, "
                 "the bucket is averaged by __avg_scatter_grads, which never calls muon_update: its Muon matrices "
                 "are stepped with the raw averaged gradient (the capture sees no muon_update gradient; measured "
                 "on 0.19.7 z3-none-bf16-ws2-knob-buckets and -ga2-knob-nocontig).",

@@ -88,9 +88,9 @@ def test_zero3_triggers_follow_the_reduce_path_sub_groups_and_accumulation():
     assert "DSM-111" in _ids(cases["z3-nvme-part-fp32-ws1-ga2"])
     assert "DSM-111" not in _ids(cases["z3-nvme-part-fp32-ws2"])
     plain = pipeline_case(3, "none", "fp32", 2, ns_method="standard")
-    assert "DSM-110" not in _ids(plain)  # the pipeline cases turn reduce_scatter off: the contiguous path
-    rs_on = plain.ds_config.replace('"reduce_scatter":false', '"reduce_scatter":true')
-    assert rs_on != plain.ds_config and "DSM-110" in _ids(plain.replace(ds_config=rs_on))
+    assert "DSM-110" not in _ids(plain)  # contiguous gradients, one bucket: Muon runs
+    nocontig = plain.ds_config.replace('"stage":3', '"stage":3,"contiguous_gradients":false')
+    assert nocontig != plain.ds_config and "DSM-110" in _ids(plain.replace(ds_config=nocontig))
 
 
 def test_dsm112_needs_a_straddling_matrix_whose_fate_differs_between_its_holders():
