@@ -125,6 +125,11 @@ def _z12_momentum_split(c: Case) -> bool:
     return False
 
 
+# Bugs under which the release never calls muon_update for the case: a crash bug whose frame is muon_update
+# (DSM-012, a 4-D matrix) cannot show there (measured: resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs).
+SKIPS_MUON_UPDATE = frozenset({"DSM-101"})
+
+
 SPECS: tuple[dict, ...] = (
     dict(
         id="DSM-101",

@@ -103,3 +103,17 @@ def test_dsm112_needs_a_straddling_matrix_whose_fate_differs_between_its_holders
     assert "DSM-112" not in _ids(cases["z2-none-fp32-ws2-ga2-clip0.05-standard"])
     assert "DSM-112" not in _ids(pipeline_case(2, "none", "fp32", 1, ns_method="standard"))
     assert "DSM-112" not in _ids(pipeline_case(2, "cpu", "fp32", 3, ns_method="standard"))
+
+
+def test_a_crash_inside_muon_update_is_not_expected_where_muon_update_never_runs(monkeypatch):
+    """On 0.19.7 (DSM-012 and DSM-101 both measured) a conv case with ZeRO-1/2 offload never reaches
+    muon_update (DSM-101), so DSM-012's crash there is not a candidate; without offload it is."""
+    from harness import versions
+    from harness.bugs import bugs_for
+    from harness.matrix import gate_cases
+
+    monkeypatch.setattr(versions, "judged_as", lambda: "0.19.7")
+    monkeypatch.delenv("MUON_HARNESS_MEASURE", raising=False)
+    cases = {c.name: c for c in gate_cases(False)}
+    assert [b.id for b in bugs_for(cases["resnet-z1-cpu-fp32-ws2-standard"])] == ["DSM-101"]
+    assert "DSM-012" in [b.id for b in bugs_for(cases["resnet-z0-none-fp32-ws2-standard"])]
