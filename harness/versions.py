@@ -298,9 +298,12 @@ AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in
 for _bug, _present in {"DSM-001": True, "DSM-002": True, "DSM-003": True, "DSM-006": True, "DSM-012": True,
                        "DSM-014": False, "DSM-015": True, "DSM-016": False}.items():
     AFFECTED[_bug]["0.19.7"] = _present
+# 0.18.9, the whole CI gate (session 5): DSM-001 (z1-none-bf16-ws1-clip0.05-standard) as modelled.
+AFFECTED["DSM-001"]["0.18.9"] = True
+AFFECTED["DSM-002"]["0.18.9"] = True  # z1/z2-nvme-pipe-fp32-ws1: no swap file touched, with DSM-101
 # Bugs of older releases (harness/historical_bugs.py); absent from 0.19.8 as measured there.
 AFFECTED.update({
-    "DSM-101": {"0.19.7": True, "0.19.8": False},
+    "DSM-101": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
     "DSM-102": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
     "DSM-103": {"0.19.7": True, "0.19.8": False},
     # measured present on the source checkout (README "DeepSpeed versions"); the groups cases pass their
@@ -311,7 +314,9 @@ AFFECTED.update({
     # DSM-108..112: the whole CI gate on 0.19.7 (session 5), judged again with them registered; DSM-108 also on
     # 0.19.3-0.19.6: the base-ws2 slice's z1-none-fp16-ws2 and z2-none-fp16-ws2-clip0.05 (F-1) xfailed at full
     # strength with its model (judged normally, not measuring: DSM-107, unmodelled, measured absent there)
-    "DSM-108": {"0.19.3": True, "0.19.4": True, "0.19.5": True, "0.19.6": True, "0.19.7": True, "0.19.8": False},
+    # (0.18.9: z3-cpu-fp16-ws1-standard matches DSM-001 + DSM-108 apart from an update 1.06x its allowance at
+    # step 2, README F-5)
+    "DSM-108": {"0.18.9": True, "0.19.3": True, "0.19.4": True, "0.19.5": True, "0.19.6": True, "0.19.7": True, "0.19.8": False},
     "DSM-109": {"0.19.7": True, "0.19.8": False},
     "DSM-110": {"0.19.7": True, "0.19.8": False},
     "DSM-111": {"0.19.7": True, "0.19.8": False},
