@@ -316,7 +316,8 @@ AFFECTED.update({
     # strength with its model (judged normally, not measuring: DSM-107, unmodelled, measured absent there)
     # (0.18.9: z3-cpu-fp16-ws1-standard matches DSM-001 + DSM-108 apart from an update 1.06x its allowance at
     # step 2, README F-5)
-    "DSM-108": {"0.18.9": True, "0.19.3": True, "0.19.4": True, "0.19.5": True, "0.19.6": True, "0.19.7": True, "0.19.8": False},
+    "DSM-108": {"0.18.9": True, "0.19.3": True, "0.19.4": True, "0.19.5": True, "0.19.6": True, "0.19.7": True,
+                "0.19.8": False},
     "DSM-109": {"0.19.7": True, "0.19.8": False},
     "DSM-110": {"0.19.7": True, "0.19.8": False},
     "DSM-111": {"0.19.7": True, "0.19.8": False},
