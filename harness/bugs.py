@@ -515,7 +515,10 @@ BUGS: tuple[Bug, ...] = (
         # raising, muon_update returns a (k, c, k, c) tensor, and ZeRO-3 fails copying it back into the
         # gradient (stage3.py _muon_update_sub_group :1760, g.data.copy_(update)). Measured:
         # resnet-z3-none-bf16-ws3-standard, rank 2 (its shortcut conv 16x8x1x1).
-        crash_also=(("RuntimeError", "doesn't match the broadcast shape", "_muon_update_sub_group"),),
+        crash_also=(("RuntimeError", "doesn't match the broadcast shape", "_muon_update_sub_group"),
+                    # before 0.19.8 ZeRO-3 copies the 2-D update back into the 4-D gradient in the reduce
+                    # (0.18.9 resnet-z3-none-fp32-ws2-standard; harness.historical_bugs)
+                    ("RuntimeError", "doesn't match the broadcast shape", "_apply_distributed_muon_update")),
         where="original_muon.py muon_update (:223-235)",
         fix="muon-conv-kernels",
         reproducer="pipeline_case(2, 'none', 'fp32', 1, params=(ParamShape('conv.weight', (4, 2, 3, 3)), "

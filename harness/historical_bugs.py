@@ -302,4 +302,17 @@ SPECS: tuple[dict, ...] = (
               "loop), on each rank's own partition list; registered apart because it diverges in more quantities",
         reproducer="z2-none-fp32-ws3 (gate case) on DeepSpeed 0.19.7",
     ),
+    dict(
+        id="DSM-113",
+        title="ZeRO-3 with the pipelined NVMe swapper crashes at initialize (0.18.9)",
+        symptom="deepspeed.initialize raises a bare AssertionError (len(swap_paths) == len(swap_buffers)) while "
+                "initialize_optimizer_states swaps the optimizer state out through PipelinedOptimizerSwapper.",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme" and _has_muon(c)
+        and bool(c.config["zero_optimization"]["offload_optimizer"].get("pipeline_write")),
+        quantities=frozenset({"crash"}),
+        where="0.18.9 stage3.py:1214 initialize_optimizer_states -> 2329 _optimizer_states_and_gradient_swap_out -> "
+              "pipelined_optimizer_swapper.py:140 swap_out_optimizer_state -> :191 _swap_out_optimizer_state",
+        reproducer="z3-nvme-pipe-fp32-ws1-clip0.05-standard (gate case) on DeepSpeed 0.18.9",
+        crash=("AssertionError", "", "_swap_out_optimizer_state"),
+    ),
 )

@@ -301,6 +301,7 @@ for _bug, _present in {"DSM-001": True, "DSM-002": True, "DSM-003": True, "DSM-0
 # 0.18.9, the whole CI gate (session 5): DSM-001 (z1-none-bf16-ws1-clip0.05-standard) as modelled.
 AFFECTED["DSM-001"]["0.18.9"] = True
 AFFECTED["DSM-002"]["0.18.9"] = True  # z1/z2-nvme-pipe-fp32-ws1: no swap file touched, with DSM-101
+AFFECTED["DSM-012"]["0.18.9"] = True  # resnet-z3-none-fp32-ws2-standard: its crash in the ZeRO-3 reduce
 # Bugs of older releases (harness/historical_bugs.py); absent from 0.19.8 as measured there.
 AFFECTED.update({
     "DSM-101": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
@@ -322,6 +323,7 @@ AFFECTED.update({
     "DSM-110": {"0.19.7": True, "0.19.8": False},
     "DSM-111": {"0.19.7": True, "0.19.8": False},
     "DSM-112": {"0.19.7": True, "0.19.8": False},
+    "DSM-113": {"0.18.9": True, "0.19.7": False, "0.19.8": False},  # 0.19.7: the pipelined cases reach DSM-106
 })
 
 # 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.measure_release --slice base-ws2, the
