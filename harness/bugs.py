@@ -704,7 +704,7 @@ def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
     from harness import versions
 
     # as measured on the installed release (harness.versions.AFFECTED); older releases' own bugs too
-    hits = [b for b in BUGS + HISTORICAL if b.trigger(case) and versions.excuses(b.id)]
+    hits = [b for b in BUGS + HISTORICAL if versions.excuses(b.id) and b.trigger(case)]
     if any(b.id in historical_bugs.SKIPS_MUON_UPDATE for b in hits):
         hits = [b for b in hits if not (b.crash and b.crash[2] == "muon_update")]
     if patched:

@@ -117,3 +117,14 @@ def test_a_crash_inside_muon_update_is_not_expected_where_muon_update_never_runs
     cases = {c.name: c for c in gate_cases(False)}
     assert [b.id for b in bugs_for(cases["resnet-z1-cpu-fp32-ws2-standard"])] == ["DSM-101"]
     assert "DSM-012" in [b.id for b in bugs_for(cases["resnet-z0-none-fp32-ws2-standard"])]
+
+
+def test_every_historical_trigger_answers_for_every_ci_gate_case():
+    """The triggers that read the case's partition layout (DSM-102, DSM-112) must answer a plain bool for
+    every gate case, on any release (``bugs_for`` asks them only where the bug is measured, but the
+    measuring runs ask every one)."""
+    from harness.matrix import gate_cases
+
+    for c in gate_cases(False):
+        for b in HISTORICAL:
+            assert isinstance(b.trigger(c), bool), (b.id, c.name)
