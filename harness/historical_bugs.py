@@ -127,7 +127,7 @@ def _z12_momentum_split(c: Case) -> bool:
 
 # Bugs under which the release never calls muon_update for the case: a crash bug whose frame is muon_update
 # (DSM-012, a 4-D matrix) cannot show there (measured: resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs).
-SKIPS_MUON_UPDATE = frozenset({"DSM-101"})
+SKIPS_MUON_UPDATE = frozenset({"DSM-101", "DSM-114"})
 
 
 SPECS: tuple[dict, ...] = (
@@ -314,5 +314,17 @@ SPECS: tuple[dict, ...] = (
               "pipelined_optimizer_swapper.py:140 swap_out_optimizer_state -> :191 _swap_out_optimizer_state",
         reproducer="z3-nvme-pipe-fp32-ws1-clip0.05-standard (gate case) on DeepSpeed 0.18.9",
         crash=("AssertionError", "", "_swap_out_optimizer_state"),
+    ),
+    dict(
+        id="DSM-114",
+        title="Without ZeRO, Muon parameters are stepped by plain SGD",
+        symptom="At stage 0 MuonWithAuxAdam.step moves each Muon parameter by lr times its raw gradient (with the "
+                "decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called (the capture sees "
+                "no Muon call; masters diverge from step 1).",
+        trigger=lambda c: c.stage == 0 and _has_muon(c),
+        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
+              "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there",
+        reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9",
     ),
 )
