@@ -411,7 +411,11 @@ def path_info(engine) -> PathInfo:
     stage = engine.zero_optimization_stage()
     if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
         off = bool(opt.offload_optimizer)  # INTERNAL: True for cpu and nvme optimizer offload
-        return PathInfo("z3_offload" if off else "z3", 3, off, off)
+        from harness import versions
+
+        # Before 0.19.8 ZeRO-3 runs Muon inside the gradient reduce, on the loss-scaled bucket, offload or
+        # not (versions.z3_distributed_muon); only 0.19.8's offload path divides by S first.
+        return PathInfo("z3_offload" if off else "z3", 3, off, off and not versions.z3_distributed_muon())
     if isinstance(opt, DeepSpeedZeroOptimizer):
         off = bool(opt.cpu_offload)  # INTERNAL: True for cpu and nvme (stage 1/2 treat nvme as cpu)
         return PathInfo("z12_offload" if off else "z12", stage, off, off)

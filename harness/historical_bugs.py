@@ -34,15 +34,12 @@ def _z3_dist_muon_mixed_shapes(c: Case) -> bool:
     """0.19.7 ZeRO-3 runs Muon during the gradient reduce (``stage3.py:1623-1700``
     ``_apply_distributed_muon_update``): the Muon parameters of a sub-group are dealt out one per rank
     in rounds of W, and each round all-gathers every rank's gradient; gloo (and NCCL) need equal sizes,
-    so a round holding matrices of different shapes raises."""
-    if c.stage != 3 or c.world_size < 2:
+    so a round holding matrices of different shapes raises. Rounds are per sub-group (``sub_group_size``
+    splits them: measured, z3-none-fp32-ws2-subgroups runs on 0.19.7); a case whose buckets skip Muon
+    (DSM-110) never reaches the all-gather."""
+    if c.stage != 3 or c.world_size < 2 or _z3_muon_skipped(c):
         return False
-    W = c.world_size
-    for shapes in _muon_shapes_by_group(c):
-        for i in range(0, len(shapes), W):
-            if len(set(shapes[i:i + W])) > 1:
-                return True
-    return False
+    return any(len(set(r)) > 1 for r in _z3_rounds(c))
 
 
 def _z12_group_with_two_muon(c: Case) -> bool:
@@ -55,6 +52,82 @@ def _z12_group_with_two_muon(c: Case) -> bool:
 
 def _z12_no_offload_muon_ws2(c: Case) -> bool:
     return c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2 and _has_muon(c)
+
+
+def _fp16_scale(c: Case) -> bool:
+    """fp16 with a loss scale other than 1 (a static ``loss_scale`` of 1 leaves nothing to unscale)."""
+    f = c.config.get("fp16", {})
+    return c.dtype == "fp16" and float(f.get("loss_scale", 0) or 0) != 1.0
+
+
+def _muon_update_in_scaled_buffer(c: Case) -> bool:
+    """Where a release before 0.19.8 writes the Muon update into the loss-scaled gradient buffer: ZeRO-1/2
+    without offload (``get_flat_partition``) and ZeRO-3 with or without offload (in the gradient reduce).
+    Not ZeRO-1/2 with offload (no Muon at all there: DSM-101) nor stage 0 (the fp16 wrapper unscales the
+    gradients before MuonWithAuxAdam runs)."""
+    if not (_has_muon(c) and _fp16_scale(c)):
+        return False
+    return c.stage == 3 or (c.stage in (1, 2) and c.offload == "none")
+
+
+def _z3_muon_skipped(c: Case) -> bool:
+    """ZeRO-3 before 0.19.8 runs Muon only in ``__avg_scatter_contiguous_grads`` (0.19.7 stage3.py:1772), which
+    a bucket reaches only with contiguous_gradients on and the bucket within reduce_bucket_size
+    (stage3.py:1599; reduce_scatter on is refused with Muon at construction, stage3.py:352): otherwise the
+    bucket's Muon matrices are stepped with their raw gradient. True when some Muon matrix of the case goes
+    that way (a gradient larger than the bucket size is put in a bucket of its own, which then exceeds it:
+    stage3.py:1552-1569)."""
+    if c.stage != 3 or not _has_muon(c):
+        return False
+    z = c.config.get("zero_optimization", {})
+    if not z.get("contiguous_gradients", True):
+        return True
+    bucket = int(z.get("reduce_bucket_size", 500_000_000))
+    return any(p.numel > bucket for p in c.params if p.uses_muon)
+
+
+def _z3_rounds(c: Case) -> list[list[tuple]]:
+    """The shapes of each round of ZeRO-3's one-matrix-per-rank deal before 0.19.8: per sub-group (the
+    layout's, ``sub_group_size``), the Muon matrices in the order backward fills the bucket (reverse model
+    order), W at a time. Assumes one reduce bucket (the cases' models are far below the default size)."""
+    from harness import verdict
+    from oracles.layout import placement
+
+    layout = verdict.layout_for(c, verdict.step_config(c))
+    W = c.world_size
+    by_sub: dict[int, list[tuple]] = {}
+    for p in reversed(c.params):
+        if p.uses_muon:
+            by_sub.setdefault(placement(layout, p.name).group, []).append(tuple(p.shape))
+    return [shapes[i:i + W] for shapes in by_sub.values() for i in range(0, len(shapes), W)]
+
+
+def _z12_momentum_split(c: Case) -> bool:
+    """DSM-103 on a matrix that straddles ranks: on each rank only the last Muon matrix of its partition keeps
+    this step's momentum, so a matrix that is the last on one holder and not on another ends the step with
+    different momentum on each (and each rank's part of its next update comes from a different momentum)."""
+    if c.stage not in (1, 2) or c.offload != "none" or c.world_size < 2 or not _has_muon(c):
+        return False
+    from harness import verdict
+    from oracles.layout import param_slices, rank_segments
+
+    layout = verdict.layout_for(c, verdict.step_config(c))
+    muon = {p.name for p in c.params if p.uses_muon}
+    last: dict[tuple[int, int], str] = {}  # (rank, group) -> the last Muon matrix of that partition
+    for r in range(c.world_size):
+        for seg in rank_segments(layout, r):
+            if seg.kind == "param" and seg.name in muon:
+                last[(r, seg.group)] = seg.name
+    for name in muon:
+        fates = {last.get((s.rank, s.group)) == name for s in param_slices(layout, name)}
+        if len(fates) > 1:
+            return True
+    return False
+
+
+# Bugs under which the release never calls muon_update for the case: a crash bug whose frame is muon_update
+# (DSM-012, a 4-D matrix) cannot show there (measured: resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs).
+SKIPS_MUON_UPDATE = frozenset({"DSM-101", "DSM-114"})
 
 
 SPECS: tuple[dict, ...] = (
@@ -111,10 +184,11 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-105",
-        title="ZeRO-1/2 with optimizer offload crash in the parameter all-gather (0.18.9 under torch 2.13)",
+        title="ZeRO-1/2 at world size >= 2 crash in the parameter all-gather (0.18.9 under torch 2.13)",
         symptom="RuntimeError 'Output 0 of Split is a view and is being modified inplace' from the all-gather "
-                "of the updated partitions at the first optimizer step, world size >= 2.",
-        trigger=lambda c: c.stage in (1, 2) and c.offload != "none" and c.world_size >= 2,
+                "of the updated partitions at the first optimizer step, world size >= 2, with or without optimizer "
+                "offload (the whole CI gate on 0.18.9: z1/z2-none cases crash the same way).",
+        trigger=lambda c: c.stage in (1, 2) and c.world_size >= 2,
         quantities=frozenset({"crash"}),
         where="0.18.9 stage_1_and_2.py:2205 step -> runtime/utils.py:1013-1019 all_gather_into_tensor_dp_groups: "
               "all_gather_into_tensor into views returned by split",
@@ -150,5 +224,107 @@ SPECS: tuple[dict, ...] = (
               "the whole matrix's self.all_grad_tensors entry on each rank; which part of it holds the averaged "
               "gradient was not investigated",
         reproducer="z1-none-fp32-ws2-ga2 (gate case) on DeepSpeed 0.19.0",
+    ),
+    dict(
+        id="DSM-108",
+        title="fp16: the Muon step is divided by the loss scale",
+        symptom="The Muon update O replaces the loss-scaled gradient without the factor S, and the step then "
+                "divides every gradient by S: the Muon step is O/S (1/256 of what it should be at the gate's "
+                "initial_scale_power 8) and the clip norm counts O/S. Seen on 0.19.7 as the fp16 ZeRO-1/2 "
+                "masters barely moving (z1-none-fp16-ws2-groups layer1.weight step 1: 0.6477 where the oracle "
+                "has 0.6251, 18x the allowance) and on ZeRO-3 fp16 (z3-cpu-fp16-ws1-standard).",
+        trigger=_muon_update_in_scaled_buffer,
+        quantities=frozenset({"master", "model", "global_norm"}),
+        where="0.19.7 stage_1_and_2.py get_flat_partition (muon_update's output stored in averaged_gradients) "
+              "then step -> unscale_and_clip_grads (:2651-2661, combined_scale = clip * loss_scale); stage3.py "
+              "_apply_distributed_muon_update (:1688-1697) then unscale_and_clip_grads (:2705-2710). 0.19.8 "
+              "marks such groups (groups_lacking_loss_scale, stage_1_and_2.py:2742, :3120-3121; "
+              "sub_groups_lacking_loss_scale, stage3.py:1840) and multiplies the update by S first",
+        reproducer="z1-none-fp16-ws2-groups (gate case) on DeepSpeed 0.19.7",
+        model=lambda c: {"muon_update_unscaled": True},
+    ),
+    dict(
+        id="DSM-109",
+        title="ZeRO-3 NVMe offload with the Muon momentum kept in memory crashes at initialize",
+        symptom="deepspeed.initialize raises a bare AssertionError (swap_in_tensors: async_pread did not return 0) "
+                "while initialize_optimizer_states swaps the first Muon sub-group in, with "
+                "save_muon_momentum_buffer_in_memory on and the optimizer offloaded to NVMe.",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme" and _has_muon(c)
+        and bool(c.config["zero_optimization"].get("save_muon_momentum_buffer_in_memory")),
+        quantities=frozenset({"crash"}),
+        where="0.19.7 stage3.py:1285 initialize_optimizer_states -> 2446 _optimizer_states_and_gradient_swap_in -> "
+              "partitioned_optimizer_swapper.py:182 -> swap_tensor/utils.py:21; _create_momentum_buffer "
+              "(stage3.py:1021-1033) puts the in-memory buffer into the optimizer state, which the swapper then "
+              "reads from a file never written; 0.19.8 marks that buffer swappable=False (its stage3.py:1073)",
+        reproducer="z3-nvme-part-fp32-ws2-inmem (gate case) on DeepSpeed 0.19.7",
+        crash=("AssertionError", "", "_optimizer_states_and_gradient_swap_in"),
+    ),
+    dict(
+        id="DSM-110",
+        title="ZeRO-3: Muon silently skipped for a bucket reduced outside the contiguous path",
+        symptom="With contiguous_gradients off or a Muon gradient larger than reduce_bucket_size, "
+                "the bucket is averaged by __avg_scatter_grads, which never calls muon_update: its Muon matrices "
+                "are stepped with the raw averaged gradient (the capture sees no muon_update gradient; measured "
+                "on 0.19.7 z3-none-bf16-ws2-knob-buckets and -ga2-knob-nocontig).",
+        trigger=_z3_muon_skipped,
+        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        where="0.19.7 stage3.py:1599-1604 __reduce_and_partition_ipg_grads: only __avg_scatter_contiguous_grads "
+              "(:1772) calls _apply_distributed_muon_update",
+        reproducer="z3-none-bf16-ws2-knob-buckets (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-111",
+        title="ZeRO-3 with gradient accumulation runs Muon on every micro-batch",
+        symptom="ZeRO-3 reduces each micro-batch's gradients, and before 0.19.8 Muon runs inside that reduce: "
+                "with gradient_accumulation_steps k each Muon matrix is orthogonalised k times per step, on each "
+                "micro-batch's averaged gradient, its momentum advances k times, and the partition accumulates the "
+                "sum of the k updates (capture: 'muon_update ran 2 times', z3-nvme-part-fp32-ws1-ga2 on 0.19.7).",
+        trigger=lambda c: c.stage == 3 and _has_muon(c) and c.config.get("gradient_accumulation_steps", 1) > 1
+        and not _z3_muon_skipped(c),
+        quantities=frozenset({"capture", "muon_calls", "grad", "momentum", "update", "master", "model",
+                              "global_norm"}),
+        where="0.19.7 stage3.py:1772 _apply_distributed_muon_update in __avg_scatter_contiguous_grads, called on "
+              "every backward's reduce (no gradient-accumulation-boundary test); 0.19.8 runs Muon in the step",
+        reproducer="z3-nvme-part-fp32-ws1-ga2 (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-112",
+        title="ZeRO-1/2: ranks end a step with different momentum for a matrix they share (DSM-103 on a "
+              "straddling matrix)",
+        symptom="A Muon matrix split between two ranks' partitions that is the last Muon matrix of one rank's "
+                "partition and not of the other's keeps this step's momentum on the first rank only (DSM-103's "
+                "restaging); the capture finds the ranks' stored momentum different, and the next update is "
+                "assembled from parts computed from different momenta (0.19.7: z2-none-fp32-ws3, the ws3 and "
+                "layout-sweep cases, moe-z2-none-fp32-ws2).",
+        trigger=_z12_momentum_split,
+        quantities=frozenset({"capture", "momentum", "update", "master", "model", "global_norm"}),
+        where="as DSM-103 (0.19.7 stage_1_and_2.py:2249 / 2344 _muon_staging_momentum inside the per-parameter "
+              "loop), on each rank's own partition list; registered apart because it diverges in more quantities",
+        reproducer="z2-none-fp32-ws3 (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-113",
+        title="ZeRO-3 with the pipelined NVMe swapper crashes at initialize (0.18.9)",
+        symptom="deepspeed.initialize raises a bare AssertionError (len(swap_paths) == len(swap_buffers)) while "
+                "initialize_optimizer_states swaps the optimizer state out through PipelinedOptimizerSwapper.",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme" and _has_muon(c)
+        and bool(c.config["zero_optimization"]["offload_optimizer"].get("pipeline_write")),
+        quantities=frozenset({"crash"}),
+        where="0.18.9 stage3.py:1214 initialize_optimizer_states -> 2329 _optimizer_states_and_gradient_swap_out -> "
+              "pipelined_optimizer_swapper.py:140 swap_out_optimizer_state -> :191 _swap_out_optimizer_state",
+        reproducer="z3-nvme-pipe-fp32-ws1-clip0.05-standard (gate case) on DeepSpeed 0.18.9",
+        crash=("AssertionError", "", "_swap_out_optimizer_state"),
+    ),
+    dict(
+        id="DSM-114",
+        title="Without ZeRO, Muon parameters are stepped by plain SGD",
+        symptom="At stage 0 MuonWithAuxAdam.step moves each Muon parameter by lr times its raw gradient (with the "
+                "decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called (the capture sees "
+                "no Muon call; masters diverge from step 1).",
+        trigger=lambda c: c.stage == 0 and _has_muon(c),
+        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
+              "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there",
+        reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9",
     ),
 )

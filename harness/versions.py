@@ -219,6 +219,19 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda c, cfg: _has_muon(c) and _zero(cfg).get("stage") == 1 and "bf16" in cfg
             and cfg["bf16"].get("enabled") and not _offloads_optimizer(cfg)
             and cfg.get("data_types", {}).get("grad_accum_dtype") == "fp32"),
+    # 0.19.8 original_muon.py looks the Newton-Schulz compute dtype up through ``ns_compute_dtype`` at call
+    # time, the hook the high-precision-NS mode (``Case.ns_dtype``, ``-compiled-hpns``) replaces; 0.18.9-0.19.7
+    # pick it inline from the accelerator (0.19.7 original_muon.py:50 bf16 / :90 fp16, else fp32), so float64
+    # Newton-Schulz cannot be asked for there without editing DeepSpeed.
+    Refusal("ns-compute-dtype-hook", None, "0.19.8",
+            "this release picks the Newton-Schulz compute dtype inline (original_muon.py zeropower_via_*: bf16/fp16 "
+            "where the accelerator supports it); there is no ns_compute_dtype to force float64 through",
+            lambda c, cfg: c.ns_dtype is not None),
+    # The Muon all-gather cache (``Case.allgather_caps`` sets its byte limits, harness.gather_cache checks it)
+    # is 0.19.8's (stage_1_and_2.py:408-411 _muon_allgather_*); 0.18.9-0.19.7 have none to cap or check.
+    Refusal("muon-allgather-cache", None, "0.19.8",
+            "this release has no Muon all-gather cache (stage_1_and_2.py _muon_allgather_buffers arrived in 0.19.8)",
+            lambda c, cfg: c.allgather_caps is not None),
     Refusal("gram-newton-schulz", None, "0.19.0",
             "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
             lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg)),
@@ -280,12 +293,18 @@ _ALL_0198 = {"0.19.8": True}
 AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in range(1, 20)}
 # 0.19.7, measured with MUON_HARNESS_MEASURE=1 on the slices in MEASURED: xfailed carrying the id (True) or
 # xpassed (False: stage-0 bf16 cases showed neither DSM-014 nor DSM-016). Bugs not listed: not measured.
-for _bug, _present in {"DSM-001": True, "DSM-002": True, "DSM-003": True, "DSM-006": True, "DSM-014": False,
-                       "DSM-015": True, "DSM-016": False}.items():
+# DSM-012: the whole CI gate on 0.19.7 (session 5): resnet-z0-none-fp32-ws2-standard raised its exact crash
+# (RuntimeError "must match the size of tensor" in muon_update, original_muon.py:174 torch.where on a 4-D grad).
+for _bug, _present in {"DSM-001": True, "DSM-002": True, "DSM-003": True, "DSM-006": True, "DSM-012": True,
+                       "DSM-014": False, "DSM-015": True, "DSM-016": False}.items():
     AFFECTED[_bug]["0.19.7"] = _present
+# 0.18.9, the whole CI gate (session 5): DSM-001 (z1-none-bf16-ws1-clip0.05-standard) as modelled.
+AFFECTED["DSM-001"]["0.18.9"] = True
+AFFECTED["DSM-002"]["0.18.9"] = True  # z1/z2-nvme-pipe-fp32-ws1: no swap file touched, with DSM-101
+AFFECTED["DSM-012"]["0.18.9"] = True  # resnet-z3-none-fp32-ws2-standard: its crash in the ZeRO-3 reduce
 # Bugs of older releases (harness/historical_bugs.py); absent from 0.19.8 as measured there.
 AFFECTED.update({
-    "DSM-101": {"0.19.7": True, "0.19.8": False},
+    "DSM-101": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
     "DSM-102": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
     "DSM-103": {"0.19.7": True, "0.19.8": False},
     # measured present on the source checkout (README "DeepSpeed versions"); the groups cases pass their
@@ -293,6 +312,20 @@ AFFECTED.update({
     "DSM-104": {"0.19.7": False, "0.19.8": False},
     "DSM-105": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
     "DSM-106": {"0.19.7": True, "0.19.8": False},
+    # DSM-108..112: the whole CI gate on 0.19.7 (session 5), judged again with them registered; DSM-108 also on
+    # 0.19.3-0.19.6: the base-ws2 slice's z1-none-fp16-ws2 and z2-none-fp16-ws2-clip0.05 (F-1) xfailed at full
+    # strength with its model (judged normally, not measuring: DSM-107, unmodelled, measured absent there)
+    # (0.18.9: z3-cpu-fp16-ws1-standard matches DSM-001 + DSM-108 apart from an update 1.06x its allowance at
+    # step 2, README F-5)
+    "DSM-108": {"0.18.9": True, "0.19.3": True, "0.19.4": True, "0.19.5": True, "0.19.6": True, "0.19.7": True,
+                "0.19.8": False},
+    "DSM-109": {"0.19.7": True, "0.19.8": False},
+    "DSM-110": {"0.19.7": True, "0.19.8": False},
+    "DSM-111": {"0.19.7": True, "0.19.8": False},
+    "DSM-112": {"0.19.7": True, "0.19.8": False},
+    "DSM-113": {"0.18.9": True, "0.19.7": False, "0.19.8": False},  # 0.19.7: the pipelined cases reach DSM-106
+    # 0.18.9: its stage-0 cases (F-6 of session 5); 0.19.7: the stage-0 cases pass
+    "DSM-114": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
 })
 
 # 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.measure_release --slice base-ws2, the

@@ -223,6 +223,12 @@ class Conventions:
         divides by ``S`` anyway): the backward runs on the raw loss, so the fp16 overflow test sees the
         raw gradients, the optimizer reads ``G / S`` and the clip coefficient comes from ``||G|| / S``
         (DSM-015).
+    muon_update_unscaled: False (default) or True -- accident of DeepSpeed before 0.19.8 (0.19.7
+        ``stage_1_and_2.py`` ``get_flat_partition``, ``stage3.py`` ``_apply_distributed_muon_update``; 0.19.8
+        added ``groups_lacking_loss_scale``): the Muon update ``O`` is written where the loss-scaled
+        gradient was, without the factor ``S``, and the step divides everything by ``S`` (``S'`` under
+        ``scale_update_before_unscale``): the Muon step is ``O / S`` and the clip norm counts ``O / S``
+        for each Muon parameter (DSM-108).
     muon_momentum_lost_after: ``None`` (default) or a step count ``k``: accident of a ZeRO-3 resume with
         ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
         optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
@@ -253,6 +259,7 @@ class Conventions:
     warmup_step_at_init: bool = False
     backward_loss_scaled: bool = True
     muon_momentum_lost_after: Optional[int] = None
+    muon_update_unscaled: bool = False
     # Accident of ZeRO-2 + bf16 + grad_accum_dtype fp32 at one data-parallel rank (DSM-019): every
     # non-Muon parameter's gradient is lost before the step, so the auxiliary Adam reads zeros.
     adam_grads_lost: bool = False
@@ -602,11 +609,13 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         return _skip(state, cfg, conv, G, "update_overflow", momentum=new_mom)
 
     # -- 5. norm, second skip test, scaler ---------------------------------------------------------
+    # DSM-108's model: O carries no S, so in true units it counts (and steps) as O / S (of the backward)
+    unscaled = 1.0 / S if conv.muon_update_unscaled else 1.0
     own = None
     if conv.clip_norm_source == "muon_update":
-        norm = global_norm([directions[p.name] for p in muon_specs] + [Gs[p.name] for p in adam_specs])
+        norm = global_norm([directions[p.name] * unscaled for p in muon_specs] + [Gs[p.name] for p in adam_specs])
         if norm_directions is not None and all(p.name in norm_directions for p in muon_specs):
-            own = global_norm([norm_directions[p.name].to(torch.float64) for p in muon_specs]
+            own = global_norm([norm_directions[p.name].to(torch.float64) * unscaled for p in muon_specs]
                               + [Gs[p.name] for p in adam_specs])
         if shared_norm is not None:
             norm, own = shared_norm, None
@@ -632,7 +641,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     adam_m, adam_v = dict(state.adam_m), dict(state.adam_v)
     t = state.adam_step + 1
     recs = {}
-    muon_factor = ratio if conv.muon_update_in_old_scale else 1.0
+    muon_factor = (ratio if conv.muon_update_in_old_scale else 1.0) * (unscaled * ratio if conv.muon_update_unscaled
+                                                                         else 1.0)
     for spec in muon_specs:
         n = spec.name
         theta = state.master[n].to(torch.float64)

@@ -166,3 +166,17 @@ def test_a_model_that_declares_groups_is_refused_before_0192_and_one_that_does_n
 def test_group_names_per_release(monkeypatch, release, group, want):
     monkeypatch.setattr(versions, "installed", lambda: versions.Installed(release, False, "/x"))
     assert capture_adapters.group_name(group, 0) == want
+
+
+@pytest.mark.parametrize("field, value, reason", [("ns_dtype", "float64", "ns_compute_dtype"),
+                                                 ("allgather_caps", (96, 128), "all-gather cache")])
+def test_0198_only_hooks_are_deselected_before_0198(field, value, reason):
+    """The high-precision-NS mode and the all-gather cache checks need what only 0.19.8 has: deselected
+    (with the reason) on every older release, run on 0.19.8, and the plain case runs everywhere."""
+    plain = pipeline_case(1, "none", "fp32", 2, ns_method="standard")
+    case = plain.replace(**{field: value})
+    for rel in versions.RELEASES[:-1]:
+        a = versions.adapt(case, rel)
+        assert a.case is None and reason in a.deselected and rel in a.deselected
+        assert versions.adapt(plain, rel).case is not None
+    assert versions.adapt(case, "0.19.8").case is case

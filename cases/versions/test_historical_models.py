@@ -1,0 +1,130 @@
+"""Oracle models of bugs of releases older than 0.19.8 (``harness.historical_bugs``): each switch changes
+exactly what its bug's stated mechanism changes. Expected values come from the intended step and that
+mechanism (a factor 1/S), not from runs of DeepSpeed. Pure: no ranks, well under a second."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.bugs import HISTORICAL
+from harness.scenarios import pipeline_case
+from oracles import Conventions, LossScalerConfig, ParamSpec, StepConfig, initial_state, oracle_step
+
+SPECS = (ParamSpec("w", (7, 3), True), ParamSpec("b", (5,), False))
+S = 256.0  # initial_scale_power 8, as the gate's fp16 cases
+
+
+def _weights():
+    gen = torch.Generator().manual_seed(3)
+    return {s.name: torch.randn(*s.shape, generator=gen, dtype=torch.float64) * 0.3 for s in SPECS}
+
+
+def _grads():
+    gen = torch.Generator().manual_seed(4)
+    return [[{s.name: torch.randn(*s.shape, generator=gen, dtype=torch.float64) * 1e-2 for s in SPECS}]]
+
+
+def _step(conv, clip=0.0):
+    cfg = StepConfig(SPECS, model_dtype="fp16", gradient_clipping=clip,
+                     loss_scaler=LossScalerConfig(initial_scale_power=8))
+    conv = Conventions(round_master_to_fp32=False, **conv)
+    return oracle_step(initial_state(cfg, _weights(), conv), _grads(), cfg, conv)[1]
+
+
+def test_unscaled_muon_update_steps_o_over_s_and_leaves_adam_alone():
+    good, bad = _step({}), _step({"muon_update_unscaled": True})
+    assert good.loss_scale_used == bad.loss_scale_used == S
+    # (update = theta_new - theta: float64 round-off of |theta| < 1, at most 2^-53 per operand)
+    torch.testing.assert_close(bad.params["w"].update, good.params["w"].update / S, rtol=1e-12, atol=2.0**-51)
+    torch.testing.assert_close(bad.params["w"].direction, good.params["w"].direction, rtol=0, atol=0)
+    torch.testing.assert_close(bad.params["b"].update, good.params["b"].update, rtol=0, atol=0)
+    # the norm counts the Muon update as O / S
+    o, g = good.params["w"].direction, good.params["b"].grad
+    assert math.isclose(bad.global_norm, math.sqrt(float((o / S).square().sum() + g.square().sum())), rel_tol=1e-12)
+
+
+def test_unscaled_muon_update_clips_with_the_smaller_norm():
+    clip = 0.01
+    good, bad = _step({}, clip), _step({"muon_update_unscaled": True}, clip)
+    assert good.clip_coef > 1 and bad.clip_coef < good.clip_coef
+    k = max(1.0, (bad.global_norm + 1e-6) / clip)
+    assert math.isclose(bad.clip_coef, k, rel_tol=1e-9)
+    torch.testing.assert_close(bad.params["w"].update, good.params["w"].update * good.clip_coef / (S * bad.clip_coef),
+                               rtol=1e-9, atol=2.0**-51)
+
+
+@pytest.mark.parametrize("case, hit", [
+    (pipeline_case(1, "none", "fp16", 2, ns_method="standard"), True),
+    (pipeline_case(3, "cpu", "fp16", 1, ns_method="standard"), True),
+    (pipeline_case(3, "none", "fp16", 2, ns_method="standard"), True),
+    (pipeline_case(2, "cpu", "fp16", 2, ns_method="standard"), False),  # no Muon at all there (DSM-101)
+    (pipeline_case(0, "none", "fp16", 2, ns_method="standard"), False),  # the fp16 wrapper unscales first
+    (pipeline_case(1, "none", "bf16", 2, ns_method="standard"), False),  # S = 1
+])
+def test_dsm108_selects_the_paths_that_write_o_into_the_scaled_buffer(case, hit):
+    bug = next(b for b in HISTORICAL if b.id == "DSM-108")
+    assert bug.trigger(case) is hit
+    if hit:  # its model is a real switch of the oracle
+        assert Conventions(**bug.model(case)).muon_update_unscaled is True
+
+
+def _ids(case):
+    return {b.id for b in HISTORICAL if b.trigger(case)}
+
+
+def test_zero3_triggers_follow_the_reduce_path_sub_groups_and_accumulation():
+    """DSM-110 where a bucket skips the contiguous reduce, DSM-102 only where Muon runs and a round mixes
+    shapes within one sub-group, DSM-111 with gradient accumulation (each as measured on 0.19.7)."""
+    from harness.matrix import gate_cases
+
+    cases = {c.name: c for c in gate_cases(False)}
+    assert "DSM-110" in _ids(cases["z3-none-bf16-ws2-knob-buckets"])  # a 30-element gradient, 16-element buckets
+    assert "DSM-110" in _ids(cases["z3-none-bf16-ws2-ga2-knob-nocontig"])
+    assert "DSM-102" not in _ids(cases["z3-none-bf16-ws2-knob-buckets"])  # Muon never runs: nothing to gather
+    assert _ids(cases["z3-none-fp32-ws2-subgroups"]) == set()  # one matrix per sub-group: rounds never mix
+    assert "DSM-102" in _ids(cases["z3-nvme-part-fp32-ws2"])
+    assert "DSM-111" in _ids(cases["z3-nvme-part-fp32-ws1-ga2"])
+    assert "DSM-111" not in _ids(cases["z3-nvme-part-fp32-ws2"])
+    plain = pipeline_case(3, "none", "fp32", 2, ns_method="standard")
+    assert "DSM-110" not in _ids(plain)  # contiguous gradients, one bucket: Muon runs
+    nocontig = plain.ds_config.replace('"stage":3', '"stage":3,"contiguous_gradients":false')
+    assert nocontig != plain.ds_config and "DSM-110" in _ids(plain.replace(ds_config=nocontig))
+
+
+def test_dsm112_needs_a_straddling_matrix_whose_fate_differs_between_its_holders():
+    from harness.matrix import gate_cases
+
+    cases = {c.name: c for c in gate_cases(False)}
+    for name in ("z2-none-fp32-ws3", "sweep-z1-none-ws2-L0", "moe-z2-none-fp32-ws2-standard"):
+        assert "DSM-112" in _ids(cases[name]), name
+    # ws2 base grid: the shared matrix is the last of both partitions (measured: momentum alone diverges)
+    assert "DSM-112" not in _ids(cases["z2-none-fp32-ws2-ga2-clip0.05-standard"])
+    assert "DSM-112" not in _ids(pipeline_case(2, "none", "fp32", 1, ns_method="standard"))
+    assert "DSM-112" not in _ids(pipeline_case(2, "cpu", "fp32", 3, ns_method="standard"))
+
+
+def test_a_crash_inside_muon_update_is_not_expected_where_muon_update_never_runs(monkeypatch):
+    """On 0.19.7 (DSM-012 and DSM-101 both measured) a conv case with ZeRO-1/2 offload never reaches
+    muon_update (DSM-101), so DSM-012's crash there is not a candidate; without offload it is."""
+    from harness import versions
+    from harness.bugs import bugs_for
+    from harness.matrix import gate_cases
+
+    monkeypatch.setattr(versions, "judged_as", lambda: "0.19.7")
+    monkeypatch.delenv("MUON_HARNESS_MEASURE", raising=False)
+    cases = {c.name: c for c in gate_cases(False)}
+    assert [b.id for b in bugs_for(cases["resnet-z1-cpu-fp32-ws2-standard"])] == ["DSM-101"]
+    assert "DSM-012" in [b.id for b in bugs_for(cases["resnet-z0-none-fp32-ws2-standard"])]
+
+
+def test_every_historical_trigger_answers_for_every_ci_gate_case():
+    """The triggers that read the case's partition layout (DSM-102, DSM-112) must answer a plain bool for
+    every gate case, on any release (``bugs_for`` asks them only where the bug is measured, but the
+    measuring runs ask every one)."""
+    from harness.matrix import gate_cases
+
+    for c in gate_cases(False):
+        for b in HISTORICAL:
+            assert isinstance(b.trigger(c), bool), (b.id, c.name)
