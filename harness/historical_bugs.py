@@ -128,6 +128,8 @@ def _z12_momentum_split(c: Case) -> bool:
 # Bugs under which the release never calls muon_update for the case: a crash bug whose frame is muon_update
 # (DSM-012, a 4-D matrix) cannot show there (measured: resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs).
 SKIPS_MUON_UPDATE = frozenset({"DSM-101", "DSM-114"})
+# what a Muon matrix stepped without its muon_update moves: everything from its gradient on
+MUON_NOT_RUN = frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"})
 
 
 SPECS: tuple[dict, ...] = (
@@ -139,7 +141,7 @@ SPECS: tuple[dict, ...] = (
                 "without orthogonalization (masters ~1e5x their allowance at step 1), and the clip norm is the "
                 "raw gradient's.",
         trigger=_z12_offload_muon,
-        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        quantities=MUON_NOT_RUN,
         where="0.19.7 stage_1_and_2.py:994-1011: get_flat_partition (the only caller of muon_update) runs "
               "only when cpu_offload is False; the offload epilogue copies raw gradients to the CPU optimizer",
         reproducer="z1-cpu-fp16-ws2-ga2 (gate case) on DeepSpeed 0.19.7",
@@ -267,7 +269,7 @@ SPECS: tuple[dict, ...] = (
                 "are stepped with the raw averaged gradient (the capture sees no muon_update gradient; measured "
                 "on 0.19.7 z3-none-bf16-ws2-knob-buckets and -ga2-knob-nocontig).",
         trigger=_z3_muon_skipped,
-        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        quantities=MUON_NOT_RUN,
         where="0.19.7 stage3.py:1599-1604 __reduce_and_partition_ipg_grads: only __avg_scatter_contiguous_grads "
               "(:1772) calls _apply_distributed_muon_update",
         reproducer="z3-none-bf16-ws2-knob-buckets (gate case) on DeepSpeed 0.19.7",
@@ -322,7 +324,7 @@ SPECS: tuple[dict, ...] = (
                 "decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called (the capture sees "
                 "no Muon call; masters diverge from step 1).",
         trigger=lambda c: c.stage == 0 and _has_muon(c),
-        quantities=frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"}),
+        quantities=MUON_NOT_RUN,
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
               "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there",
         reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9",
