@@ -8,9 +8,10 @@ keyed by the torch and DeepSpeed versions, and clears stale locks before any pro
 
 Op builds are shared across DeepSpeed releases: each op is built once per *content key* (a hash of the
 source and header files the builder lists and they include, the compiler flags and link flags it
-passes, the torch and Python versions and the compiler) into ``op_store()``, and a release's own
-extensions folder only links to it. A cold build costs 8-18 minutes per op on two cores, and most
-releases do not touch most ops (``python -m harness.buildenv --share SDIST...`` shows which share).
+passes, the torch and Python versions and the compiler) into ``op_store()``; a release's own
+extensions folder holds a copy of it, and ranks import the store's build (``built-ops.json``). A cold
+build costs 8-18 minutes per op on two cores, and most releases do not touch most ops
+(``python -m harness.buildenv --share SDIST...`` shows which share).
 """
 from __future__ import annotations
 
@@ -216,14 +217,47 @@ def release_op_keys(names=OPS) -> dict[str, str]:
     return keys
 
 
-def _link(link: Path, target: Path) -> None:
-    """``link`` -> ``target``, replacing a link to somewhere else; never a real folder."""
-    link.parent.mkdir(parents=True, exist_ok=True)
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(target, target_is_directory=True)
-    os.replace(tmp, link)  # atomic: a rank preloading sees the old link or the new one
+def built_ops_file(ext_dir: Path | None = None) -> Path:
+    """Which store build each op of a release's extensions folder was copied from (``{op: {"key",
+    "folder"}}``): ranks import the ``.so`` from that store folder, never from the release's own copy."""
+    return Path(ext_dir or extensions_dir()) / "built-ops.json"
+
+
+def read_built_ops(ext_dir: Path | None = None) -> dict[str, dict[str, str]]:
+    path = built_ops_file(ext_dir)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _record_built_op(name: str, key: str, folder: Path) -> None:
+    path = built_ops_file()
+    entries = read_built_ops()
+    entries[name] = {"key": key, "folder": str(folder)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # a rank reading it sees the old file or the new one
+
+
+def _copy_into_release(mine: Path, built: Path) -> None:
+    """Make the release's extensions folder for one op a private copy of the store's build.
+
+    Why a copy and not a link: any process that loads the op through torch's JIT ``load`` (a user's own
+    script, or one that did not preload) rebuilds it in that folder whenever its build file names other
+    absolute paths than the ones that built it (another checkout's venv), and the linker rewrites the
+    ``.so`` in place: through a link that is the store's file, and every rank importing it meanwhile fails
+    with ``invalid ELF header`` (seen in CI). A copy takes the rebuild; the store stays as built."""
+    tmp = mine.with_name(f".{mine.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(built, tmp, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    old = mine.with_name(f".{mine.name}.{os.getpid()}.old")
+    if mine.is_symlink():
+        mine.unlink()
+    elif mine.exists():
+        os.replace(mine, old)  # a rank that has the old .so open keeps it; a new reader finds the copy below
+    os.replace(tmp, mine)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _adopt(built: Path, root: Path, name: str) -> None:
@@ -239,21 +273,23 @@ def _adopt(built: Path, root: Path, name: str) -> None:
 
 
 def ensure_op(name: str, key: str, build) -> str:
-    """Make ``<extensions_dir>/<op>/<op>.so`` available for the installed release, building it only if
-    no release has built this key yet. ``build()`` JIT-builds the op (DeepSpeed's own ``load``) with
-    TORCH_EXTENSIONS_DIR pointing at the key's folder. Returns how: "present" (the release's folder
-    already holds a build; adopted into the store), "shared" (linked to a build of the same key) or
-    "built"."""
+    """Make the installed release's op available from the store build of its content key, building it
+    only if no release has built this key yet. ``build()`` JIT-builds the op (DeepSpeed's own ``load``)
+    with TORCH_EXTENSIONS_DIR pointing at the key's folder. The release's own folder gets a copy of that
+    build (``_copy_into_release``) and ``built-ops.json`` names the store folder ranks import from.
+    Returns how: "present" (the release's folder already held this key, or a build from before the
+    store, adopted into it), "shared" (a build of the same key by another release) or "built"."""
     root = op_build_root(name, key)
     stored = root / name / f"{name}.so"
     mine = extensions_dir() / name
-    if (mine / f"{name}.so").exists() and not mine.is_symlink():
-        if not stored.exists():
-            op_store().mkdir(parents=True, exist_ok=True)
-            _adopt(mine, root, name)
-        return "present"
+    recorded = read_built_ops().get(name, {}).get("key")
+    own_build = (mine / f"{name}.so").exists() and not mine.is_symlink()
     how = "shared"
-    if not stored.exists():
+    if not stored.exists() and own_build and recorded is None:
+        op_store().mkdir(parents=True, exist_ok=True)  # built before the store existed: its key is this one
+        _adopt(mine, root, name)
+        how = "present"
+    elif not stored.exists():
         root.mkdir(parents=True, exist_ok=True)
         old = os.environ.get("TORCH_EXTENSIONS_DIR")
         os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
@@ -267,9 +303,12 @@ def ensure_op(name: str, key: str, build) -> str:
         if not stored.exists():
             raise RuntimeError(f"op {name}: DeepSpeed's build left no {stored}")
         how = "built"
-    if mine.exists() and not mine.is_symlink():
-        shutil.rmtree(mine)  # a half-built folder of this release (no .so): the store's build replaces it
-    _link(mine, root / name)
+    if recorded == key and own_build:
+        how = "present" if how == "shared" else how
+    else:
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        _copy_into_release(mine, root / name)
+    _record_built_op(name, key, root / name)
     return how
 
 

@@ -38,6 +38,11 @@ def preload_built_ops() -> list[str]:
     is already built, and a rank killed while holding it (the pool kills ranks on timeouts and
     failures) leaves a lock behind on which every later load waits forever. Ops not built yet are
     left to DeepSpeed's normal path. ``pin_memory`` goes first: async_io resolves symbols from it.
+
+    Each ``.so`` comes from the content-keyed store build the warm-up recorded (``buildenv.read_built_ops``),
+    not from the release's extensions folder: a process that JIT-loads the op there (a user's script run
+    from another checkout) relinks that folder's ``.so`` in place, and a rank importing it meanwhile gets
+    ``invalid ELF header``. The release folder is the fallback for a cache from before the record.
     """
     import ctypes
     import os
@@ -52,12 +57,14 @@ def preload_built_ops() -> list[str]:
     if not ext:
         return []
     loaded = []
+    recorded = buildenv.read_built_ops(Path(ext))
     for name in PRELOAD_BUILDERS:
         builder = get_accelerator().create_op_builder(name)
         if builder is None or builder.NAME in OpBuilder._loaded_ops or builder.NAME in builder._loaded_ops:
             continue
-        folder = Path(ext) / builder.NAME
-        if not (folder / f"{builder.NAME}.so").exists():
+        folders = [Path(recorded[builder.NAME]["folder"])] if builder.NAME in recorded else []
+        folder = next((f for f in [*folders, Path(ext) / builder.NAME] if (f / f"{builder.NAME}.so").exists()), None)
+        if folder is None:
             continue
         module = _import_module_from_library(builder.NAME, str(folder), True)
         # The op cache DeepSpeed's load() reads is the class attribute of the OpBuilder the builder derives

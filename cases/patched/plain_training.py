@@ -1,6 +1,6 @@
 """A plain DeepSpeed training script (no harness machinery) that exercises three stock Muon bugs.
 
-    python cases/patched/plain_training.py [--patched]
+    python cases/patched/plain_training.py [--patched] [--harness-ops]
 
 With ``--patched`` it does what a user would do, ``from harness.patched_runtime import apply; apply()``
 before ``deepspeed.initialize``. It prints one JSON line with what it observed:
@@ -34,6 +34,14 @@ def main() -> None:
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="plain-ds-")
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=0, world_size=1)
+
+    if "--harness-ops" in sys.argv:
+        # Not what is observed: the ops the harness's warm-up built, imported as its ranks do. DeepSpeed's
+        # JIT load would rebuild them here (minutes) whenever this checkout's venv did not build them.
+        sys.path.insert(0, ROOT)
+        from harness import runtime_state
+
+        runtime_state.preload_built_ops()
 
     if patched:
         sys.path.insert(0, ROOT)

@@ -20,14 +20,20 @@ pytestmark = pytest.mark.pipeline
 SCRIPT = Path(__file__).with_name("plain_training.py")
 
 
+def _built_libraries() -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in buildenv.extensions_dir().glob("*/*.so")}
+
+
 def _run(*args) -> dict:
     env = dict(os.environ)
     env.update(buildenv.base_env())
     env.pop("PYTHONPATH", None)  # the script must import the harness itself, as a user's would
-    p = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=str(SCRIPT.parent))
+    before = _built_libraries()
+    p = subprocess.run([sys.executable, str(SCRIPT), "--harness-ops", *args], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=str(SCRIPT.parent))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"script failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert _built_libraries() == before, "the script rebuilt an op (a JIT load), rewriting a library ranks load"
     return json.loads(lines[-1][len("RESULT "):])
 
 

@@ -3,7 +3,9 @@ build, and any change to what goes into a build (a source, a header it includes,
 key. Pure and fast: temporary trees and a stand-in build, no compiler, no DeepSpeed build."""
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +124,50 @@ def test_sharing_groups_releases_by_key():
     keys = {"0.19.6": {"cpu_adam": "a", "aio": "x"}, "0.19.7": {"cpu_adam": "b", "aio": "x"},
             "0.19.8": {"cpu_adam": "b"}}
     assert buildenv.sharing(keys) == {"aio": [["0.19.6", "0.19.7"]], "cpu_adam": [["0.19.6"], ["0.19.7", "0.19.8"]]}
+
+
+def test_the_release_folder_is_a_copy_so_a_jit_rebuild_there_leaves_the_store_build_intact(cache, monkeypatch):
+    """A JIT ``load`` from another checkout's venv relinks ``<release>/op/op.so`` in place (CI saw ranks fail
+    with ``invalid ELF header`` meanwhile): it must not reach the store build ranks import."""
+    monkeypatch.setattr(buildenv, "deepspeed_version", lambda: "0.19.8")
+    assert buildenv.ensure_op("op", "k1", _fake_build([])) == "built"
+    mine = buildenv.extensions_dir() / "op"
+    assert mine.is_dir() and not mine.is_symlink()
+    (mine / "op.so").write_text("half-written by a JIT rebuild")
+    store = buildenv.op_build_root("op", "k1") / "op"
+    assert (store / "op.so").read_text() == f"built in {buildenv.op_build_root('op', 'k1')}"
+    assert buildenv.read_built_ops() == {"op": {"key": "k1", "folder": str(store)}}
+    # the warm-up again, same key: nothing rebuilt, and the release copy is left to whoever rebuilt it
+    assert buildenv.ensure_op("op", "k1", lambda: pytest.fail("must not build")) == "present"
+    assert (mine / "op.so").read_text() == "half-written by a JIT rebuild"
+
+
+def test_a_release_folder_left_as_a_link_by_an_older_cache_becomes_a_copy(cache, monkeypatch):
+    monkeypatch.setattr(buildenv, "deepspeed_version", lambda: "0.19.7")
+    assert buildenv.ensure_op("op", "k1", _fake_build([])) == "built"
+    monkeypatch.setattr(buildenv, "deepspeed_version", lambda: "0.19.8")
+    mine = buildenv.extensions_dir() / "op"
+    mine.parent.mkdir(parents=True)
+    mine.symlink_to(buildenv.op_build_root("op", "k1") / "op", target_is_directory=True)
+    assert buildenv.ensure_op("op", "k1", lambda: pytest.fail("must not build")) == "shared"
+    assert not mine.is_symlink() and (mine / "op.so").read_text().startswith("built in")
+
+
+def test_ranks_import_the_recorded_store_build_not_the_release_folder(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from harness import runtime_state
+
+    ext, store = tmp_path / "ext", tmp_path / "store" / "fused_adam"
+    for folder, text in ((ext / "fused_adam", "rewritten by a JIT load"), (store, "the warm-up's build")):
+        folder.mkdir(parents=True)
+        (folder / "fused_adam.so").write_text(text)
+    (ext / "built-ops.json").write_text(json.dumps({"fused_adam": {"key": "k", "folder": str(store)}}))
+    imported = []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    monkeypatch.setattr(cpp, "_import_module_from_library",
+                        lambda name, path, py: imported.append((name, (Path(path) / f"{name}.so").read_text())))
+    assert runtime_state.preload_built_ops() == ["fused_adam"]
+    assert imported == [("fused_adam", "the warm-up's build")]
