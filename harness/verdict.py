@@ -311,7 +311,7 @@ class _OracleLayout(LayoutView):
         self._ranges: dict[str, dict] = {}
 
     def locate(self, name: str, index: int) -> tuple[int, str]:
-        loc = oracles.locate(self.layout, name, index)
+        loc = oracles.locate(self.layout, name, index, ranges=self.ranges(name))
         return loc.rank, loc.region
 
     def ranges(self, name: str) -> dict[str, list[tuple[int, int]]]:

@@ -367,8 +367,12 @@ def _in_any(i: int, ranges) -> bool:
     return any(a <= i < b for a, b in ranges)
 
 
-def locate(layout: Layout, name: str, index: int, window: int = 1) -> Location:
-    """Rank and region of element ``index`` (row-major flat index) of parameter ``name``."""
+def locate(layout: Layout, name: str, index: int, window: int = 1,
+           ranges: dict[str, list[tuple[int, int]]] | None = None) -> Location:
+    """Rank and region of element ``index`` (row-major flat index) of parameter ``name``.
+
+    ``ranges``: :func:`region_ranges` of ``name`` (same ``window``) when the caller locates many
+    elements; the regions are computed from every rank's segments, which costs O(world x params)."""
     p = placement(layout, name)
     if not 0 <= index < p.numel:
         raise IndexError(f"{name}: index {index} outside [0, {p.numel})")
@@ -382,13 +386,8 @@ def locate(layout: Layout, name: str, index: int, window: int = 1) -> Location:
         q = _q(p, W)
         rank = index // q
         off = p.offset + (index - rank * q)
-    boundary, padded = _special_ranges(layout, p, window)
-    if _in_any(index, boundary):
-        region = "boundary"
-    elif _in_any(index, padded):
-        region = "padded_tail"
-    else:
-        region = "interior"
+    ranges = ranges if ranges is not None else region_ranges(layout, name, window)
+    region = next(r for r in ("boundary", "padded_tail", "interior") if _in_any(index, ranges[r]))
     return Location(rank, region, p.group, off)
 
 

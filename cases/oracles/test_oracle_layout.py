@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from oracles import (ParamSpec, ds_param_groups, locate, locate_flat, param_slices, partition_padding, rank_segments,
                      region_indices, region_ranges, zero3_layout, zero12_layout)
+from oracles.layout import Zero12Layout
 
 numels = st.lists(st.integers(1, 41), min_size=1, max_size=5)
 
@@ -26,6 +27,32 @@ def _groups(sizes_per_group):
             k += 1
         groups.append(g)
     return groups
+
+
+def _region_by_definition(lay, name, i, window):
+    """The region of element ``i`` from the partition geometry, element by element (what ``locate``'s
+    ranges must agree with): within ``window`` of a partition boundary, else within ``window`` of a
+    padding run inside the same partition (ZeRO-1/2) or of the parameter's padded end (ZeRO-3)."""
+    p = next(x for x in lay.placements if x.name == name)
+    W = lay.world_size
+    if isinstance(lay, Zero12Layout):
+        P = lay.partition_size[p.group]
+        f = p.offset + i
+        if any(c - window <= f < c + window for c in (r * P for r in range(1, W))):
+            return "boundary"
+        for r in range(W):
+            for s in rank_segments(lay, r):
+                if s.kind != "param" and s.group == p.group:
+                    a, b = r * P + s.start, r * P + s.end
+                    if max(a - window, r * P) <= f < a or b <= f < min(b + window, (r + 1) * P):
+                        return "padded_tail"
+        return "interior"
+    q = -(-p.numel // W)
+    if any(c - window <= i < c + window for c in (r * q for r in range(1, W))):
+        return "boundary"
+    if W * q > p.numel and i >= max(p.numel - window, (p.numel // q) * q):
+        return "padded_tail"
+    return "interior"
 
 
 def _check_round_trip(lay, groups, W, window):
@@ -51,6 +78,7 @@ def _check_round_trip(lay, groups, W, window):
             assert sorted(i for idx in regions.values() for i in idx) == list(range(n))
             for region, idx in regions.items():
                 assert all(locate(lay, name, i, window).region == region for i in idx)
+                assert all(_region_by_definition(lay, name, i, window) == region for i in idx)
             # param_slices agree with the segments and tile the parameter in rank order
             sl = param_slices(lay, name)
             assert sl[0].param_start == 0 and sl[-1].param_end == n
