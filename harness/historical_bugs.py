@@ -10,6 +10,8 @@ Ids start at DSM-101 so they never collide with the 0.19.8 registry's. Each entr
 """
 from __future__ import annotations
 
+import os
+
 from harness.case import Case
 
 
@@ -123,6 +125,14 @@ def _z12_momentum_split(c: Case) -> bool:
         if len(fates) > 1:
             return True
     return False
+
+
+def _z12_nocontig_unreduced(c: Case) -> bool:
+    """ZeRO-1/2 without optimizer offload (offload forces contiguous gradients, 0.19.7 stage_1_and_2.py:274),
+    contiguous_gradients off, world size >= 2, on the CPU accelerator (on CUDA the type strings match)."""
+    z = c.config.get("zero_optimization", {})
+    return (c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2
+            and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 
 # Bugs under which the release never calls muon_update for the case: a crash bug whose frame is muon_update
@@ -328,5 +338,21 @@ SPECS: tuple[dict, ...] = (
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
               "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there",
         reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9",
+    ),
+    dict(
+        id="DSM-115",
+        title="ZeRO-1/2 with contiguous_gradients off on the CPU accelerator: gradients never averaged across ranks",
+        symptom="No gradient is data-parallel reduced: each rank steps its partition, and runs muon_update, on its "
+                "own micro-batches' gradient (0.19.7 z1-none-fp32-ws2-knob-nocontig: the capture finds the ranks' "
+                "muon_update gradient of layer0.weight different; every parameter's gradient, Adam's too, is off "
+                "from step 1, layer1.weight by 3.9e5x its allowance). Every parameter, Muon or not.",
+        trigger=_z12_nocontig_unreduced,
+        quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model", "global_norm"}),
+        where="0.18.9-0.19.7 stage_1_and_2.py split_half_float_double (0.19.7 :66-77) matches t.type() against "
+              "'torch.cpu.FloatTensor' etc.; a CPU tensor's type() is 'torch.FloatTensor', so every bucket is "
+              "empty and buffered_reduce_fallback (reduce_ipg_grads' path without contiguous gradients, :1809) "
+              "all-reduces nothing. 0.19.8 compares dtypes (its :66-77). Measured: 0.19.7 with only that function "
+              "replaced by 0.19.8's, the case xfails with DSM-103 alone",
+        reproducer="z1-none-fp32-ws2-knob-nocontig (gate case) on DeepSpeed 0.19.7",
     ),
 )

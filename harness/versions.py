@@ -326,6 +326,9 @@ AFFECTED.update({
     "DSM-113": {"0.18.9": True, "0.19.7": False, "0.19.8": False},  # 0.19.7: the pipelined cases reach DSM-106
     # 0.18.9: its stage-0 cases (F-6 of session 5); 0.19.7: the stage-0 cases pass
     "DSM-114": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
+    # F-4 of session 5: z1-none-fp32-ws2-knob-nocontig on 0.19.7 (and 0.19.7 with 0.19.8's
+    # split_half_float_double: xfailed with DSM-103 alone); 0.19.8: the same case passes
+    "DSM-115": {"0.19.7": True, "0.19.8": False},
 })
 
 # 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.measure_release --slice base-ws2, the
