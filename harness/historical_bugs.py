@@ -127,6 +127,12 @@ def _z12_momentum_split(c: Case) -> bool:
     return False
 
 
+def _zinit_muon(c: Case) -> bool:
+    """ZeRO-3 under ``zero.Init`` with a matrix DeepSpeed would tag Muon (any world size: a partitioned
+    parameter's data is a flat placeholder on every rank)."""
+    return c.stage == 3 and bool(c.zero_init) and _has_muon(c)
+
+
 def _z12_nocontig_unreduced(c: Case) -> bool:
     """ZeRO-1/2 without optimizer offload (offload forces contiguous gradients, 0.19.7 stage_1_and_2.py:274),
     contiguous_gradients off, world size >= 2, on the CPU accelerator (on CUDA the type strings match)."""
@@ -135,9 +141,22 @@ def _z12_nocontig_unreduced(c: Case) -> bool:
             and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 
-# Bugs under which the release never calls muon_update for the case: a crash bug whose frame is muon_update
-# (DSM-012, a 4-D matrix) cannot show there (measured: resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs).
-SKIPS_MUON_UPDATE = frozenset({"DSM-101", "DSM-114"})
+# Bugs under which the release never runs a Muon code path for the case, and the crash frames that then
+# cannot be reached: a crash bug whose frame is one of them does not show there (measured: DSM-012, a 4-D
+# matrix, resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs under DSM-101; DSM-102, 0.18.9
+# z3-none-fp32-ws2-standard-zinit runs under DSM-116: no Muon group, nothing dealt out).
+SKIPPED_FRAMES: dict[str, frozenset] = {
+    "DSM-101": frozenset({"muon_update"}),
+    "DSM-114": frozenset({"muon_update"}),
+    "DSM-116": frozenset({"muon_update", "_apply_distributed_muon_update"}),
+}
+# Bugs under which the case has no Muon group at all, and the bugs that live in Muon's own code (the Muon
+# momentum, update, Newton-Schulz, the Muon partitions of ZeRO), which then cannot show: measured, 0.18.9
+# resnet-z3-none-bf16-ws2-standard-zinit (DSM-116) otherwise also carried DSM-001 (16-bit Muon momentum).
+NO_MUON_GROUP = frozenset({"DSM-116"})
+IN_MUON_CODE = frozenset({"DSM-001", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009", "DSM-012",
+                          "DSM-017", "DSM-101", "DSM-102", "DSM-103", "DSM-107", "DSM-108", "DSM-109", "DSM-110",
+                          "DSM-111", "DSM-112", "DSM-114"})
 # what a Muon matrix stepped without its muon_update moves: everything from its gradient on
 MUON_NOT_RUN = frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"})
 
@@ -354,5 +373,20 @@ SPECS: tuple[dict, ...] = (
               "all-reduces nothing. 0.19.8 compares dtypes (its :66-77). Measured: 0.19.7 with only that function "
               "replaced by 0.19.8's, the case xfails with DSM-103 alone",
         reproducer="z1-none-fp32-ws2-knob-nocontig (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-116",
+        title="zero.Init: no parameter is tagged Muon, the whole model is stepped by Adam",
+        symptom="Under deepspeed.zero.Init every partitioned parameter's data is a flat placeholder, so "
+                "set_optimizer_flags (p.ndim >= 2) tags no parameter use_muon: the optimizer has no Muon group "
+                "(the capture reads no Muon group lr: NaN), muon_update is never called, and the matrices are "
+                "stepped by the auxiliary Adam with adam_lr (0.18.9 z3-none-fp32-ws2-standard-zinit, "
+                "z3-cpu-fp32-ws2-standard-zinit, resnet-z3-none-bf16-ws2-standard-zinit: F-2 of session 5).",
+        trigger=_zinit_muon,
+        quantities=MUON_NOT_RUN | frozenset({"lr", "capture"}),
+        where="0.18.9-0.19.6 deepspeed/__init__.py set_optimizer_flags (0.18.9 :71-77, 0.19.6 :84-90) tests "
+              "p.ndim, which zero.Init has made 1-D; 0.19.7 tests the layer's shape (ds_shape, its "
+              "_layer_shape, :84-105)",
+        reproducer="z3-none-fp32-ws2-standard-zinit (gate case) on DeepSpeed 0.18.9",
     ),
 )

@@ -329,6 +329,9 @@ AFFECTED.update({
     # F-4 of session 5: z1-none-fp32-ws2-knob-nocontig on 0.19.7 (and 0.19.7 with 0.19.8's
     # split_half_float_double: xfailed with DSM-103 alone); 0.19.8: the same case passes
     "DSM-115": {"0.19.7": True, "0.19.8": False},
+    # F-2 of session 5: 0.18.9's three zero.Init cases of the whole CI gate (session 6); 0.19.7 and 0.19.8: their
+    # zero.Init cases call muon_update (the whole CI gate)
+    "DSM-116": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
 })
 
 # 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.measure_release --slice base-ws2, the

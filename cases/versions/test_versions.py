@@ -180,3 +180,16 @@ def test_0198_only_hooks_are_deselected_before_0198(field, value, reason):
         assert a.case is None and reason in a.deselected and rel in a.deselected
         assert versions.adapt(plain, rel).case is not None
     assert versions.adapt(case, "0.19.8").case is case
+
+
+def test_without_a_muon_group_only_bugs_outside_muon_code_are_expected(monkeypatch):
+    """DSM-116 (zero.Init before 0.19.7): no parameter is tagged Muon, so the distributed Muon crash (DSM-102) and
+    the 16-bit Muon momentum (DSM-001) cannot show; the same case without zero.Init still expects them."""
+    from harness.bugs import bugs_for
+
+    monkeypatch.setenv("MUON_HARNESS_MEASURE", "1")  # every registered bug a candidate
+    plain = pipeline_case(3, "none", "bf16", 2, ns_method="standard")
+    zinit = plain.replace(name=plain.name + "-zinit", zero_init=True)
+    assert {"DSM-102", "DSM-001"} <= {b.id for b in bugs_for(plain)}
+    ids = {b.id for b in bugs_for(zinit)}
+    assert "DSM-116" in ids and not ids & {"DSM-102", "DSM-001"}, ids
