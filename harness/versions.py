@@ -182,8 +182,16 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
 )
 
 
-def _ns_methods(case, cfg: dict) -> set:
-    default = cfg.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
+def default_ns_method(version: str | None = None) -> str:
+    """The Newton-Schulz method a Muon group without ``ns_method`` runs: "gram" from 0.19.0 (0.19.7
+    original_muon.py muon_update's ``ns_method="gram"``), the standard quintic before (0.18.9 has no other).
+    Judging a 0.18.9 run against gram's fp16 allowance instead held its bf16 standard Newton-Schulz to an
+    8x tighter bound (session 5's F-5: 1.01-1.06x "over")."""
+    return "gram" if in_range(version or installed().version, "0.19.0", None) else "standard"
+
+
+def _ns_methods(case, cfg: dict, default: str) -> set:
+    default = cfg.get("optimizer", {}).get("params", {}).get("ns_method", default)
     return {default} | {g.ns_method for g in case.groups if g.ns_method}
 
 @functools.cache
@@ -234,7 +242,7 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda c, cfg: c.allgather_caps is not None),
     Refusal("gram-newton-schulz", None, "0.19.0",
             "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
-            lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg)),
+            lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg, default_ns_method("0.18.9"))),
 )
 
 

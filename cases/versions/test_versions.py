@@ -193,3 +193,18 @@ def test_without_a_muon_group_only_bugs_outside_muon_code_are_expected(monkeypat
     assert {"DSM-102", "DSM-001"} <= {b.id for b in bugs_for(plain)}
     ids = {b.id for b in bugs_for(zinit)}
     assert "DSM-116" in ids and not ids & {"DSM-102", "DSM-001"}, ids
+
+
+@pytest.mark.parametrize("release, want", [("0.18.9", "standard"), ("0.19.0", "gram"), ("0.19.8", "gram")])
+def test_the_oracle_runs_the_releases_default_newton_schulz_when_the_key_is_absent(monkeypatch, release, want):
+    """0.18.9 has no ns_method (the key is dropped for it) and runs the standard quintic: judging it as gram
+    held its bf16 Newton-Schulz to gram's fp16 allowance (session 5's F-5)."""
+    from harness import verdict
+
+    monkeypatch.setattr(versions, "installed", lambda: versions.Installed(release, False, "/x"))
+    case = pipeline_case(3, "none", "fp32", 1, ns_method="standard")
+    adapted = versions.adapt(case).case
+    assert verdict.step_config(adapted).ns_method == (want if release == "0.18.9" else "standard")
+    bare = json.loads(case.ds_config)
+    bare["optimizer"]["params"].pop("ns_method")
+    assert verdict.step_config(case.replace(ds_config=json.dumps(bare))).ns_method == want
