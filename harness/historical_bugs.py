@@ -41,7 +41,18 @@ def _z3_dist_muon_mixed_shapes(c: Case) -> bool:
     (DSM-110) never reaches the all-gather."""
     if c.stage != 3 or c.world_size < 2 or _z3_muon_skipped(c):
         return False
+    if c.groups and _groups_flattened():
+        c = c.replace(groups=())  # DSM-104: the release merges the user's groups into one Muon group
     return any(len(set(r)) > 1 for r in _z3_rounds(c))
+
+
+def _groups_flattened() -> bool:
+    """Whether the release judged (as measured) flattens user param groups into one Muon and one Adam group
+    (DSM-104): the ZeRO-3 deal then runs over all the Muon matrices together (measured: 0.19.6
+    z3-none-bf16-ws2-groups and z3-cpu-fp32-ws2-groups crash as DSM-102 says)."""
+    from harness import versions
+
+    return bool(versions.AFFECTED.get("DSM-104", {}).get(versions.judged_as() or "", False))
 
 
 def _z12_group_with_two_muon(c: Case) -> bool:
@@ -127,10 +138,30 @@ def _z12_momentum_split(c: Case) -> bool:
     return False
 
 
+def _passes_group_dicts(c: Case) -> bool:
+    """The case's own groups, or a model that declares groups (measured: 0.19.6 moe-z1-cpu-bf16-ws2-standard's
+    group lrs are the config's)."""
+    from harness import versions
+
+    return versions._passes_group_dicts(c)
+
+
 def _zinit_muon(c: Case) -> bool:
     """ZeRO-3 under ``zero.Init`` with a matrix DeepSpeed would tag Muon (any world size: a partitioned
     parameter's data is a flat placeholder on every rank)."""
     return c.stage == 3 and bool(c.zero_init) and _has_muon(c)
+
+
+def _z12_momentum_dtype_mismatch(c: Case) -> bool:
+    """ZeRO-1/2 without offload, a 16-bit model with Muon, where the flat momentum (created in
+    gradient_accumulation_dtype, or restored by load_checkpoint in the fp32 master's dtype) and the gradient
+    muon_update reads (param.grad, model dtype, at stage 2; grad_accum, gradient_accumulation_dtype, at stage 1)
+    differ in dtype: stage 2 with grad_accum_dtype fp32, or any resumed run whose gradient is 16-bit."""
+    if c.stage not in (1, 2) or c.offload != "none" or c.dtype == "fp32" or not _has_muon(c):
+        return False
+    gad32 = c.config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+    grad_is_16bit = not (c.stage == 1 and gad32)
+    return (c.stage == 2 and gad32) or (c.checkpoint_at is not None and grad_is_16bit)
 
 
 def _z12_nocontig_unreduced(c: Case) -> bool:
@@ -206,7 +237,7 @@ SPECS: tuple[dict, ...] = (
         symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
                 "weight_decay, momentum and ns_method dropped for the config's); the optimizer's groups are "
                 "'muon-params' / 'adam-params' only, so no user group's lr is in effect.",
-        trigger=lambda c: bool(c.groups) and _has_muon(c),
+        trigger=lambda c: _passes_group_dicts(c) and _has_muon(c),
         quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm"}),
         where="source checkout edaa72212 (version.txt 0.19.6; the same code in the 0.19.2-0.19.6 sdists) "
               "engine.py:2199-2235 _configure_basic_optimizer: 'Flatten param group dicts' then two groups "
@@ -388,5 +419,21 @@ SPECS: tuple[dict, ...] = (
               "p.ndim, which zero.Init has made 1-D; 0.19.7 tests the layer's shape (ds_shape, its "
               "_layer_shape, :84-105)",
         reproducer="z3-none-fp32-ws2-standard-zinit (gate case) on DeepSpeed 0.18.9",
+    ),
+    dict(
+        id="DSM-117",
+        title="ZeRO-1/2 16-bit: muon_update crashes when the Muon momentum and the gradient differ in dtype",
+        symptom="RuntimeError \"expected dtype float for `end` but got dtype c10::BFloat16\" (or c10::Half) from "
+                "momentum.lerp_(grad) in muon_update at the first step that reaches it: ZeRO-2 bf16/fp16 with "
+                "grad_accum_dtype fp32 (0.19.6 z2-none-bf16-ws2-knob-gad32), and a resumed 16-bit run (the "
+                "restored momentum is fp32: 0.19.6 z2-none-bf16-ws3-resume, z1-none-fp16-ws2-resume-overflow).",
+        trigger=_z12_momentum_dtype_mismatch,
+        quantities=frozenset({"crash"}),
+        where="0.19.6 stage_1_and_2.py get_flat_partition (:2150-2155) creates the flat momentum_buffer in "
+              "gradient_accumulation_dtype, while at stage 2 the gradient is param.grad in the model dtype (:1152); "
+              "load_checkpoint restores the state in the fp32 master's dtype. 0.19.7 sizes the buffer by the "
+              "gradient's dtype (its _muon_momentum_buffer, :2292-2330)",
+        reproducer="z2-none-bf16-ws2-knob-gad32 (gate case) on DeepSpeed 0.19.6",
+        crash=("RuntimeError", "expected dtype float for `end`", "muon_update"),
     ),
 )

@@ -56,11 +56,13 @@ def main(argv=None) -> int:
     from harness.gate import evaluate
     from harness.pool import PoolManager
 
-    base_exclude = []
+    # bugs set aside by hand (MUON_HARNESS_MEASURE_EXCLUDE as given), plus, with --exclude-absent, the measured-absent
+    base_exclude = [b for b in os.environ.get("MUON_HARNESS_MEASURE_EXCLUDE", "").split(",") if b]
     if args.exclude_absent:
         rel = versions.judged_as()
-        base_exclude = sorted(b for b, row in versions.AFFECTED.items() if rel and row.get(rel) is False)
-        os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(base_exclude)
+        base_exclude = sorted(set(base_exclude) | {b for b, row in versions.AFFECTED.items()
+                                                   if rel and row.get(rel) is False})
+    os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(base_exclude)
     print(f"measure: {versions.banner()}" + (f"; not candidates (measured absent): {base_exclude}"
                                              if base_exclude else ""), flush=True)
     wanted = set(Path(args.names).read_text().split()) if args.names else None

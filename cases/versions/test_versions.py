@@ -208,3 +208,10 @@ def test_the_oracle_runs_the_releases_default_newton_schulz_when_the_key_is_abse
     bare = json.loads(case.ds_config)
     bare["optimizer"]["params"].pop("ns_method")
     assert verdict.step_config(case.replace(ds_config=json.dumps(bare))).ns_method == want
+
+
+def test_compute_grad_norm_is_deselected_before_0197_only():
+    case = pipeline_case(2, "none", "fp16", 2, ns_method="standard", extra_zero={"compute_grad_norm": False})
+    assert versions.adapt(case, "0.19.6").case is None
+    assert "compute_grad_norm" in versions.adapt(case, "0.19.6").deselected
+    assert versions.adapt(case, "0.19.7").case is not None
