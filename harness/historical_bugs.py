@@ -164,6 +164,13 @@ def _z12_momentum_dtype_mismatch(c: Case) -> bool:
     return (c.stage == 2 and gad32) or (c.checkpoint_at is not None and grad_is_16bit)
 
 
+def _muon_sees_overflow(c: Case) -> bool:
+    """A forced overflow reaching muon_update before the overflow test: ZeRO-1/2 without offload (not ZeRO-1/2
+    offload: DSM-101; not stage 0: DSM-114). ZeRO-3 runs muon_update in the reduce too, but its overflow cases
+    crash first (DSM-102) on the releases measured, so it is left out until measured."""
+    return _has_muon(c) and bool(c.overflows) and c.stage in (1, 2) and c.offload == "none"
+
+
 def _z12_nocontig_unreduced(c: Case) -> bool:
     """ZeRO-1/2 without optimizer offload (offload forces contiguous gradients, 0.19.7 stage_1_and_2.py:274),
     contiguous_gradients off, world size >= 2, on the CPU accelerator (on CUDA the type strings match)."""
@@ -435,5 +442,20 @@ SPECS: tuple[dict, ...] = (
               "gradient's dtype (its _muon_momentum_buffer, :2292-2330)",
         reproducer="z2-none-bf16-ws2-knob-gad32 (gate case) on DeepSpeed 0.19.6",
         crash=("RuntimeError", "expected dtype float for `end`", "muon_update"),
+    ),
+    dict(
+        id="DSM-118",
+        title="An overflowed step leaves the Muon momentum non-finite",
+        symptom="muon_update folds the gradient into the momentum (momentum.lerp_) before the loss scaler finds "
+                "the overflow and skips the step, so one inf/NaN gradient makes the Muon momentum non-finite for "
+                "the rest of the run: the following steps' updates are non-finite, are skipped as overflows in "
+                "turn, and the scale backs off (0.19.6 z1-none-fp16-ws2-overflow, z2-none-fp16-ws2-overflow).",
+        trigger=_muon_sees_overflow,
+        quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model", "global_norm",
+                              "skipped", "loss_scale", "loss_scale_after"}),
+        where="0.19.0-0.19.6 original_muon.py muon_update (0.19.6 :146-148): momentum.lerp_(grad, 1 - beta) "
+              "unconditionally; 0.19.7 keeps the momentum when the gradient is not finite (its grad_is_finite, "
+              "torch.where) and returns the non-finite gradient so the step is still skipped",
+        reproducer="z1-none-fp16-ws2-overflow (gate case) on DeepSpeed 0.19.6",
     ),
 )
