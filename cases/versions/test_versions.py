@@ -215,3 +215,16 @@ def test_compute_grad_norm_is_deselected_before_0197_only():
     assert versions.adapt(case, "0.19.6").case is None
     assert "compute_grad_norm" in versions.adapt(case, "0.19.6").deselected
     assert versions.adapt(case, "0.19.7").case is not None
+
+
+def test_measure_release_names_must_all_be_gate_cases(monkeypatch, tmp_path):
+    """A re-measure by name refuses, before any rank starts, a name the gate does not have (a typo would
+    otherwise silently measure fewer cases than the run being triaged)."""
+    from harness import measure_release
+
+    monkeypatch.setenv("MUON_HARNESS_MEASURE", "0")
+    monkeypatch.setenv("MUON_HARNESS_MEASURE_EXCLUDE", "")
+    names = tmp_path / "names"
+    names.write_text("z1-none-fp32-ws1\nno-such-case\n")
+    with pytest.raises(SystemExit, match="no-such-case"):
+        measure_release.main(["--slice", "gate", "--names", str(names), "--exclude-absent"])
