@@ -394,6 +394,8 @@ MEASURED: dict[str, str] = {
 }
 MEASURED.update({r: "python -m harness.measure_release --slice base-ws2 (18 cases, stock column)"
                  for r in ("0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6")})
+MEASURED["0.19.6"] = ("the base-ws2 slice, then the whole CI gate, stock column (session 6), its failures re-measured "
+                      "by name (measure_release --slice gate --names ... --exclude-absent)")
 
 
 def judged_as() -> str | None:
