@@ -691,8 +691,10 @@ def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
 
     # as measured on the installed release (harness.versions.AFFECTED); older releases' own bugs too
     hits = [b for b in BUGS + HISTORICAL if versions.excuses(b.id) and b.trigger(case)]
-    if any(b.id in historical_bugs.SKIPS_MUON_UPDATE for b in hits):
-        hits = [b for b in hits if not (b.crash and b.crash[2] == "muon_update")]
+    unreached = {f for b in hits for f in historical_bugs.SKIPPED_FRAMES.get(b.id, ())}
+    hits = [b for b in hits if not (b.crash and b.crash[2] in unreached)]
+    if any(b.id in historical_bugs.NO_MUON_GROUP for b in hits):
+        hits = [b for b in hits if b.id not in historical_bugs.IN_MUON_CODE]
     if patched:
         from harness import patched_runtime
 

@@ -10,6 +10,8 @@ Ids start at DSM-101 so they never collide with the 0.19.8 registry's. Each entr
 """
 from __future__ import annotations
 
+import os
+
 from harness.case import Case
 
 
@@ -39,7 +41,18 @@ def _z3_dist_muon_mixed_shapes(c: Case) -> bool:
     (DSM-110) never reaches the all-gather."""
     if c.stage != 3 or c.world_size < 2 or _z3_muon_skipped(c):
         return False
+    if c.groups and _groups_flattened():
+        c = c.replace(groups=())  # DSM-104: the release merges the user's groups into one Muon group
     return any(len(set(r)) > 1 for r in _z3_rounds(c))
+
+
+def _groups_flattened() -> bool:
+    """Whether the release judged (as measured) flattens user param groups into one Muon and one Adam group
+    (DSM-104): the ZeRO-3 deal then runs over all the Muon matrices together (measured: 0.19.6
+    z3-none-bf16-ws2-groups and z3-cpu-fp32-ws2-groups crash as DSM-102 says)."""
+    from harness import versions
+
+    return bool(versions.AFFECTED.get("DSM-104", {}).get(versions.judged_as() or "", False))
 
 
 def _z12_group_with_two_muon(c: Case) -> bool:
@@ -125,9 +138,63 @@ def _z12_momentum_split(c: Case) -> bool:
     return False
 
 
-# Bugs under which the release never calls muon_update for the case: a crash bug whose frame is muon_update
-# (DSM-012, a 4-D matrix) cannot show there (measured: resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs).
-SKIPS_MUON_UPDATE = frozenset({"DSM-101", "DSM-114"})
+def _passes_group_dicts(c: Case) -> bool:
+    """The case's own groups, or a model that declares groups (measured: 0.19.6 moe-z1-cpu-bf16-ws2-standard's
+    group lrs are the config's)."""
+    from harness import versions
+
+    return versions._passes_group_dicts(c)
+
+
+def _zinit_muon(c: Case) -> bool:
+    """ZeRO-3 under ``zero.Init`` with a matrix DeepSpeed would tag Muon (any world size: a partitioned
+    parameter's data is a flat placeholder on every rank)."""
+    return c.stage == 3 and bool(c.zero_init) and _has_muon(c)
+
+
+def _z12_momentum_dtype_mismatch(c: Case) -> bool:
+    """ZeRO-1/2 without offload, a 16-bit model with Muon, where the flat momentum (created in
+    gradient_accumulation_dtype, or restored by load_checkpoint in the fp32 master's dtype) and the gradient
+    muon_update reads (param.grad, model dtype, at stage 2; grad_accum, gradient_accumulation_dtype, at stage 1)
+    differ in dtype: stage 2 with grad_accum_dtype fp32, or any resumed run whose gradient is 16-bit."""
+    if c.stage not in (1, 2) or c.offload != "none" or c.dtype == "fp32" or not _has_muon(c):
+        return False
+    gad32 = c.config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+    grad_is_16bit = not (c.stage == 1 and gad32)
+    return (c.stage == 2 and gad32) or (c.checkpoint_at is not None and grad_is_16bit)
+
+
+def _muon_sees_overflow(c: Case) -> bool:
+    """A forced overflow reaching muon_update before the overflow test: ZeRO-1/2 without offload (not ZeRO-1/2
+    offload: DSM-101; not stage 0: DSM-114). ZeRO-3 runs muon_update in the reduce too, but its overflow cases
+    crash first (DSM-102) on the releases measured, so it is left out until measured."""
+    return _has_muon(c) and bool(c.overflows) and c.stage in (1, 2) and c.offload == "none"
+
+
+def _z12_nocontig_unreduced(c: Case) -> bool:
+    """ZeRO-1/2 without optimizer offload (offload forces contiguous gradients, 0.19.7 stage_1_and_2.py:274),
+    contiguous_gradients off, world size >= 2, on the CPU accelerator (on CUDA the type strings match)."""
+    z = c.config.get("zero_optimization", {})
+    return (c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2
+            and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
+
+
+# Bugs under which the release never runs a Muon code path for the case, and the crash frames that then
+# cannot be reached: a crash bug whose frame is one of them does not show there (measured: DSM-012, a 4-D
+# matrix, resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs under DSM-101; DSM-102, 0.18.9
+# z3-none-fp32-ws2-standard-zinit runs under DSM-116: no Muon group, nothing dealt out).
+SKIPPED_FRAMES: dict[str, frozenset] = {
+    "DSM-101": frozenset({"muon_update"}),
+    "DSM-114": frozenset({"muon_update"}),
+    "DSM-116": frozenset({"muon_update", "_apply_distributed_muon_update"}),
+}
+# Bugs under which the case has no Muon group at all, and the bugs that live in Muon's own code (the Muon
+# momentum, update, Newton-Schulz, the Muon partitions of ZeRO), which then cannot show: measured, 0.18.9
+# resnet-z3-none-bf16-ws2-standard-zinit (DSM-116) otherwise also carried DSM-001 (16-bit Muon momentum).
+NO_MUON_GROUP = frozenset({"DSM-116"})
+IN_MUON_CODE = frozenset({"DSM-001", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009", "DSM-012",
+                          "DSM-017", "DSM-101", "DSM-102", "DSM-103", "DSM-107", "DSM-108", "DSM-109", "DSM-110",
+                          "DSM-111", "DSM-112", "DSM-114"})
 # what a Muon matrix stepped without its muon_update moves: everything from its gradient on
 MUON_NOT_RUN = frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"})
 
@@ -177,7 +244,7 @@ SPECS: tuple[dict, ...] = (
         symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
                 "weight_decay, momentum and ns_method dropped for the config's); the optimizer's groups are "
                 "'muon-params' / 'adam-params' only, so no user group's lr is in effect.",
-        trigger=lambda c: bool(c.groups) and _has_muon(c),
+        trigger=lambda c: _passes_group_dicts(c) and _has_muon(c),
         quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm"}),
         where="source checkout edaa72212 (version.txt 0.19.6; the same code in the 0.19.2-0.19.6 sdists) "
               "engine.py:2199-2235 _configure_basic_optimizer: 'Flatten param group dicts' then two groups "
@@ -328,5 +395,67 @@ SPECS: tuple[dict, ...] = (
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
               "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there",
         reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9",
+    ),
+    dict(
+        id="DSM-115",
+        title="ZeRO-1/2 with contiguous_gradients off on the CPU accelerator: gradients never averaged across ranks",
+        symptom="No gradient is data-parallel reduced: each rank steps its partition, and runs muon_update, on its "
+                "own micro-batches' gradient (0.19.7 z1-none-fp32-ws2-knob-nocontig: the capture finds the ranks' "
+                "muon_update gradient of layer0.weight different; every parameter's gradient, Adam's too, is off "
+                "from step 1, layer1.weight by 3.9e5x its allowance). Every parameter, Muon or not.",
+        trigger=_z12_nocontig_unreduced,
+        quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model", "global_norm"}),
+        where="0.18.9-0.19.7 stage_1_and_2.py split_half_float_double (0.19.7 :66-77) matches t.type() against "
+              "'torch.cpu.FloatTensor' etc.; a CPU tensor's type() is 'torch.FloatTensor', so every bucket is "
+              "empty and buffered_reduce_fallback (reduce_ipg_grads' path without contiguous gradients, :1809) "
+              "all-reduces nothing. 0.19.8 compares dtypes (its :66-77). Measured: 0.19.7 with only that function "
+              "replaced by 0.19.8's, the case xfails with DSM-103 alone",
+        reproducer="z1-none-fp32-ws2-knob-nocontig (gate case) on DeepSpeed 0.19.7",
+    ),
+    dict(
+        id="DSM-116",
+        title="zero.Init: no parameter is tagged Muon, the whole model is stepped by Adam",
+        symptom="Under deepspeed.zero.Init every partitioned parameter's data is a flat placeholder, so "
+                "set_optimizer_flags (p.ndim >= 2) tags no parameter use_muon: the optimizer has no Muon group "
+                "(the capture reads no Muon group lr: NaN), muon_update is never called, and the matrices are "
+                "stepped by the auxiliary Adam with adam_lr (0.18.9 z3-none-fp32-ws2-standard-zinit, "
+                "z3-cpu-fp32-ws2-standard-zinit, resnet-z3-none-bf16-ws2-standard-zinit: F-2 of session 5).",
+        trigger=_zinit_muon,
+        quantities=MUON_NOT_RUN | frozenset({"lr", "capture"}),
+        where="0.18.9-0.19.6 deepspeed/__init__.py set_optimizer_flags (0.18.9 :71-77, 0.19.6 :84-90) tests "
+              "p.ndim, which zero.Init has made 1-D; 0.19.7 tests the layer's shape (ds_shape, its "
+              "_layer_shape, :84-105)",
+        reproducer="z3-none-fp32-ws2-standard-zinit (gate case) on DeepSpeed 0.18.9",
+    ),
+    dict(
+        id="DSM-117",
+        title="ZeRO-1/2 16-bit: muon_update crashes when the Muon momentum and the gradient differ in dtype",
+        symptom="RuntimeError \"expected dtype float for `end` but got dtype c10::BFloat16\" (or c10::Half) from "
+                "momentum.lerp_(grad) in muon_update at the first step that reaches it: ZeRO-2 bf16/fp16 with "
+                "grad_accum_dtype fp32 (0.19.6 z2-none-bf16-ws2-knob-gad32), and a resumed 16-bit run (the "
+                "restored momentum is fp32: 0.19.6 z2-none-bf16-ws3-resume, z1-none-fp16-ws2-resume-overflow).",
+        trigger=_z12_momentum_dtype_mismatch,
+        quantities=frozenset({"crash"}),
+        where="0.19.6 stage_1_and_2.py get_flat_partition (:2150-2155) creates the flat momentum_buffer in "
+              "gradient_accumulation_dtype, while at stage 2 the gradient is param.grad in the model dtype (:1152); "
+              "load_checkpoint restores the state in the fp32 master's dtype. 0.19.7 sizes the buffer by the "
+              "gradient's dtype (its _muon_momentum_buffer, :2292-2330)",
+        reproducer="z2-none-bf16-ws2-knob-gad32 (gate case) on DeepSpeed 0.19.6",
+        crash=("RuntimeError", "expected dtype float for `end`", "muon_update"),
+    ),
+    dict(
+        id="DSM-118",
+        title="An overflowed step leaves the Muon momentum non-finite",
+        symptom="muon_update folds the gradient into the momentum (momentum.lerp_) before the loss scaler finds "
+                "the overflow and skips the step, so one inf/NaN gradient makes the Muon momentum non-finite for "
+                "the rest of the run: the following steps' updates are non-finite, are skipped as overflows in "
+                "turn, and the scale backs off (0.19.6 z1-none-fp16-ws2-overflow, z2-none-fp16-ws2-overflow).",
+        trigger=_muon_sees_overflow,
+        quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model", "global_norm",
+                              "skipped", "loss_scale", "loss_scale_after"}),
+        where="0.19.0-0.19.6 original_muon.py muon_update (0.19.6 :146-148): momentum.lerp_(grad, 1 - beta) "
+              "unconditionally; 0.19.7 keeps the momentum when the gradient is not finite (its grad_is_finite, "
+              "torch.where) and returns the non-finite gradient so the step is still skipped",
+        reproducer="z1-none-fp16-ws2-overflow (gate case) on DeepSpeed 0.19.6",
     ),
 )

@@ -23,7 +23,8 @@ def slice_cases(name: str) -> list:
     """``base-ws2``: the gate's 18 base-grid cases at world size 2 (ZeRO-1/2/3 x no offload / cpu offload x
     fp32/fp16/bf16, with the gate's knobs: grad accumulation, clipping, gram/standard Newton-Schulz), each
     without its per-head matrix (per-head Muon exists only from 0.19.8: with it, half the slice would be
-    deselected on every older release). Gram cases are deselected before 0.19.0."""
+    deselected on every older release). Gram cases are deselected before 0.19.0. ``gate``: the CI gate's
+    cases (to re-measure a whole-gate run's failures by name, ``--names``)."""
     import itertools
 
     from harness import matrix
@@ -32,7 +33,9 @@ def slice_cases(name: str) -> list:
         grid = list(itertools.product(matrix.STAGES, ("none", "cpu"), matrix.DTYPES, matrix.WORLD_SIZES))
         return [matrix._case(st, off, dt, ws, **dict(matrix._knobs(i), heads=False))
                 for i, (st, off, dt, ws) in enumerate(grid) if ws == 2]
-    raise SystemExit(f"--slice {name}: unknown (base-ws2)")
+    if name == "gate":
+        return list(matrix.gate_cases(False))
+    raise SystemExit(f"--slice {name}: unknown (base-ws2, gate)")
 
 
 def main(argv=None) -> int:
@@ -40,6 +43,11 @@ def main(argv=None) -> int:
     ap.add_argument("--slice", default="base-ws2")
     ap.add_argument("--json", default=None, help="write the outcomes here")
     ap.add_argument("--only", default=None, help="substring filter on the slice's case names (a re-check)")
+    ap.add_argument("--names", default=None, help="a file of exact case names, one a line (e.g. a gate run's "
+                    "failures and errors)")
+    ap.add_argument("--exclude-absent", action="store_true",
+                    help="bugs measured absent on this release (versions.AFFECTED False) are no candidates: an "
+                    "unmodelled bug cannot then excuse a divergence its release was measured not to have")
     args = ap.parse_args(argv)
     os.environ["MUON_HARNESS_MEASURE"] = "1"
     from harness import buildenv, versions
@@ -48,8 +56,21 @@ def main(argv=None) -> int:
     from harness.gate import evaluate
     from harness.pool import PoolManager
 
-    print(f"measure: {versions.banner()}", flush=True)
-    cases = [c for c in slice_cases(args.slice) if not args.only or args.only in c.name]
+    # bugs set aside by hand (MUON_HARNESS_MEASURE_EXCLUDE as given), plus, with --exclude-absent, the measured-absent
+    base_exclude = [b for b in os.environ.get("MUON_HARNESS_MEASURE_EXCLUDE", "").split(",") if b]
+    if args.exclude_absent:
+        rel = versions.judged_as()
+        base_exclude = sorted(set(base_exclude) | {b for b, row in versions.AFFECTED.items()
+                                                   if rel and row.get(rel) is False})
+    os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(base_exclude)
+    print(f"measure: {versions.banner()}" + (f"; not candidates (measured absent): {base_exclude}"
+                                             if base_exclude else ""), flush=True)
+    wanted = set(Path(args.names).read_text().split()) if args.names else None
+    cases = [c for c in slice_cases(args.slice) if (not args.only or args.only in c.name)
+             and (wanted is None or c.name in wanted)]
+    if wanted is not None and len(cases) != len(wanted):
+        missing = sorted(wanted - {c.name for c in cases})
+        raise SystemExit(f"--names: not in slice {args.slice}: {missing}")
     manager = PoolManager()
     rows = []
     t0 = time.perf_counter()
@@ -62,11 +83,11 @@ def main(argv=None) -> int:
                 from harness.bugs import BUGS, HISTORICAL
 
                 absent = [b.id for b in BUGS + HISTORICAL if b.id in o.bug_ids and b.crash is not None]
-                os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(absent)
+                os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(base_exclude + absent)
                 try:
                     o = evaluate(c, "stock", manager)
                 finally:
-                    os.environ.pop("MUON_HARNESS_MEASURE_EXCLUDE", None)
+                    os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(base_exclude)
             head = o.message.strip().splitlines()[0][:200] if o.message.strip() else ""
             note = f" (crash absent: {','.join(absent)})" if absent else ""
             ids = ",".join(o.bug_ids) or "-"

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import oracles
-from harness import device
+from harness import device, versions
 from harness import model as model_mod
 from oracles import schedules
 from oracles.step import fresh_engine_state
@@ -98,7 +98,7 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
     betas = tuple(opt.get("betas", (0.9, 0.95)))
     sc = oracles.StepConfig(
         params=specs, muon_lr=float(muon_lr), adam_lr=float(adam_lr), momentum=float(opt.get("momentum", 0.95)),
-        weight_decay=float(opt.get("weight_decay", 0.0)), ns_method=opt.get("ns_method", "gram"),
+        weight_decay=float(opt.get("weight_decay", 0.0)), ns_method=opt.get("ns_method", versions.default_ns_method()),
         device_fp16=fp16_ok, device_bf16=bf16_ok,
         betas=(float(betas[0]), float(betas[1])), eps=float(opt.get("eps", 1e-10)),
         adam_w_mode=bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True))),

@@ -43,10 +43,12 @@ FIXED_IN_0198 = {
                              ).replace(name="z3-none-fp32-ws1-standard-nocontig"),
     "DSM-111": pipeline_case(3, "none", "fp32", 1, ns_method="standard", grad_accum=2),
     "DSM-112": pipeline_case(2, "none", "fp32", 3, ns_method="standard"),
+    "DSM-115": pipeline_case(1, "none", "fp32", 2, ns_method="standard", extra_zero={"contiguous_gradients": False}
+                             ).replace(name="z1-none-fp32-ws2-standard-nocontig"),
 }
 # the ids each case xfails with on 0.19.7 where more than its own bug shows (DSM-112 is DSM-103 on a
-# matrix that straddles ranks: both are there)
-ALSO = {"DSM-112": ["DSM-103"]}
+# matrix that straddles ranks: both are there; DSM-115's case has two Muon matrices in one group, so DSM-103)
+ALSO = {"DSM-112": ["DSM-103"], "DSM-115": ["DSM-103"]}
 
 
 def test_every_bug_fixed_in_0198_has_a_case():

@@ -180,3 +180,51 @@ def test_0198_only_hooks_are_deselected_before_0198(field, value, reason):
         assert a.case is None and reason in a.deselected and rel in a.deselected
         assert versions.adapt(plain, rel).case is not None
     assert versions.adapt(case, "0.19.8").case is case
+
+
+def test_without_a_muon_group_only_bugs_outside_muon_code_are_expected(monkeypatch):
+    """DSM-116 (zero.Init before 0.19.7): no parameter is tagged Muon, so the distributed Muon crash (DSM-102) and
+    the 16-bit Muon momentum (DSM-001) cannot show; the same case without zero.Init still expects them."""
+    from harness.bugs import bugs_for
+
+    monkeypatch.setenv("MUON_HARNESS_MEASURE", "1")  # every registered bug a candidate
+    plain = pipeline_case(3, "none", "bf16", 2, ns_method="standard")
+    zinit = plain.replace(name=plain.name + "-zinit", zero_init=True)
+    assert {"DSM-102", "DSM-001"} <= {b.id for b in bugs_for(plain)}
+    ids = {b.id for b in bugs_for(zinit)}
+    assert "DSM-116" in ids and not ids & {"DSM-102", "DSM-001"}, ids
+
+
+@pytest.mark.parametrize("release, want", [("0.18.9", "standard"), ("0.19.0", "gram"), ("0.19.8", "gram")])
+def test_the_oracle_runs_the_releases_default_newton_schulz_when_the_key_is_absent(monkeypatch, release, want):
+    """0.18.9 has no ns_method (the key is dropped for it) and runs the standard quintic: judging it as gram
+    held its bf16 Newton-Schulz to gram's fp16 allowance (session 5's F-5)."""
+    from harness import verdict
+
+    monkeypatch.setattr(versions, "installed", lambda: versions.Installed(release, False, "/x"))
+    case = pipeline_case(3, "none", "fp32", 1, ns_method="standard")
+    adapted = versions.adapt(case).case
+    assert verdict.step_config(adapted).ns_method == (want if release == "0.18.9" else "standard")
+    bare = json.loads(case.ds_config)
+    bare["optimizer"]["params"].pop("ns_method")
+    assert verdict.step_config(case.replace(ds_config=json.dumps(bare))).ns_method == want
+
+
+def test_compute_grad_norm_is_deselected_before_0197_only():
+    case = pipeline_case(2, "none", "fp16", 2, ns_method="standard", extra_zero={"compute_grad_norm": False})
+    assert versions.adapt(case, "0.19.6").case is None
+    assert "compute_grad_norm" in versions.adapt(case, "0.19.6").deselected
+    assert versions.adapt(case, "0.19.7").case is not None
+
+
+def test_measure_release_names_must_all_be_gate_cases(monkeypatch, tmp_path):
+    """A re-measure by name refuses, before any rank starts, a name the gate does not have (a typo would
+    otherwise silently measure fewer cases than the run being triaged)."""
+    from harness import measure_release
+
+    monkeypatch.setenv("MUON_HARNESS_MEASURE", "0")
+    monkeypatch.setenv("MUON_HARNESS_MEASURE_EXCLUDE", "")
+    names = tmp_path / "names"
+    names.write_text("z1-none-fp32-ws1\nno-such-case\n")
+    with pytest.raises(SystemExit, match="no-such-case"):
+        measure_release.main(["--slice", "gate", "--names", str(names), "--exclude-absent"])
