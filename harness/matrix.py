@@ -249,6 +249,27 @@ def low_momentum_cases(full: bool = False) -> list[Case]:
     return [_with_config(c, "-mom0.3", optimizer=opt)]
 
 
+# Gradients this small (every gradient times 1e-10, ``Case.grad_scale``) give every Muon update a
+# Frobenius norm far below the 1e-7 Newton-Schulz adds to it before dividing (original_muon.py:69, :112;
+# oracles.newton_schulz.NS_EPS): the normalised matrix is then ~||U|| / 1e-7 in norm, not ~1, so the
+# epsilon decides the update instead of vanishing below every tolerance as at ordinary gradient scales.
+TINY_GRAD_SCALE = 1e-10
+
+
+def tiny_grad_cases(full: bool = False) -> list[Case]:
+    """Near-zero gradients (``TINY_GRAD_SCALE``) under gram and standard Newton-Schulz, ZeRO-1 at two
+    ranks (fp32): 2 cases, CI and --full."""
+    return [_case(1, "none", "fp32", 2, ns_method=ns, suffix="-tinygrad").replace(grad_scale=TINY_GRAD_SCALE)
+            for ns in ("gram", "standard")]
+
+
+def ds_refusal_cases(full: bool = False) -> list[Case]:
+    """Configs DeepSpeed itself must refuse (``harness.ds_refusals``): ZeRO-3 Muon with reduce_scatter
+    on (its default), which the other ZeRO-3 cases turn off. The case passes only when every rank raises
+    DeepSpeed's own ValueError in the ZeRO-3 optimizer's constructor. 1 case, CI and --full."""
+    return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused")]
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -507,6 +528,7 @@ GROUPS = (
     ("inmem", lambda n: n.endswith("-inmem")),
     ("overflow", lambda n: n.endswith("-overflow")),
     ("growth", lambda n: n.endswith("-growth")),
+    ("refusals", lambda n: n.endswith("-refused")),
 )
 
 
@@ -545,7 +567,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + low_momentum_cases(full))
+             + conv3d_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full) + ds_refusal_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
