@@ -51,6 +51,14 @@ REFUSALS: tuple[DsRefusal, ...] = (
               lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
               and _zero(cfg).get("reduce_scatter", True) is not False,
               lo="0.18.9"),
+    # zero_quantized_gradients makes the engine build a local all-to-all group (engine.py:2159-2161) that
+    # it hands the ZeRO-3 optimizer as all2all_process_group (engine.py:2769).
+    DsRefusal("z3-muon-all2all", "ValueError", "Muon and all2all process group cannot be used together",
+              "stage3.py:__init__",
+              "runtime/zero/stage3.py:362-363 (0.19.8), :354-355 (0.19.7), :339-340 (0.18.9)",
+              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
+              and bool(_zero(cfg).get("zero_quantized_gradients", False)),
+              lo="0.18.9"),
 )
 
 

@@ -265,9 +265,11 @@ def tiny_grad_cases(full: bool = False) -> list[Case]:
 
 def ds_refusal_cases(full: bool = False) -> list[Case]:
     """Configs DeepSpeed itself must refuse (``harness.ds_refusals``): ZeRO-3 Muon with reduce_scatter
-    on (its default), which the other ZeRO-3 cases turn off. The case passes only when every rank raises
-    DeepSpeed's own ValueError in the ZeRO-3 optimizer's constructor. 1 case, CI and --full."""
-    return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused")]
+    on (its default, which the other ZeRO-3 cases turn off), and with zero_quantized_gradients (an
+    all-to-all group). Each passes only when a rank raises DeepSpeed's own ValueError in the ZeRO-3
+    optimizer's constructor. 2 cases, CI and --full."""
+    return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused"),
+            _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused")]
 
 
 def stage0_cases(full: bool = False) -> list[Case]:

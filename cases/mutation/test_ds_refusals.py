@@ -41,12 +41,13 @@ class FakeLauncher:
 
 
 def _case():
-    (c,) = ds_refusal_cases()
-    return c
+    return next(c for c in ds_refusal_cases() if c.name.endswith("-rs-refused"))
 
 
-def test_only_the_refusal_case_expects_a_refusal():
-    assert [r.name for r in ds_refusals.expected(_case())] == ["z3-muon-reduce-scatter"]
+def test_each_refusal_case_expects_exactly_one_refusal():
+    got = {c.name: [r.name for r in ds_refusals.expected(c)] for c in ds_refusal_cases()}
+    assert got == {"z3-none-fp32-ws2-rs-refused": ["z3-muon-reduce-scatter"],
+                   "z3-none-fp32-ws2-qg-refused": ["z3-muon-all2all"]}
     others = [c.name for c in gate_cases() if ds_refusals.expected(c) and not c.name.endswith("-refused")]
     assert others == [], f"gate cases DeepSpeed would refuse outside the refusals group: {others}"
 
@@ -73,11 +74,15 @@ def test_another_error_or_frame_is_not_the_refusal():
         assert o.status == "error", (tb, o.status)
 
 
-def test_the_refusal_was_read_from_the_installed_source():
-    """The fragment and the raising function are DeepSpeed's own (the source the entry names)."""
+def test_the_refusals_were_read_from_the_installed_source():
+    """Each fragment is DeepSpeed's own message, raised in the function the entry names."""
+    import ast
+
     from harness.source_mutation import workspace
 
-    (r,) = ds_refusals.REFUSALS
-    file, _, func = r.frame.partition(":")
-    text = (Path(workspace.installed_deepspeed()) / "runtime/zero" / file).read_text()
-    assert f'raise {r.etype}("{r.fragment}")' in text
+    for r in ds_refusals.REFUSALS:
+        file, _, func = r.frame.partition(":")
+        tree = ast.parse((Path(workspace.installed_deepspeed()) / "runtime/zero" / file).read_text())
+        raised = [ast.unparse(n.exc) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == func
+                  for n in ast.walk(f) if isinstance(n, ast.Raise) and n.exc is not None]
+        assert f"{r.etype}('{r.fragment}')" in raised, r.name

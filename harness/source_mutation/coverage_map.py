@@ -44,7 +44,7 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-mom0.3",  # momentum below 0.5: 1 - beta and 1 % beta differ
     "resnet-z3-none-fp32-ws2-standard",  # ZeRO-3, no offload: muon_update with its default is_expert_group
     "z1-none-fp32-ws2-tinygrad", "z1-none-fp32-ws2-standard-tinygrad",  # update norms << the NS epsilon 1e-7
-    "z3-none-fp32-ws2-rs-refused",  # DeepSpeed must refuse ZeRO-3 Muon with reduce_scatter (harness.ds_refusals)
+    "z3-none-fp32-ws2-rs-refused", "z3-none-fp32-ws2-qg-refused",  # configs DeepSpeed must refuse (harness.ds_refusals)
 )
 
 
