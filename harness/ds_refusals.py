@@ -59,6 +59,17 @@ REFUSALS: tuple[DsRefusal, ...] = (
               lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
               and bool(_zero(cfg).get("zero_quantized_gradients", False)),
               lo="0.18.9"),
+    # Per-head Muon (a parameter's muon_num_heads, original_muon.py:170-177) refuses, at the first step, a
+    # head count the parameter cannot hold: not a 2-D matrix, or rows not divisible by the count.
+    DsRefusal("per-head-not-2d", "ValueError", "Per-head Muon expects a 2D attention projection",
+              "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:172-173 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) != 2 for p in c.params),
+              lo="0.19.8"),
+    DsRefusal("per-head-indivisible", "ValueError", "Per-head Muon needs the output dim to split evenly",
+              "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:176-178 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) == 2 and p.shape[0] % p.num_heads
+                                                for p in c.params),
+              lo="0.19.8"),
 )
 
 

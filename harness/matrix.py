@@ -263,13 +263,23 @@ def tiny_grad_cases(full: bool = False) -> list[Case]:
             for ns in ("gram", "standard")]
 
 
+# Per-head parameters DeepSpeed must refuse at the first step (harness.ds_refusals): a 3-D tensor with a
+# head count, and 8 rows in 3 heads (8 & 3 == 0, so a "%" turned "&" would not refuse it either).
+HEADS_3D_PARAM = ParamShape("attn.qkv3d.weight", (2, 4, 6), num_heads=2)
+HEADS_INDIVISIBLE_PARAM = ParamShape("attn.qkv.weight", (8, 6), num_heads=3)
+
+
 def ds_refusal_cases(full: bool = False) -> list[Case]:
     """Configs DeepSpeed itself must refuse (``harness.ds_refusals``): ZeRO-3 Muon with reduce_scatter
     on (its default, which the other ZeRO-3 cases turn off), and with zero_quantized_gradients (an
-    all-to-all group). Each passes only when a rank raises DeepSpeed's own ValueError in the ZeRO-3
-    optimizer's constructor. 2 cases, CI and --full."""
+    all-to-all group), both refused in the ZeRO-3 optimizer's constructor; and, on ZeRO-1, per-head Muon
+    on a 3-D tensor and on 8 rows in 3 heads, refused at the first step. Each passes only when a rank
+    raises DeepSpeed's own ValueError in the function that must raise it. 4 cases, CI and --full."""
     return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused"),
-            _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused")]
+            _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused"),
+            _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_3D_PARAM,), suffix="-heads3d-refused"),
+            _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_INDIVISIBLE_PARAM,),
+                  suffix="-heads8by3-refused")]
 
 
 def stage0_cases(full: bool = False) -> list[Case]:

@@ -45,6 +45,7 @@ EXTRA_GATE_CASES = (
     "resnet-z3-none-fp32-ws2-standard",  # ZeRO-3, no offload: muon_update with its default is_expert_group
     "z1-none-fp32-ws2-tinygrad", "z1-none-fp32-ws2-standard-tinygrad",  # update norms << the NS epsilon 1e-7
     "z3-none-fp32-ws2-rs-refused", "z3-none-fp32-ws2-qg-refused",  # configs DeepSpeed must refuse (harness.ds_refusals)
+    "z1-none-fp32-ws2-heads3d-refused", "z1-none-fp32-ws2-heads8by3-refused",  # per-head inputs it must refuse
 )
 
 
