@@ -263,6 +263,21 @@ def tiny_grad_cases(full: bool = False) -> list[Case]:
             for ns in ("gram", "standard")]
 
 
+# Square Muon matrices take the gram kernel's standard-iteration branch (original_muon.py:118-125), where
+# the result is transposed back only for a tall input. Above 256 a size is a fresh Python int, so an
+# identity test on two equal sizes ("is not") no longer agrees with "!=", which only a square matrix
+# wider than 256 shows; square head blocks (6 x 6, 2 heads) bring a 3-D batch into the same branch.
+BIG_SQUARE_PARAM = ParamShape("square.weight", (260, 260))
+SQUARE_HEAD_PARAM = ParamShape("attn.qkv.weight", (12, 6), num_heads=2)
+
+
+def square_cases(full: bool = False) -> list[Case]:
+    """A 260 x 260 Muon matrix and per-head Muon with square head blocks, ZeRO-1 at two ranks (fp32):
+    1 case, CI and --full."""
+    return [_case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM),
+                  suffix="-square")]
+
+
 # Per-head parameters DeepSpeed must refuse at the first step (harness.ds_refusals): a 3-D tensor with a
 # head count, and 8 rows in 3 heads (8 & 3 == 0, so a "%" turned "&" would not refuse it either).
 HEADS_3D_PARAM = ParamShape("attn.qkv3d.weight", (2, 4, 6), num_heads=2)
@@ -579,7 +594,8 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full) + ds_refusal_cases(full))
+             + conv3d_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full) + ds_refusal_cases(full)
+             + square_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

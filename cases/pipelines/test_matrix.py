@@ -116,3 +116,10 @@ def test_deepspeed_refuses(case, column, pool_manager, seed, request):
     """Configs DeepSpeed itself must refuse (harness.ds_refusals): passed only on that exact refusal."""
     o = run_case(case, column, pool_manager, seed, request)
     assert o.strength == "refusal", o.message
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.square_cases))
+def test_square_matrices(case, column, pool_manager, seed, request):
+    """A square matrix wider than 256 and square head blocks: the gram kernel's square branch."""
+    assert any(len(p.shape) == 2 and p.shape[0] == p.shape[1] > 256 for p in case.params)
+    run_case(case, column, pool_manager, seed, request)

@@ -46,6 +46,7 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-tinygrad", "z1-none-fp32-ws2-standard-tinygrad",  # update norms << the NS epsilon 1e-7
     "z3-none-fp32-ws2-rs-refused", "z3-none-fp32-ws2-qg-refused",  # configs DeepSpeed must refuse (harness.ds_refusals)
     "z1-none-fp32-ws2-heads3d-refused", "z1-none-fp32-ws2-heads8by3-refused",  # per-head inputs it must refuse
+    "z1-none-fp32-ws2-square",  # a 260 x 260 matrix and square head blocks: the gram kernel's square branch
 )
 
 
