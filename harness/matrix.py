@@ -266,16 +266,19 @@ def tiny_grad_cases(full: bool = False) -> list[Case]:
 # Square Muon matrices take the gram kernel's standard-iteration branch (original_muon.py:118-125), where
 # the result is transposed back only for a tall input. Above 256 a size is a fresh Python int, so an
 # identity test on two equal sizes ("is not") no longer agrees with "!=", which only a square matrix
-# wider than 256 shows; square head blocks (6 x 6, 2 heads) bring a 3-D batch into the same branch.
+# wider than 256 shows; square head blocks (6 x 6, 2 heads) bring a 3-D batch into the same branch, and
+# a Conv3d filter with 3 x 3 kernels and one input channel a 5-D batch whose dim 1 (1) differs from its
+# square last dims, so a test reading size(1) for size(-1) transposes it.
 BIG_SQUARE_PARAM = ParamShape("square.weight", (260, 260))
 SQUARE_HEAD_PARAM = ParamShape("attn.qkv.weight", (12, 6), num_heads=2)
+SQUARE_CONV3D_PARAM = ParamShape("conv.weight", (4, 1, 3, 3, 3))
 
 
 def square_cases(full: bool = False) -> list[Case]:
-    """A 260 x 260 Muon matrix and per-head Muon with square head blocks, ZeRO-1 at two ranks (fp32):
-    1 case, CI and --full."""
-    return [_case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM),
-                  suffix="-square")]
+    """A 260 x 260 Muon matrix, per-head Muon with square head blocks and a 5-D filter of square 3 x 3
+    slices, ZeRO-1 at two ranks (fp32): 1 case, CI and --full."""
+    return [_case(1, "none", "fp32", 2, suffix="-square",
+                  params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM))]
 
 
 # Per-head parameters DeepSpeed must refuse at the first step (harness.ds_refusals): a 3-D tensor with a
