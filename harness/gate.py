@@ -4,6 +4,7 @@ The decision is shared by the pytest suite and ``python -m harness gate`` (``har
 the two can never disagree about what passed:
 
 * passed   -- every quantity within tolerance (and an NVMe case really swapped);
+             or, for a config DeepSpeed itself must refuse (``harness.ds_refusals``), refused exactly so;
 * xfailed  -- stock DeepSpeed diverged from the intended oracle as a registered bug the case triggers
               predicts (``harness.bugs``), and matches the oracle with that bug's model switched on at
               the usual tolerances (or crashed exactly as a crash bug says); carries the bug ids;
