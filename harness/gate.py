@@ -4,6 +4,7 @@ The decision is shared by the pytest suite and ``python -m harness gate`` (``har
 the two can never disagree about what passed:
 
 * passed   -- every quantity within tolerance (and an NVMe case really swapped);
+             or, for a config DeepSpeed itself must refuse (``harness.ds_refusals``), refused exactly so;
 * xfailed  -- stock DeepSpeed diverged from the intended oracle as a registered bug the case triggers
               predicts (``harness.bugs``), and matches the oracle with that bug's model switched on at
               the usual tolerances (or crashed exactly as a crash bug says); carries the bug ids;
@@ -18,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from harness import ds_refusals
 from harness.bugs import NUMERIC, bugs_for, refusals_for
 from harness.case import Case
 from harness.launcher import CaseFailure, Launcher, RankFailed
@@ -76,6 +78,27 @@ def model_changes(case: Case, bugs) -> dict:
     return changes
 
 
+def _judge_refusal(c: Case, column: str, manager: Launcher, refusals) -> Outcome:
+    """A config DeepSpeed itself must refuse (``harness.ds_refusals``): passed only when a rank raised
+    exactly the refusal; failed when DeepSpeed ran the case; error on any other failure."""
+    names = ", ".join(r.name for r in refusals)
+    t0 = time.perf_counter()
+    try:
+        out = manager.run(c)
+    except CaseFailure as exc:
+        if isinstance(exc, RankFailed) and all(r.matches(exc.details) for r in refusals):
+            return Outcome(c, column, "passed", [], f"{c.name}: DeepSpeed refused it as it must ({names}: "
+                           f"{refusals[0].etype}: {refusals[0].fragment}, {refusals[0].frame})",
+                           time.perf_counter() - t0, strength="refusal")
+        return Outcome(c, column, "error", [], f"{c.name}: expected DeepSpeed's refusal {names} "
+                       f"({refusals[0].etype}: {refusals[0].fragment}, in {refusals[0].frame}); got:\n{exc}",
+                       time.perf_counter() - t0, strength=None)
+    return Outcome(c, column, "failed", [],
+                   f"{c.name}: DeepSpeed must refuse this config ({names}: {refusals[0].etype} "
+                   f"'{refusals[0].fragment}' in {refusals[0].frame}, {refusals[0].source}) but ran it"
+                   f"\n  reproduce: {reproduce_command(c)}", time.perf_counter() - t0, trajectory=out.result)
+
+
 def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     """Run one case on one column and decide its status.
 
@@ -95,6 +118,9 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
         return Outcome(case.replace(patched=patched), column, "skipped", [], f"{case.name}: {adapted.deselected}",
                        0.0, strength=None)
     c = adapted.case.replace(patched=patched)
+    must_refuse = ds_refusals.expected(c)
+    if must_refuse:
+        return _judge_refusal(c, column, manager, must_refuse)
     bugs = bugs_for(c, patched=patched)
     ids = [b.id for b in bugs]
     refusals = refusals_for(c) if patched else []

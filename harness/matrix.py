@@ -249,6 +249,57 @@ def low_momentum_cases(full: bool = False) -> list[Case]:
     return [_with_config(c, "-mom0.3", optimizer=opt)]
 
 
+# Gradients this small (every gradient times 1e-10, ``Case.grad_scale``) give every Muon update a
+# Frobenius norm far below the 1e-7 Newton-Schulz adds to it before dividing (original_muon.py:69, :112;
+# oracles.newton_schulz.NS_EPS): the normalised matrix is then ~||U|| / 1e-7 in norm, not ~1, so the
+# epsilon decides the update instead of vanishing below every tolerance as at ordinary gradient scales.
+TINY_GRAD_SCALE = 1e-10
+
+
+def tiny_grad_cases(full: bool = False) -> list[Case]:
+    """Near-zero gradients (``TINY_GRAD_SCALE``) under gram and standard Newton-Schulz, ZeRO-1 at two
+    ranks (fp32): 2 cases, CI and --full."""
+    return [_case(1, "none", "fp32", 2, ns_method=ns, suffix="-tinygrad").replace(grad_scale=TINY_GRAD_SCALE)
+            for ns in ("gram", "standard")]
+
+
+# Square Muon matrices take the gram kernel's standard-iteration branch (original_muon.py:118-125), where
+# the result is transposed back only for a tall input. Above 256 a size is a fresh Python int, so an
+# identity test on two equal sizes ("is not") no longer agrees with "!=", which only a square matrix
+# wider than 256 shows; square head blocks (6 x 6, 2 heads) bring a 3-D batch into the same branch, and
+# a Conv3d filter with 3 x 3 kernels and one input channel a 5-D batch whose dim 1 (1) differs from its
+# square last dims, so a test reading size(1) for size(-1) transposes it.
+BIG_SQUARE_PARAM = ParamShape("square.weight", (260, 260))
+SQUARE_HEAD_PARAM = ParamShape("attn.qkv.weight", (12, 6), num_heads=2)
+SQUARE_CONV3D_PARAM = ParamShape("conv.weight", (4, 1, 3, 3, 3))
+
+
+def square_cases(full: bool = False) -> list[Case]:
+    """A 260 x 260 Muon matrix, per-head Muon with square head blocks and a 5-D filter of square 3 x 3
+    slices, ZeRO-1 at two ranks (fp32): 1 case, CI and --full."""
+    return [_case(1, "none", "fp32", 2, suffix="-square",
+                  params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM))]
+
+
+# Per-head parameters DeepSpeed must refuse at the first step (harness.ds_refusals): a 3-D tensor with a
+# head count, and 8 rows in 3 heads (8 & 3 == 0, so a "%" turned "&" would not refuse it either).
+HEADS_3D_PARAM = ParamShape("attn.qkv3d.weight", (2, 4, 6), num_heads=2)
+HEADS_INDIVISIBLE_PARAM = ParamShape("attn.qkv.weight", (8, 6), num_heads=3)
+
+
+def ds_refusal_cases(full: bool = False) -> list[Case]:
+    """Configs DeepSpeed itself must refuse (``harness.ds_refusals``): ZeRO-3 Muon with reduce_scatter
+    on (its default, which the other ZeRO-3 cases turn off), and with zero_quantized_gradients (an
+    all-to-all group), both refused in the ZeRO-3 optimizer's constructor; and, on ZeRO-1, per-head Muon
+    on a 3-D tensor and on 8 rows in 3 heads, refused at the first step. Each passes only when a rank
+    raises DeepSpeed's own ValueError in the function that must raise it. 4 cases, CI and --full."""
+    return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused"),
+            _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused"),
+            _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_3D_PARAM,), suffix="-heads3d-refused"),
+            _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_INDIVISIBLE_PARAM,),
+                  suffix="-heads8by3-refused")]
+
+
 def stage0_cases(full: bool = False) -> list[Case]:
     """Muon through the engine without ZeRO (stage 0): MuonWithAuxAdam stepped by the engine itself
     (fp32) or under FP16_UnfusedOptimizer (fp16, bf16), every rank holding and orthogonalising every
@@ -507,6 +558,7 @@ GROUPS = (
     ("inmem", lambda n: n.endswith("-inmem")),
     ("overflow", lambda n: n.endswith("-overflow")),
     ("growth", lambda n: n.endswith("-growth")),
+    ("refusals", lambda n: n.endswith("-refused")),
 )
 
 
@@ -545,7 +597,8 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + low_momentum_cases(full))
+             + conv3d_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full) + ds_refusal_cases(full)
+             + square_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

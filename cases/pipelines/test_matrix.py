@@ -102,3 +102,24 @@ def test_conv3d_weight(case, column, pool_manager, seed, request):
 def test_low_momentum(case, column, pool_manager, seed, request):
     assert case.config["optimizer"]["params"]["momentum"] < 0.5
     run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.tiny_grad_cases))
+def test_tiny_gradients(case, column, pool_manager, seed, request):
+    """Update norms far below the Newton-Schulz epsilon (1e-7): the epsilon decides the update."""
+    assert case.grad_scale == matrix.TINY_GRAD_SCALE
+    run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.ds_refusal_cases))
+def test_deepspeed_refuses(case, column, pool_manager, seed, request):
+    """Configs DeepSpeed itself must refuse (harness.ds_refusals): passed only on that exact refusal."""
+    o = run_case(case, column, pool_manager, seed, request)
+    assert o.strength == "refusal", o.message
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.square_cases))
+def test_square_matrices(case, column, pool_manager, seed, request):
+    """A square matrix wider than 256 and square head blocks: the gram kernel's square branch."""
+    assert any(len(p.shape) == 2 and p.shape[0] == p.shape[1] > 256 for p in case.params)
+    run_case(case, column, pool_manager, seed, request)

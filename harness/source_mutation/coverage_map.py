@@ -43,6 +43,10 @@ EXTRA_GATE_CASES = (
     "z0-none-fp32-ws2-conv3d",  # a 5-D Muon weight: only 4-D filters are reshaped to a matrix
     "z1-none-fp32-ws2-mom0.3",  # momentum below 0.5: 1 - beta and 1 % beta differ
     "resnet-z3-none-fp32-ws2-standard",  # ZeRO-3, no offload: muon_update with its default is_expert_group
+    "z1-none-fp32-ws2-tinygrad", "z1-none-fp32-ws2-standard-tinygrad",  # update norms << the NS epsilon 1e-7
+    "z3-none-fp32-ws2-rs-refused", "z3-none-fp32-ws2-qg-refused",  # configs DeepSpeed must refuse (harness.ds_refusals)
+    "z1-none-fp32-ws2-heads3d-refused", "z1-none-fp32-ws2-heads8by3-refused",  # per-head inputs it must refuse
+    "z1-none-fp32-ws2-square",  # a 260 x 260 matrix and square head blocks: the gram kernel's square branch
 )
 
 

@@ -1,0 +1,82 @@
+"""Configurations DeepSpeed itself must refuse: a case that triggers one passes only when every rank
+it hears from raised exactly that refusal, and fails when DeepSpeed runs it.
+
+Why a case kind of its own: the harness refuses some configurations before any rank starts (``python
+-m harness check``, ``harness.check_config``) because DeepSpeed refuses them inside
+``deepspeed.initialize``. The gate's ordinary cases then never hand DeepSpeed such a config, so a
+DeepSpeed that stopped refusing one (its guard negated or deleted) would run Muon on a path it says
+it cannot run, and nothing would notice. These cases hand it the config on purpose.
+
+A refusal is matched like a crash bug (``harness.bugs.Bug.crash_matches``): exception type, a message
+fragment (DeepSpeed's own words) and the frame that raises, read from the rank's traceback. Each entry
+names the source lines it was read from; ``lo`` is the oldest release it was checked on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DsRefusal:
+    name: str
+    etype: str  # the exception's type as the traceback's last line names it
+    fragment: str  # DeepSpeed's message (a fragment of it)
+    frame: str  # "file.py:function": where it must be raised
+    source: str  # where it was read (DeepSpeed file:line per release)
+    applies: object  # (case, cfg) -> bool
+    lo: str | None = None  # oldest release the refusal was read on (None: any)
+
+    def matches(self, traceback: str) -> bool:
+        lines = traceback.strip().splitlines()
+        last = [line for line in lines if line.startswith(self.etype + ":")]
+        file, _, func = self.frame.partition(":")
+        frame_hit = any(file in line and line.rstrip().endswith(f"in {func}") for line in lines)
+        return bool(last) and self.fragment in last[-1] and frame_hit
+
+
+def _zero(cfg: dict) -> dict:
+    return cfg.get("zero_optimization", {}) or {}
+
+
+def _muon(cfg: dict) -> bool:
+    return str((cfg.get("optimizer") or {}).get("type", "")).lower() == "muon"
+
+
+REFUSALS: tuple[DsRefusal, ...] = (
+    # reduce_scatter defaults to true (zero config), so the harness's own ZeRO-3 configs turn it off
+    # (harness.case.ds_config) and ``harness check`` refuses it (check_config.check_zero).
+    DsRefusal("z3-muon-reduce-scatter", "ValueError", "Muon and reduce scatter cannot be used together",
+              "stage3.py:__init__",
+              "runtime/zero/stage3.py:360-361 (0.19.8), :352-353 (0.19.7), :337-338 (0.18.9)",
+              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
+              and _zero(cfg).get("reduce_scatter", True) is not False,
+              lo="0.18.9"),
+    # zero_quantized_gradients makes the engine build a local all-to-all group (engine.py:2159-2161) that
+    # it hands the ZeRO-3 optimizer as all2all_process_group (engine.py:2769).
+    DsRefusal("z3-muon-all2all", "ValueError", "Muon and all2all process group cannot be used together",
+              "stage3.py:__init__",
+              "runtime/zero/stage3.py:362-363 (0.19.8), :354-355 (0.19.7), :339-340 (0.18.9)",
+              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
+              and bool(_zero(cfg).get("zero_quantized_gradients", False)),
+              lo="0.18.9"),
+    # Per-head Muon (a parameter's muon_num_heads, original_muon.py:170-177) refuses, at the first step, a
+    # head count the parameter cannot hold: not a 2-D matrix, or rows not divisible by the count.
+    DsRefusal("per-head-not-2d", "ValueError", "Per-head Muon expects a 2D attention projection",
+              "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:172-173 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) != 2 for p in c.params),
+              lo="0.19.8"),
+    DsRefusal("per-head-indivisible", "ValueError", "Per-head Muon needs the output dim to split evenly",
+              "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:176-178 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) == 2 and p.shape[0] % p.num_heads
+                                                for p in c.params),
+              lo="0.19.8"),
+)
+
+
+def expected(case) -> list[DsRefusal]:
+    """The refusals DeepSpeed (the installed release) must make for this case."""
+    from harness import versions
+
+    cfg = case.config
+    version = versions.installed().version
+    return [r for r in REFUSALS if versions.in_range(version, r.lo, None) and r.applies(case, cfg)]
