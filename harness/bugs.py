@@ -78,13 +78,21 @@ class Bug:
         """Does a rank's traceback show exactly this bug's crash (type, message, call path)?"""
         if self.crash is None:
             return False
-        lines = traceback.strip().splitlines()
-        for etype, fragment, frame in (self.crash, *self.crash_also):
-            # (a bare ``assert`` ends the traceback with the type alone)
-            last = [line for line in lines if line.startswith(etype + ":") or line.strip() == etype]
-            if last and fragment in last[-1] and f"in {frame}" in traceback:
-                return True
+        return any(raised_in(traceback, etype, fragment, frame)
+                   for etype, fragment, frame in (self.crash, *self.crash_also))
+
+
+def raised_in(traceback: str, etype: str, fragment: str, func: str, file: str | None = None) -> bool:
+    """Does a rank's traceback end in ``etype`` with ``fragment`` in its message, raised through ``func``
+    (in ``file``, when given)? One reading of a traceback for crash bugs and DeepSpeed's own refusals."""
+    lines = traceback.strip().splitlines()
+    # (a bare ``assert`` ends the traceback with the type alone)
+    last = [line for line in lines if line.startswith(etype + ":") or line.strip() == etype]
+    if not (last and fragment in last[-1]):
         return False
+    if file is None:
+        return f"in {func}" in traceback
+    return any(file in line and line.rstrip().endswith(f"in {func}") for line in lines)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Why a case kind of its own: the harness refuses some configurations before any r
 DeepSpeed that stopped refusing one (its guard negated or deleted) would run Muon on a path it says
 it cannot run, and nothing would notice. These cases hand it the config on purpose.
 
-A refusal is matched like a crash bug (``harness.bugs.Bug.crash_matches``): exception type, a message
+A refusal is matched as a crash bug is (``harness.bugs.raised_in``): exception type, a message
 fragment (DeepSpeed's own words) and the frame that raises, read from the rank's traceback. Each entry
 names the source lines it was read from; ``lo`` is the oldest release it was checked on.
 """
@@ -27,11 +27,10 @@ class DsRefusal:
     lo: str | None = None  # oldest release the refusal was read on (None: any)
 
     def matches(self, traceback: str) -> bool:
-        lines = traceback.strip().splitlines()
-        last = [line for line in lines if line.startswith(self.etype + ":")]
+        from harness.bugs import raised_in
+
         file, _, func = self.frame.partition(":")
-        frame_hit = any(file in line and line.rstrip().endswith(f"in {func}") for line in lines)
-        return bool(last) and self.fragment in last[-1] and frame_hit
+        return raised_in(traceback, self.etype, self.fragment, func, file=file)
 
 
 def _zero(cfg: dict) -> dict:
