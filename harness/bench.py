@@ -153,8 +153,8 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
 
     gate_mod.judge = timed_judge
     try:
-        for col in cols:
-            for case in cases:
+        for case in cases:  # the gate's order (harness.main_job): a case's columns back to back
+            for col in cols:
                 judged.clear()
                 t0 = time.perf_counter()
                 o = evaluate(case, col, manager)

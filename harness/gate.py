@@ -17,13 +17,14 @@ the two can never disagree about what passed:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 from harness import ds_refusals
 from harness.bugs import NUMERIC, bugs_for, refusals_for
 from harness.case import Case
 from harness.launcher import CaseFailure, Launcher, RankFailed
-from harness.verdict import Verdict, bug_model, judge, reproduce_command
+from harness.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
 
 
 @dataclass
@@ -76,6 +77,30 @@ def model_changes(case: Case, bugs) -> dict:
                 raise ValueError(f"{case.name}: bug models disagree on Conventions.{k}: {changes[k]!r} vs {v!r}")
             changes[k] = v
     return changes
+
+
+# The last few verdicts, by what decided them: the case without its column, every bit of the run the
+# judge reads (``Trajectory.judged_digest``) and the oracle's conventions. The gate runs a case's columns
+# back to back (``harness.main_job``), and wherever the patched runtime leaves a case's run bit-identical
+# to stock (most passing cases) its verdict is the stock one: the judge is a pure function of those
+# three, so judging it again would only repeat the float64 replay. A handful of entries keeps the
+# parent's memory flat (one case's verdicts, intended and bug-model).
+_VERDICTS: OrderedDict = OrderedDict()
+_VERDICTS_KEPT = 4
+
+
+def judged(c: Case, traj, conventions=None) -> Verdict:
+    """``verdict.judge``, once per (case without its column, run bits, conventions)."""
+    key = (c.replace(patched=False).to_json(), traj.judged_digest(), repr(conventions),
+           tuple((k, id(f)) for k, f in ORACLE_HOOKS.items()))  # a test's deliberately wrong oracle
+    hit = _VERDICTS.get(key)
+    if hit is None:
+        hit = judge(c, traj) if conventions is None else judge(c, traj, conventions=conventions)
+        _VERDICTS[key] = hit
+        while len(_VERDICTS) > _VERDICTS_KEPT:
+            _VERDICTS.popitem(last=False)
+    # the verdict names its case (record key, reproducer): this column's
+    return replace(hit, case=c, checks=list(hit.checks), notes=list(hit.notes))
 
 
 def _judge_refusal(c: Case, column: str, manager: Launcher, refusals) -> Outcome:
@@ -147,7 +172,7 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
                        f"({', '.join(b.id for b in refusals)}) but ran it\n  reproduce: {reproduce_command(c)}",
                        time.perf_counter() - t0, trajectory=out.result)
     traj = out.result
-    verdict = judge(c, traj)
+    verdict = judged(c, traj)
     problems, extra_msgs = _problems(c, verdict, traj)
     seconds = time.perf_counter() - t0
     if crashes:
@@ -171,7 +196,7 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
         return Outcome(c, column, "xpassed", ids, message, seconds, verdict, problems, swapped, traj)
     # (b) DeepSpeed must match the bug models at full strength
     changes = model_changes(c, modelled)
-    mverdict = verdict if not changes else judge(c, traj, conventions=bug_model(changes))
+    mverdict = verdict if not changes else judged(c, traj, bug_model(changes))
     seconds = time.perf_counter() - t0
     mproblems, mmsgs = _problems(c, mverdict, traj)
     excused = set().union(*(b.quantities - NUMERIC for b in modelled), *(b.quantities for b in unmodelled))

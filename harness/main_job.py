@@ -88,8 +88,10 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
     try:
         total = len(cases) * len(cols)
         n = 0
-        for col in cols:
-            for case in cases:
+        # A case's columns back to back: where the patched run is bit-identical to the stock one, the
+        # patched column takes the stock verdict instead of judging again (``gate.judged``).
+        for case in cases:
+            for col in cols:
                 n += 1
                 o = evaluate(case, col, manager)
                 record(store, o)
