@@ -133,3 +133,23 @@ def test_describe_lists_every_fix():
     text = patched_runtime.describe()
     for name, f in patched_runtime.FIXES.items():
         assert name in text and f.bug_id in text
+
+
+def test_a_function_is_read_back_once_and_a_replacement_is_hashed_on_its_own(monkeypatch):
+    import inspect
+
+    reads = []
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: reads.append(obj) or real(obj))
+    monkeypatch.setattr(_registry, "_HASHED", {})
+
+    def f(x):
+        return x + 1
+
+    first = _registry.source_hash(f)
+    assert _registry.source_hash(f) == first and len(reads) == 1  # every patched case verifies: read once
+
+    def f(x):  # noqa: F811 -- the same name, another body: a mutant or somebody else's patch
+        return x - 1
+
+    assert _registry.source_hash(f) != first and len(reads) == 2
