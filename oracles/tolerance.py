@@ -185,15 +185,10 @@ def compare(actual, expected, allowance: "Allowance", *, keep_map: bool = False)
         raise ValueError(f"shape mismatch {a.shape} vs {e.shape}")
     shape = a.shape
     a, e = a.reshape(-1), e.reshape(-1)
-    bound = allowance.bound(e)
-    with np.errstate(invalid="ignore"):
-        err = np.abs(a - e)
-    same_nonfinite = ~np.isfinite(a) & ~np.isfinite(e) & ((a == e) | (np.isnan(a) & np.isnan(e)))
-    err = np.where(same_nonfinite, 0.0, err)
-    err = np.where(np.isnan(err), np.inf, err)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = err / bound if bound > 0 else np.where(err > 0, np.inf, 0.0)
-        rel = np.where((e != 0) & np.isfinite(e), err / np.abs(e), np.where(err > 0, np.inf, 0.0))
+    if np.isfinite(a).all() and np.isfinite(e).all():
+        err, ratio, rel, bound = _errors_finite(a, e, allowance)
+    else:
+        err, ratio, rel, bound = _errors_general(a, e, allowance)
     n = int(a.size)
     worst = int(np.argmax(ratio)) if n else 0
     wrel = int(np.argmax(rel)) if n else 0
@@ -205,6 +200,40 @@ def compare(actual, expected, allowance: "Allowance", *, keep_map: bool = False)
                      actual=float(a[worst]) if n else 0.0, expected=float(e[worst]) if n else 0.0,
                      n_bad=int((ratio > 1.0).sum()), numel=n)
     return div, (ratio.astype(np.float32) if keep_map else None)
+
+
+def _errors_general(a, e, allowance: "Allowance"):
+    """(error, error / bound, relative error, bound) element-wise, any entries."""
+    import numpy as np
+
+    bound = allowance.bound(e)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(a - e)
+    same_nonfinite = ~np.isfinite(a) & ~np.isfinite(e) & ((a == e) | (np.isnan(a) & np.isnan(e)))
+    err = np.where(same_nonfinite, 0.0, err)
+    err = np.where(np.isnan(err), np.inf, err)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = err / bound if bound > 0 else np.where(err > 0, np.inf, 0.0)
+        rel = np.where((e != 0) & np.isfinite(e), err / np.abs(e), np.where(err > 0, np.inf, 0.0))
+    return err, ratio, rel, bound
+
+
+def _errors_finite(a, e, allowance: "Allowance"):
+    """``_errors_general`` for all-finite entries (nearly every check), in a third of the array passes:
+    the judge of a wide NVMe case spends most of its time here. The same numbers, bit for bit
+    (``cases/oracles/test_oracle_tolerance.py`` holds the two to it)."""
+    import numpy as np
+
+    abs_e = np.abs(e)
+    bound = min(allowance.atol + allowance.rtol * (float(abs_e.max()) if abs_e.size else 0.0), allowance.cap)
+    err = np.abs(a - e)
+    if bound > 0:
+        ratio = err / bound
+    else:
+        ratio = np.where(err > 0, np.inf, 0.0)
+    rel = np.where(err > 0, np.inf, 0.0)
+    np.divide(err, abs_e, out=rel, where=e != 0)
+    return err, ratio, rel, bound
 
 
 Check = Divergence  # the earlier name of the result of ``Allowance.check``

@@ -4,8 +4,11 @@ perturbation of 10x an allowance is always flagged.
 from __future__ import annotations
 
 import math
+import numpy as np
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from oracles import (Allowance, Conventions, ParamSpec, StepConfig, allowances, emulated_direction, initial_state,
@@ -262,3 +265,24 @@ def test_an_adam_parameters_weights_do_not_inherit_newton_schulz_error():
     assert adam.master.rtol < muon.master.rtol / 10
     clipped = allowances("exact", use_muon=False, **{**kw, "clipping_active": True})
     assert clipped.adam_update.rtol >= 2 * clipped.clip_coef.rtol > 100 * adam.adam_update.rtol  # k carries NS error
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_all_finite_comparison_gives_the_general_ones_numbers_bit_for_bit(data):
+    """``compare`` takes a shorter path when every entry is finite; a difference in any element of the
+    error, ratio or relative-error maps, or in the bound, would move a verdict or a heatmap."""
+    from hypothesis.extra import numpy as hnp
+
+    from oracles.tolerance import _errors_finite, _errors_general
+
+    n = data.draw(st.integers(0, 40))
+    values = st.one_of(st.just(0.0), st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32))
+    e = data.draw(hnp.arrays(np.float64, n, elements=values))
+    a = np.where(data.draw(hnp.arrays(np.bool_, n)), e, data.draw(hnp.arrays(np.float64, n, elements=values)))
+    allowance = Allowance(data.draw(st.sampled_from([0.0, 1e-9])), data.draw(st.sampled_from([0.0, 1e-3, 2.0 ** -24])),
+                          "property", data.draw(st.sampled_from([math.inf, 1e-4])))
+    fast, general = _errors_finite(a, e, allowance), _errors_general(a, e, allowance)
+    assert fast[3] == general[3]
+    for x, y in zip(fast[:3], general[:3]):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
