@@ -16,6 +16,13 @@ import sys
 
 
 def main(argv=None) -> int:
+    from harness import buildenv
+
+    # First, before any import of torch (``harness.check``, imported below for its options, imports it):
+    # torch sizes its OpenMP team when it is imported, so a parent that set OMP_NUM_THREADS=1 after that
+    # judged on two threads contending with its own ranks and, having two, never forked a rank pool
+    # (``harness.pool._fork_is_safe``): every pool of the gate was spawned, ~15 s per crashing case.
+    buildenv.apply_base_env()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["mutate"] and any(a == "--engine" or a.startswith("--engine=") for a in argv[1:]):
         # source mutation of DeepSpeed's own code (harness/source_mutation); must run before anything
@@ -92,9 +99,6 @@ def main(argv=None) -> int:
 
         return gpu_main(argv[1:])
     args = ap.parse_args(argv)
-    from harness import buildenv
-
-    buildenv.apply_base_env()
     if args.cmd == "check":
         return check_cli.run_check(args)
     if args.cmd == "gate":

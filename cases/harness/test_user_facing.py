@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import types
@@ -173,3 +174,18 @@ def test_run_gate_drops_each_outcome_before_the_next(monkeypatch, tmp_path):
     from harness import results
 
     assert len(results.load_records(tmp_path / "gate-results")) == 2 * len(cases)  # all on disk
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch starts one thread on one core either way")
+def test_the_command_line_keeps_torch_on_one_thread_before_anything_imports_it():
+    """The gate's parent judges between its ranks' runs and forks its rank pools only at one OpenMP
+    thread (``harness.pool._fork_is_safe``). ``python -m harness`` once imported torch (through
+    ``harness.check``'s options) before it set OMP_NUM_THREADS, so torch took every core: the judge
+    contended with the ranks and every pool was spawned (a crashing stock case 17-20 s instead of 2.6 s)."""
+    script = ("import sys\nfrom harness.__main__ import main\nrc = main(['gate', '--jobs', '0'])\n"
+              "import torch\nfrom harness.pool import _fork_is_safe\n"
+              "print(torch.get_num_threads(), _fork_is_safe(False), rc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split()[-3:] == ["1", "True", "2"], proc.stdout + proc.stderr
