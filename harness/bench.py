@@ -152,6 +152,7 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
             judged.append(time.perf_counter() - t0)
 
     gate_mod.judge = timed_judge
+    done = 0
     try:
         for case in cases:  # the gate's order (harness.main_job): a case's columns back to back
             for col in cols:
@@ -176,6 +177,10 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
                 b["judge"] += j
                 b["shipping"] += max(total - manager.last_start - build - steps - j, 0.0)
                 o.trajectory = None  # keep the parent flat
+                done += 1
+                if done % 100 == 0:  # a long --full bench says it is alive (and how fast) as it goes
+                    print(f"  ... {done}/{len(cases) * len(cols)} case-columns in {time.perf_counter() - t_all:.0f}s",
+                          flush=True)
     finally:
         gate_mod.judge = real_judge
         manager.close()
