@@ -19,6 +19,18 @@ def _has_muon(c: Case) -> bool:
     return any(p.uses_muon for p in c.params)
 
 
+def bf16_optimizer_route(c: Case) -> bool:
+    """DeepSpeed routes bf16 + grad_accum_dtype fp32 + ZeRO-1 without offload to BF16_Optimizer (0.19.8
+    engine.py:2305; the same test from 0.18.9)."""
+    gad = str(c.config.get("data_types", {}).get("grad_accum_dtype", "")).lower().replace("torch.", "")
+    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and gad in ("fp32", "float32", "float")
+
+
+def _muon_stepped_as_sgd(c: Case) -> bool:
+    """Where no ZeRO optimizer runs Muon before ``MuonWithAuxAdam.step`` (stage 0, the BF16_Optimizer route)."""
+    return _has_muon(c) and (c.stage == 0 or bf16_optimizer_route(c))
+
+
 def _z12_offload_muon(c: Case) -> bool:
     return c.stage in (1, 2) and c.offload in ("cpu", "nvme") and _has_muon(c)
 
@@ -386,15 +398,20 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-114",
-        title="Without ZeRO, Muon parameters are stepped by plain SGD",
-        symptom="At stage 0 MuonWithAuxAdam.step moves each Muon parameter by lr times its raw gradient (with the "
-                "decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called (the capture sees "
-                "no Muon call; masters diverge from step 1).",
-        trigger=lambda c: c.stage == 0 and _has_muon(c),
+        title="Without ZeRO, and on the BF16_Optimizer route, Muon parameters are stepped by plain SGD",
+        symptom="At stage 0, and on the BF16_Optimizer route (ZeRO-1 bf16 with grad_accum_dtype fp32, whose param "
+                "groups are flat fp32 partitions), MuonWithAuxAdam.step moves each Muon parameter by lr times its "
+                "gradient (with the decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called "
+                "(the capture sees no Muon call; masters diverge from step 1). Modelled on the BF16_Optimizer route "
+                "(Conventions.muon_as_sgd, with DSM-013's clip of the raw gradients before the step); at stage 0 "
+                "not yet (the fp16 wrapper's own accidents, DSM-014..016, were not measured with it).",
+        trigger=_muon_stepped_as_sgd,
         quantities=MUON_NOT_RUN,
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
-              "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there",
-        reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9",
+              "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there at stage "
+              "0 and refuses Muon on the BF16_Optimizer route (engine.py _check_muon_can_reach_its_parameters)",
+        reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9; z1-none-bf16-ws1-gad32 on 0.19.6",
+        model=lambda c: {"muon_as_sgd": True} if bf16_optimizer_route(c) else None,
     ),
     dict(
         id="DSM-115",

@@ -412,7 +412,8 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
     oracle_norms: dict[int, float | None] = {}
     grad_store = grad_store_dtype(case)
     state = oracles.initial_state(sc, _start_weights(case, traj, conv), conv)
-    n_muon_calls = expected_muon_calls(case, sc, layout)
+    # DSM-114's model: the release steps the Muon matrices without ever calling muon_update
+    n_muon_calls = 0 if conv.muon_as_sgd else expected_muon_calls(case, sc, layout)
     # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
     ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
     ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
@@ -468,7 +469,10 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
                 # (a reported raw norm carries the backward's scale; the clip divides it by S: DSM-016)
                 k_units = float(state.scaler.scale) if conv.reported_norm == "raw" else 1.0
                 k_ds = oracles.clip_coefficient(float(rec.global_norm) / k_units, sc.gradient_clipping)
-                forced = {n: (g * k_ds if spec[n].use_muon else g) for n, g in forced.items()}
+                # (under DSM-114's model no muon_update call hands the Muon gradient over: it was read
+                # before the step, unclipped, as Adam's)
+                forced = {n: (g * k_ds if spec[n].use_muon and not conv.muon_as_sgd else g)
+                          for n, g in forced.items()}
         feed = {n: forced.get(n, true_G[n]) for n in true_G}
         feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``
 
@@ -547,13 +551,15 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             # exactly (a power-of-two unscale), so no gradient error enters: grad_dtype="fp64". What
             # remains is fp32 storage of the momentum and masters, and Newton-Schulz.
             shape = p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape)
+            # a Muon matrix stepped by its gradient (DSM-114's model) has no Newton-Schulz error in its step
+            newton_schulz = p.use_muon and not conv.muon_as_sgd
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=shape,
                                    world_size=W, gas=GAS, ns_method=ns_of[n], grad_dtype="fp64",
                                    momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                                    clipping_active=sc.gradient_clipping > 0,
-                                   use_muon=None if p.use_muon else False)  # Adam: no NS error in its step
-            if mode == "exact" and p.use_muon and o.direction is not None:
+                                   use_muon=None if newton_schulz else False)  # Adam: no NS error in its step
+            if mode == "exact" and newton_schulz and o.direction is not None:
                 a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size)
             # muon_update hands back O in the dtype of the gradient buffer it is written into (the model
             # dtype on the non-offload paths): one rounding there is storage, not error (+2 u_store).
@@ -563,16 +569,20 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             # DeepSpeed creates the momentum buffer at the first applied step: before it, a skipped
             # step has no momentum to capture, and the oracle's is still zero.
             never_applied = orec.skipped and state.step_count == state.skipped_steps
-            if p.use_muon and ps.momentum is None:
+            if p.use_muon and conv.muon_as_sgd:
+                pass  # no muon_update, so no momentum or update to capture: the muon_calls check (0) says so
+            elif p.use_muon and ps.momentum is None:
                 if not (never_applied and not bool(o.momentum.any())):
                     verdict.checks.append(missing(label, n, "momentum", s, "the Muon momentum was not captured"))
             elif p.use_muon:
                 o_mom = o.momentum / (orec.loss_scale_used if scaled_momentum else 1.0)
                 add(n, "momentum", s, _t(ps.momentum).numpy() / float(ps.momentum_scale), o_mom.numpy(), a.momentum)
-            if p.use_muon and o.direction is not None and ps.update is None:
+            if not newton_schulz:
+                pass
+            elif o.direction is not None and ps.update is None:
                 verdict.checks.append(missing(label, n, "update", s, "muon_update's result was not captured, "
                                               "but the oracle applied this step"))
-            elif p.use_muon and o.direction is not None:
+            elif o.direction is not None:
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
             a_master, a_model = a.master, a.model
             # The 16-bit O is applied (a 16-bit gradient buffer, or DSM-001's 16-bit Muon state, where
@@ -580,7 +590,7 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             # than an ulp, so either may round to a neighbouring 16-bit value; one ulp of O (2 u_out)
             # reaches the masters scaled by the step (step_to_weight).
             u_out = max(u_store, oracles.unit_roundoff(case.dtype) if conv.momentum_dtype == "model" else 0.0)
-            if mode != "emulated" and p.use_muon and u_out > oracles.unit_roundoff("fp32"):
+            if mode != "emulated" and newton_schulz and u_out > oracles.unit_roundoff("fp32"):
                 extra = 2.0 * u_out * (step_size / weight_scale if weight_scale > 0 else 1.0)
                 a_master, a_model = (oracles.Allowance(x.atol, x.rtol + extra, x.derivation
                                                        + f" + 2 u_out ({u_out:.3g}) x step_to_weight", x.cap)
