@@ -92,8 +92,11 @@ def group_name(group: dict, index: int) -> str:
     return str(group.get("name", index))
 
 
-def bf16_grad_index(opt, p) -> int:
-    """Where BF16_Optimizer's gradient list (``get_lp_grad_fragment``'s argument) holds ``p``'s gradient."""
+def bf16_grad_index(opt, p) -> int | None:
+    """Where BF16_Optimizer's gradient list (``get_lp_grad_fragment``'s argument) holds ``p``'s gradient
+    (None: ``p`` has no fragment on this rank, so no entry is read)."""
+    if p._hp_mapping is None:  # INTERNAL: None when p has nothing in this rank's partition
+        return None
     if adapter_for().bf16_grad_index == "attribute":
         return p._index_in_param_group  # INTERNAL: 0.19.8 sets it to p's place in its group
     group = opt.bf16_groups[p._hp_mapping.param_group_index]  # INTERNAL: the group's low-precision params

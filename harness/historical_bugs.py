@@ -70,13 +70,20 @@ def _groups_flattened() -> bool:
 def _z12_group_with_two_muon(c: Case) -> bool:
     """ZeRO-1/2 without offload, a param group with two or more Muon matrices (the staging reset only
     loses the momentum of a matrix that is not the last one a rank updates in its group)."""
-    if c.stage not in (1, 2) or c.offload != "none":
+    if not _z12_optimizer(c):
         return False
     return any(len(shapes) >= 2 for shapes in _muon_shapes_by_group(c))
 
 
+def _z12_optimizer(c: Case) -> bool:
+    """ZeRO-1/2 without optimizer offload through DeepSpeed's ZeRO-1/2 optimizer (``stage_1_and_2.py``,
+    which runs Muon in ``get_flat_partition``), not the BF16_Optimizer route (measured on 0.19.6: the
+    ZeRO-1/2 bugs' candidates there excused nothing DSM-013 and DSM-114's models leave)."""
+    return c.stage in (1, 2) and c.offload == "none" and not bf16_optimizer_route(c)
+
+
 def _z12_no_offload_muon_ws2(c: Case) -> bool:
-    return c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2 and _has_muon(c)
+    return _z12_optimizer(c) and c.world_size >= 2 and _has_muon(c)
 
 
 def _fp16_scale(c: Case) -> bool:
@@ -92,7 +99,7 @@ def _muon_update_in_scaled_buffer(c: Case) -> bool:
     gradients before MuonWithAuxAdam runs)."""
     if not (_has_muon(c) and _fp16_scale(c)):
         return False
-    return c.stage == 3 or (c.stage in (1, 2) and c.offload == "none")
+    return c.stage == 3 or _z12_optimizer(c)
 
 
 def _z3_muon_skipped(c: Case) -> bool:
@@ -131,7 +138,7 @@ def _z12_momentum_split(c: Case) -> bool:
     """DSM-103 on a matrix that straddles ranks: on each rank only the last Muon matrix of its partition keeps
     this step's momentum, so a matrix that is the last on one holder and not on another ends the step with
     different momentum on each (and each rank's part of its next update comes from a different momentum)."""
-    if c.stage not in (1, 2) or c.offload != "none" or c.world_size < 2 or not _has_muon(c):
+    if not _z12_optimizer(c) or c.world_size < 2 or not _has_muon(c):
         return False
     from harness import verdict
     from oracles.layout import param_slices, rank_segments
@@ -180,14 +187,14 @@ def _muon_sees_overflow(c: Case) -> bool:
     """A forced overflow reaching muon_update before the overflow test: ZeRO-1/2 without offload (not ZeRO-1/2
     offload: DSM-101; not stage 0: DSM-114). ZeRO-3 runs muon_update in the reduce too, but its overflow cases
     crash first (DSM-102) on the releases measured, so it is left out until measured."""
-    return _has_muon(c) and bool(c.overflows) and c.stage in (1, 2) and c.offload == "none"
+    return _has_muon(c) and bool(c.overflows) and _z12_optimizer(c)
 
 
 def _z12_nocontig_unreduced(c: Case) -> bool:
     """ZeRO-1/2 without optimizer offload (offload forces contiguous gradients, 0.19.7 stage_1_and_2.py:274),
     contiguous_gradients off, world size >= 2, on the CPU accelerator (on CUDA the type strings match)."""
     z = c.config.get("zero_optimization", {})
-    return (c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2
+    return (_z12_optimizer(c) and c.world_size >= 2
             and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 

@@ -359,6 +359,10 @@ for _bug in ("DSM-002", "DSM-003", "DSM-004", "DSM-012", "DSM-014", "DSM-015", "
              "DSM-109", "DSM-110", "DSM-111", "DSM-114", "DSM-115", "DSM-116"):
     AFFECTED.setdefault(_bug, {})["0.19.6"] = True
 
+# F-7 of session 6 (session 7): the three z1-none-bf16-*-gad32 cases on 0.19.6 (the BF16_Optimizer route, read
+# by capture_adapters.bf16_grad_index) xfailed [DSM-013, DSM-114] with both models, at full strength.
+AFFECTED["DSM-013"]["0.19.6"] = True
+
 # 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.measure_release --slice base-ws2, the
 # 18 base-grid cases at world size 2 without per-head matrices; README "DeepSpeed versions"). Recorded: a
 # bug True where a case xfailed with it as the only candidate that can explain it (a crash bug: its exact
