@@ -345,7 +345,8 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
     return a.grad
 
 
-def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: float, step_size: float):
+def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: float, step_size: float,
+                       momentum_dtype: str = "fp32"):
     """Exact mode's allowances at the step's own spectrum: the Newton-Schulz gain taken over the
     singular values the NS input can have (``oracles.perturbed_sigma_lo`` of the oracle's Nesterov blend
     ``U = lerp(g, M', beta)``, widened by the momentum allowance plus the blend's rounding), instead of
@@ -358,12 +359,12 @@ def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: floa
         U = U.reshape(U.shape[0], -1)
     elif U.ndim < 2:
         return a
-    sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff("fp32"))
+    sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff(momentum_dtype))
     if sigma <= 0.0:
         return a
     return oracles.allowances("exact", model_dtype=case.dtype, shape=shape, world_size=case.dp_size,
                               gas=case.grad_accum, ns_method=sc.hyper(p)["ns_method"], grad_dtype="fp64",
-                              momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
+                              momentum_dtype=momentum_dtype, num_heads=p.num_heads, weight_scale=weight_scale,
                               step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                               clipping_active=sc.gradient_clipping > 0, sigma_lo=sigma)
 
@@ -414,6 +415,9 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
     state = oracles.initial_state(sc, _start_weights(case, traj, conv), conv)
     # DSM-114's model: the release steps the Muon matrices without ever calling muon_update
     n_muon_calls = 0 if conv.muon_as_sgd else expected_muon_calls(case, sc, layout)
+    # the Muon momentum's storage as the oracle can follow it: bit for bit (fp32 rounding left) unless a
+    # 16-bit momentum is rounded outside emulation (below)
+    mom_store = case.dtype if conv.momentum_dtype == "model" and mode != "emulated" else "fp32"
     # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
     ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
     ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
@@ -549,18 +553,23 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             step_size = float(o.update.abs().max())
             # Downstream of the gradient the oracle was fed DeepSpeed's own averaged gradient, converted
             # exactly (a power-of-two unscale), so no gradient error enters: grad_dtype="fp64". What
-            # remains is fp32 storage of the momentum and masters, and Newton-Schulz.
+            # remains is fp32 storage of the momentum and masters, and Newton-Schulz. A 16-bit Muon
+            # momentum (DSM-001's model) outside emulation: the oracle rounds each blend to 16 bit as
+            # DeepSpeed does, but from a float64 value, not from torch.lerp's fp32 one, so a stored element
+            # may land on the neighbouring 16-bit value (2 u_m; measured on 0.19.6, exact mode: gpt2 and
+            # llama ZeRO-1/2 bf16, 1-2 elements of 1024 one bf16 ulp apart at step 2).
             shape = p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape)
             # a Muon matrix stepped by its gradient (DSM-114's model) has no Newton-Schulz error in its step
             newton_schulz = p.use_muon and not conv.muon_as_sgd
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=shape,
                                    world_size=W, gas=GAS, ns_method=ns_of[n], grad_dtype="fp64",
-                                   momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
+                                   momentum_dtype=mom_store, num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                                    clipping_active=sc.gradient_clipping > 0,
                                    use_muon=None if newton_schulz else False)  # Adam: no NS error in its step
             if mode == "exact" and newton_schulz and o.direction is not None:
-                a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size)
+                a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size,
+                                       momentum_dtype=mom_store)
             # muon_update hands back O in the dtype of the gradient buffer it is written into (the model
             # dtype on the non-offload paths): one rounding there is storage, not error (+2 u_store).
             u_store = oracles.unit_roundoff(grad_store)

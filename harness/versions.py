@@ -259,6 +259,12 @@ class Adapted:
     deselected: str | None = None  # the reason, when the release refuses the combination by design
 
 
+def refuses(name: str, version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed DeepSpeed) lies in the range of the refusal ``name``."""
+    r = next(r for r in REFUSALS if r.name == name)
+    return in_range(version or installed().version, r.lo, r.hi)
+
+
 def adapt(case, version: str | None = None) -> Adapted:
     """The case as the installed (or given) DeepSpeed needs it: the ONE place a case's config is
     adapted per release. Pure: the version is read once, the case is not changed in place."""
