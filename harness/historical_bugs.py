@@ -262,9 +262,12 @@ SPECS: tuple[dict, ...] = (
         title="User parameter groups flattened into one Muon and one Adam group",
         symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
                 "weight_decay, momentum and ns_method dropped for the config's); the optimizer's groups are "
-                "'muon-params' / 'adam-params' only, so no user group's lr is in effect.",
+                "'muon-params' / 'adam-params' only, so no user group's lr is in effect. ZeRO-1/2 partition "
+                "each optimizer group on its own, so the merged Muon group is laid out otherwise and the number "
+                "of matrix pieces muon_update runs on changes (0.19.6 z2-none-fp32-ws2-groups: 3 calls a step "
+                "where the user's two groups give 4).",
         trigger=lambda c: _passes_group_dicts(c) and _has_muon(c),
-        quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm"}),
+        quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm", "muon_calls"}),
         where="source checkout edaa72212 (version.txt 0.19.6; the same code in the 0.19.2-0.19.6 sdists) "
               "engine.py:2199-2235 _configure_basic_optimizer: 'Flatten param group dicts' then two groups "
               "from the config; 0.19.7 splits each user group (engine.py _muon_param_groups)",
