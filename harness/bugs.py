@@ -141,9 +141,7 @@ def _has_adam(c: Case) -> bool:
     return any(not _is_muon(p) for p in c.params)
 
 
-def _bf16_optimizer(c: Case) -> bool:
-    """DeepSpeed routes bf16 + grad_accum_dtype fp32 + ZeRO-1 (no offload) to BF16_Optimizer (engine.py:2305)."""
-    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and _gad(c) == "fp32"
+_bf16_optimizer = historical_bugs.bf16_optimizer_route  # the BF16_Optimizer route (one home: historical_bugs)
 
 
 def _resumes(c: Case) -> bool:

@@ -669,9 +669,11 @@ def _np_exact(t: torch.Tensor) -> np.ndarray:
     return t.to("cpu").contiguous().numpy().copy()  # a copy: DeepSpeed reuses its buffers
 
 
-def _hp_piece(p, grad: bool):
+def _hp_piece(p, grad: bool, index: int | None = None):
     """This rank's contribution to ``get_full_hp_param`` / ``get_full_hp_grad`` of a Z1/2 or
-    BF16_Optimizer param, read the way those helpers read it (``utils/tensor_fragment.py``)."""
+    BF16_Optimizer param, read the way those helpers read it (``utils/tensor_fragment.py``). ``index``:
+    where the gradient list holds p's gradient, if not at ``p._index_in_param_group`` (BF16_Optimizer
+    before 0.19.8, ``capture_adapters.bf16_grad_index``)."""
     m = p._hp_mapping  # INTERNAL: this rank's tensor_fragment of p; None when p has nothing in this partition
     if m is None:
         return ("sum", [])
@@ -679,7 +681,8 @@ def _hp_piece(p, grad: bool):
     if grad:
         # INTERNAL: averaged_gradients / offload_gradient_dict entry of p (raises outside backward..step,
         # as the helper does); _index_in_param_group is p's index in that list
-        v = m.get_lp_grad_fragment(p._index_in_param_group).to(torch.float32).flatten()
+        index = p._index_in_param_group if index is None else index
+        v = m.get_lp_grad_fragment(index).to(torch.float32).flatten()
         if v.numel() == p.numel():  # BF16_Optimizer keeps a full-size accumulation buffer
             v = v.narrow(0, int(lp.start), int(lp.numel))
     else:
@@ -717,7 +720,7 @@ def master_piece(engine, p):
 def grad_piece(engine, p, rank: int):
     """Local counterpart of ``safe_get_full_grad`` (same dispatch order)."""
     if getattr(p, "_hp_grad", None) is not None:  # INTERNAL: BF16_Optimizer's accumulation buffer (tested first)
-        return _hp_piece(p, grad=True)
+        return _hp_piece(p, grad=True, index=capture_adapters.bf16_grad_index(engine.optimizer, p))
     if p.grad is not None:
         return ("full", _np_exact(p.grad) if rank == 0 else None)
     if hasattr(p, "ds_id"):
@@ -802,12 +805,15 @@ def read_masters(engine, case, named: dict, swap: SwapCounter) -> dict:
 
 
 def read_adam_grads(engine, case, named: dict, swap: SwapCounter, rank: int) -> dict:
-    """Rank-local pieces of every Adam param's gradient (no collective); before the boundary step."""
+    """Rank-local pieces of every Adam param's gradient (no collective); before the boundary step. Also
+    the Muon matrices' where the release steps them without ``muon_update`` (no call hands their
+    gradient over: ``capture_adapters.muon_grads_before_step``)."""
     out = {}
+    muon_too = capture_adapters.muon_grads_before_step(path_info(engine).kind)
     with swap.pause():
         for ps in case.params:
             p = named[ps.name]
-            if not getattr(p, "use_muon", False):
+            if muon_too or not getattr(p, "use_muon", False):
                 out[ps.name] = grad_piece(engine, p, rank)
     return out
 
@@ -1057,11 +1063,13 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
         if ps.name in muon_names:
             lst = per_param_calls.get(ps.name)
             call = lst[0][1] if lst else None  # lowest rank's first call; repeats are noted above
+            # no call: the gradient read before the step, where the release steps Muon without muon_update
+            before = adam_grads.get(ps.name) if call is None else None
             params[ps.name] = ParamStep(
                 master=masters[ps.name],
                 model=model_w[ps.name],
-                grad=None if call is None else call.grad.reshape(ps.shape),
-                grad_scale=muon_scale,
+                grad=before if call is None else call.grad.reshape(ps.shape),
+                grad_scale=S if call is None else muon_scale,
                 momentum=momentum.get(ps.name),
                 momentum_scale=muon_scale,
                 momentum_dtype=mom_dtypes.get(ps.name),

@@ -29,6 +29,18 @@ class Adapter:
     # ``param_groups.append(dict(params=..., use_muon=True/False, ...))``; the name is derived from the flag).
     group_names: str = "name"
     note: str = ""
+    # Which entry of BF16_Optimizer's gradient list holds a parameter's gradient: "attribute" (the
+    # parameter's ``_index_in_param_group``, which 0.19.8 sets to its place in the group, bf16_optimizer.py
+    # :353-355) or "group_position" (0.18.9-0.19.7: ``_index_in_param_group`` counts only the parameters
+    # with a fragment on this rank, mixed_precision_linkage.py ``_init_lp_to_hp_mapping`` (0.19.6 :47),
+    # while the list BF16_Optimizer links, ``fp32_groups_gradient_dict[i]`` (0.19.6 bf16_optimizer.py:268),
+    # holds every parameter of the group: the entry is the parameter's place in ``bf16_groups[i]``).
+    bf16_grad_index: str = "attribute"
+    # Path kinds (``capture.PathInfo.kind``) on which the release steps the Muon matrices without calling
+    # ``muon_update``, so their gradient is read before the step as Adam's is: before 0.19.7 the
+    # BF16_Optimizer hands ``MuonWithAuxAdam.step`` its flat fp32 partitions and the Muon group is moved by
+    # lr times its gradient (0.19.6 muon_optimizer.py:61-67; 0.19.7 refuses the route with Muon).
+    muon_grads_before_step: tuple[str, ...] = ()
 
 
 _BOUND = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
@@ -38,12 +50,19 @@ ADAPTERS: tuple[Adapter, ...] = (
     # imports it inside get_flat_partition / _muon_update_sub_group / _apply_muon_updates_cpu_offload).
     # <= 0.19.2: stage3.py has no _get_param_partition_group (added in 0.19.3).
     # <= 0.19.1: the Muon/Adam halves carry no ``name`` (0.18.9/0.19.0 engine.py:1763/1772, 0.19.1 :1778/1787).
+    # <= 0.19.7: BF16_Optimizer's gradient list is indexed by the parameter's place in its group (0.19.8
+    # :353-355 sets _index_in_param_group so); <= 0.19.6: its Muon group is stepped without muon_update.
     Adapter(None, "0.19.2", _BOUND, "attribute", "use_muon",
-            "muon_update bound at import; ZeRO-3 partition group read from the parameter; unnamed groups"),
+            "muon_update bound at import; ZeRO-3 partition group read from the parameter; unnamed groups",
+            bf16_grad_index="group_position", muon_grads_before_step=("bf16_opt",)),
     Adapter("0.19.2", "0.19.3", _BOUND, "attribute",
-            note="muon_update bound at import; ZeRO-3 partition group read from the parameter"),
-    Adapter("0.19.3", "0.19.8", _BOUND, "method",
-            "muon_update bound at import by the ZeRO-1/2 and ZeRO-3 optimizers"),
+            note="muon_update bound at import; ZeRO-3 partition group read from the parameter",
+            bf16_grad_index="group_position", muon_grads_before_step=("bf16_opt",)),
+    Adapter("0.19.3", "0.19.7", _BOUND, "method",
+            "muon_update bound at import by the ZeRO-1/2 and ZeRO-3 optimizers; BF16_Optimizer runs no Muon",
+            bf16_grad_index="group_position", muon_grads_before_step=("bf16_opt",)),
+    Adapter("0.19.7", "0.19.8", _BOUND, "method",
+            "muon_update bound at import by the ZeRO-1/2 and ZeRO-3 optimizers", bf16_grad_index="group_position"),
     Adapter("0.19.8", None, (), "muon_update imported at each call site (the layout the capture was written on)"),
 )
 
@@ -71,3 +90,20 @@ def group_name(group: dict, index: int) -> str:
     if adapter_for().group_names == "use_muon" and "name" not in group and "use_muon" in group:
         return "muon-params" if group["use_muon"] else "adam-params"
     return str(group.get("name", index))
+
+
+def bf16_grad_index(opt, p) -> int | None:
+    """Where BF16_Optimizer's gradient list (``get_lp_grad_fragment``'s argument) holds ``p``'s gradient
+    (None: ``p`` has no fragment on this rank, so no entry is read)."""
+    if p._hp_mapping is None:  # INTERNAL: None when p has nothing in this rank's partition
+        return None
+    if adapter_for().bf16_grad_index == "attribute":
+        return p._index_in_param_group  # INTERNAL: 0.19.8 sets it to p's place in its group
+    group = opt.bf16_groups[p._hp_mapping.param_group_index]  # INTERNAL: the group's low-precision params
+    return next(j for j, q in enumerate(group) if q is p)
+
+
+def muon_grads_before_step(kind: str) -> bool:
+    """Whether, on path ``kind``, the Muon matrices' gradient is read before the step (the release steps
+    them without ``muon_update``, so no call hands it over)."""
+    return kind in adapter_for().muon_grads_before_step

@@ -25,8 +25,13 @@ def warm_compiled_muon_update() -> None:
 
     from harness.ds_run import force_ns_dtype
 
+    from harness import versions
+
     combos = [(d, d) for d in (torch.float32, torch.float16, torch.bfloat16)]  # lerp needs equal dtypes
-    for ns_dtype in (None, "float64"):
+    # float64 Newton-Schulz only where the release has the hook that forces it (its cases are deselected
+    # elsewhere: on 0.19.6 this warm-up raised AttributeError on ``ns_compute_dtype``)
+    hpns = () if versions.refuses("ns-compute-dtype-hook") else ("float64",)
+    for ns_dtype in (None, *hpns):
         with force_ns_dtype(ns_dtype):
             for dtype, mom_dtype in combos:
                 torch._dynamo.reset()

@@ -19,6 +19,18 @@ def _has_muon(c: Case) -> bool:
     return any(p.uses_muon for p in c.params)
 
 
+def bf16_optimizer_route(c: Case) -> bool:
+    """DeepSpeed routes bf16 + grad_accum_dtype fp32 + ZeRO-1 without offload to BF16_Optimizer (0.19.8
+    engine.py:2305; the same test from 0.18.9)."""
+    gad = str(c.config.get("data_types", {}).get("grad_accum_dtype", "")).lower().replace("torch.", "")
+    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and gad in ("fp32", "float32", "float")
+
+
+def _muon_stepped_as_sgd(c: Case) -> bool:
+    """Where no ZeRO optimizer runs Muon before ``MuonWithAuxAdam.step`` (stage 0, the BF16_Optimizer route)."""
+    return _has_muon(c) and (c.stage == 0 or bf16_optimizer_route(c))
+
+
 def _z12_offload_muon(c: Case) -> bool:
     return c.stage in (1, 2) and c.offload in ("cpu", "nvme") and _has_muon(c)
 
@@ -58,13 +70,20 @@ def _groups_flattened() -> bool:
 def _z12_group_with_two_muon(c: Case) -> bool:
     """ZeRO-1/2 without offload, a param group with two or more Muon matrices (the staging reset only
     loses the momentum of a matrix that is not the last one a rank updates in its group)."""
-    if c.stage not in (1, 2) or c.offload != "none":
+    if not _z12_optimizer(c):
         return False
     return any(len(shapes) >= 2 for shapes in _muon_shapes_by_group(c))
 
 
+def _z12_optimizer(c: Case) -> bool:
+    """ZeRO-1/2 without optimizer offload through DeepSpeed's ZeRO-1/2 optimizer (``stage_1_and_2.py``,
+    which runs Muon in ``get_flat_partition``), not the BF16_Optimizer route (measured on 0.19.6: the
+    ZeRO-1/2 bugs' candidates there excused nothing DSM-013 and DSM-114's models leave)."""
+    return c.stage in (1, 2) and c.offload == "none" and not bf16_optimizer_route(c)
+
+
 def _z12_no_offload_muon_ws2(c: Case) -> bool:
-    return c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2 and _has_muon(c)
+    return _z12_optimizer(c) and c.world_size >= 2 and _has_muon(c)
 
 
 def _fp16_scale(c: Case) -> bool:
@@ -80,7 +99,7 @@ def _muon_update_in_scaled_buffer(c: Case) -> bool:
     gradients before MuonWithAuxAdam runs)."""
     if not (_has_muon(c) and _fp16_scale(c)):
         return False
-    return c.stage == 3 or (c.stage in (1, 2) and c.offload == "none")
+    return c.stage == 3 or _z12_optimizer(c)
 
 
 def _z3_muon_skipped(c: Case) -> bool:
@@ -119,7 +138,7 @@ def _z12_momentum_split(c: Case) -> bool:
     """DSM-103 on a matrix that straddles ranks: on each rank only the last Muon matrix of its partition keeps
     this step's momentum, so a matrix that is the last on one holder and not on another ends the step with
     different momentum on each (and each rank's part of its next update comes from a different momentum)."""
-    if c.stage not in (1, 2) or c.offload != "none" or c.world_size < 2 or not _has_muon(c):
+    if not _z12_optimizer(c) or c.world_size < 2 or not _has_muon(c):
         return False
     from harness import verdict
     from oracles.layout import param_slices, rank_segments
@@ -168,14 +187,14 @@ def _muon_sees_overflow(c: Case) -> bool:
     """A forced overflow reaching muon_update before the overflow test: ZeRO-1/2 without offload (not ZeRO-1/2
     offload: DSM-101; not stage 0: DSM-114). ZeRO-3 runs muon_update in the reduce too, but its overflow cases
     crash first (DSM-102) on the releases measured, so it is left out until measured."""
-    return _has_muon(c) and bool(c.overflows) and c.stage in (1, 2) and c.offload == "none"
+    return _has_muon(c) and bool(c.overflows) and _z12_optimizer(c)
 
 
 def _z12_nocontig_unreduced(c: Case) -> bool:
     """ZeRO-1/2 without optimizer offload (offload forces contiguous gradients, 0.19.7 stage_1_and_2.py:274),
     contiguous_gradients off, world size >= 2, on the CPU accelerator (on CUDA the type strings match)."""
     z = c.config.get("zero_optimization", {})
-    return (c.stage in (1, 2) and c.offload == "none" and c.world_size >= 2
+    return (_z12_optimizer(c) and c.world_size >= 2
             and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 
@@ -243,9 +262,12 @@ SPECS: tuple[dict, ...] = (
         title="User parameter groups flattened into one Muon and one Adam group",
         symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
                 "weight_decay, momentum and ns_method dropped for the config's); the optimizer's groups are "
-                "'muon-params' / 'adam-params' only, so no user group's lr is in effect.",
+                "'muon-params' / 'adam-params' only, so no user group's lr is in effect. ZeRO-1/2 partition "
+                "each optimizer group on its own, so the merged Muon group is laid out otherwise and the number "
+                "of matrix pieces muon_update runs on changes (0.19.6 z2-none-fp32-ws2-groups: 3 calls a step "
+                "where the user's two groups give 4).",
         trigger=lambda c: _passes_group_dicts(c) and _has_muon(c),
-        quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm"}),
+        quantities=frozenset({"lr", "master", "model", "momentum", "update", "global_norm", "muon_calls"}),
         where="source checkout edaa72212 (version.txt 0.19.6; the same code in the 0.19.2-0.19.6 sdists) "
               "engine.py:2199-2235 _configure_basic_optimizer: 'Flatten param group dicts' then two groups "
               "from the config; 0.19.7 splits each user group (engine.py _muon_param_groups)",
@@ -386,15 +408,20 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-114",
-        title="Without ZeRO, Muon parameters are stepped by plain SGD",
-        symptom="At stage 0 MuonWithAuxAdam.step moves each Muon parameter by lr times its raw gradient (with the "
-                "decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called (the capture sees "
-                "no Muon call; masters diverge from step 1).",
-        trigger=lambda c: c.stage == 0 and _has_muon(c),
+        title="Without ZeRO, and on the BF16_Optimizer route, Muon parameters are stepped by plain SGD",
+        symptom="At stage 0, and on the BF16_Optimizer route (ZeRO-1 bf16 with grad_accum_dtype fp32, whose param "
+                "groups are flat fp32 partitions), MuonWithAuxAdam.step moves each Muon parameter by lr times its "
+                "gradient (with the decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called "
+                "(the capture sees no Muon call; masters diverge from step 1). Modelled on the BF16_Optimizer route "
+                "(Conventions.muon_as_sgd, with DSM-013's clip of the raw gradients before the step); at stage 0 "
+                "not yet (the fp16 wrapper's own accidents, DSM-014..016, were not measured with it).",
+        trigger=_muon_stepped_as_sgd,
         quantities=MUON_NOT_RUN,
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
-              "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there",
-        reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9",
+              "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there at stage "
+              "0 and refuses Muon on the BF16_Optimizer route (engine.py _check_muon_can_reach_its_parameters)",
+        reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9; z1-none-bf16-ws1-gad32 on 0.19.6",
+        model=lambda c: {"muon_as_sgd": True} if bf16_optimizer_route(c) else None,
     ),
     dict(
         id="DSM-115",

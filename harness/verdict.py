@@ -345,7 +345,8 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
     return a.grad
 
 
-def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: float, step_size: float):
+def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: float, step_size: float,
+                       momentum_dtype: str = "fp32"):
     """Exact mode's allowances at the step's own spectrum: the Newton-Schulz gain taken over the
     singular values the NS input can have (``oracles.perturbed_sigma_lo`` of the oracle's Nesterov blend
     ``U = lerp(g, M', beta)``, widened by the momentum allowance plus the blend's rounding), instead of
@@ -358,12 +359,12 @@ def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: floa
         U = U.reshape(U.shape[0], -1)
     elif U.ndim < 2:
         return a
-    sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff("fp32"))
+    sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff(momentum_dtype))
     if sigma <= 0.0:
         return a
     return oracles.allowances("exact", model_dtype=case.dtype, shape=shape, world_size=case.dp_size,
                               gas=case.grad_accum, ns_method=sc.hyper(p)["ns_method"], grad_dtype="fp64",
-                              momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
+                              momentum_dtype=momentum_dtype, num_heads=p.num_heads, weight_scale=weight_scale,
                               step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                               clipping_active=sc.gradient_clipping > 0, sigma_lo=sigma)
 
@@ -412,7 +413,11 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
     oracle_norms: dict[int, float | None] = {}
     grad_store = grad_store_dtype(case)
     state = oracles.initial_state(sc, _start_weights(case, traj, conv), conv)
-    n_muon_calls = expected_muon_calls(case, sc, layout)
+    # DSM-114's model: the release steps the Muon matrices without ever calling muon_update
+    n_muon_calls = 0 if conv.muon_as_sgd else expected_muon_calls(case, sc, layout)
+    # the Muon momentum's storage as the oracle can follow it: bit for bit (fp32 rounding left) unless a
+    # 16-bit momentum is rounded outside emulation (below)
+    mom_store = case.dtype if conv.momentum_dtype == "model" and mode != "emulated" else "fp32"
     # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
     ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
     ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
@@ -468,7 +473,10 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
                 # (a reported raw norm carries the backward's scale; the clip divides it by S: DSM-016)
                 k_units = float(state.scaler.scale) if conv.reported_norm == "raw" else 1.0
                 k_ds = oracles.clip_coefficient(float(rec.global_norm) / k_units, sc.gradient_clipping)
-                forced = {n: (g * k_ds if spec[n].use_muon else g) for n, g in forced.items()}
+                # (under DSM-114's model no muon_update call hands the Muon gradient over: it was read
+                # before the step, unclipped, as Adam's)
+                forced = {n: (g * k_ds if spec[n].use_muon and not conv.muon_as_sgd else g)
+                          for n, g in forced.items()}
         feed = {n: forced.get(n, true_G[n]) for n in true_G}
         feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``
 
@@ -545,16 +553,23 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             step_size = float(o.update.abs().max())
             # Downstream of the gradient the oracle was fed DeepSpeed's own averaged gradient, converted
             # exactly (a power-of-two unscale), so no gradient error enters: grad_dtype="fp64". What
-            # remains is fp32 storage of the momentum and masters, and Newton-Schulz.
+            # remains is fp32 storage of the momentum and masters, and Newton-Schulz. A 16-bit Muon
+            # momentum (DSM-001's model) outside emulation: the oracle rounds each blend to 16 bit as
+            # DeepSpeed does, but from a float64 value, not from torch.lerp's fp32 one, so a stored element
+            # may land on the neighbouring 16-bit value (2 u_m; measured on 0.19.6, exact mode: gpt2 and
+            # llama ZeRO-1/2 bf16, 1-2 elements of 1024 one bf16 ulp apart at step 2).
             shape = p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape)
+            # a Muon matrix stepped by its gradient (DSM-114's model) has no Newton-Schulz error in its step
+            newton_schulz = p.use_muon and not conv.muon_as_sgd
             a = oracles.allowances(mode, model_dtype=case.dtype, shape=shape,
                                    world_size=W, gas=GAS, ns_method=ns_of[n], grad_dtype="fp64",
-                                   momentum_dtype="fp32", num_heads=p.num_heads, weight_scale=weight_scale,
+                                   momentum_dtype=mom_store, num_heads=p.num_heads, weight_scale=weight_scale,
                                    step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                                    clipping_active=sc.gradient_clipping > 0,
-                                   use_muon=None if p.use_muon else False)  # Adam: no NS error in its step
-            if mode == "exact" and p.use_muon and o.direction is not None:
-                a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size)
+                                   use_muon=None if newton_schulz else False)  # Adam: no NS error in its step
+            if mode == "exact" and newton_schulz and o.direction is not None:
+                a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size,
+                                       momentum_dtype=mom_store)
             # muon_update hands back O in the dtype of the gradient buffer it is written into (the model
             # dtype on the non-offload paths): one rounding there is storage, not error (+2 u_store).
             u_store = oracles.unit_roundoff(grad_store)
@@ -563,16 +578,20 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             # DeepSpeed creates the momentum buffer at the first applied step: before it, a skipped
             # step has no momentum to capture, and the oracle's is still zero.
             never_applied = orec.skipped and state.step_count == state.skipped_steps
-            if p.use_muon and ps.momentum is None:
+            if p.use_muon and conv.muon_as_sgd:
+                pass  # no muon_update, so no momentum or update to capture: the muon_calls check (0) says so
+            elif p.use_muon and ps.momentum is None:
                 if not (never_applied and not bool(o.momentum.any())):
                     verdict.checks.append(missing(label, n, "momentum", s, "the Muon momentum was not captured"))
             elif p.use_muon:
                 o_mom = o.momentum / (orec.loss_scale_used if scaled_momentum else 1.0)
                 add(n, "momentum", s, _t(ps.momentum).numpy() / float(ps.momentum_scale), o_mom.numpy(), a.momentum)
-            if p.use_muon and o.direction is not None and ps.update is None:
+            if not newton_schulz:
+                pass
+            elif o.direction is not None and ps.update is None:
                 verdict.checks.append(missing(label, n, "update", s, "muon_update's result was not captured, "
                                               "but the oracle applied this step"))
-            elif p.use_muon and o.direction is not None:
+            elif o.direction is not None:
                 add(n, "update", s, ps.update, o.direction.numpy(), direction)
             a_master, a_model = a.master, a.model
             # The 16-bit O is applied (a 16-bit gradient buffer, or DSM-001's 16-bit Muon state, where
@@ -580,7 +599,7 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             # than an ulp, so either may round to a neighbouring 16-bit value; one ulp of O (2 u_out)
             # reaches the masters scaled by the step (step_to_weight).
             u_out = max(u_store, oracles.unit_roundoff(case.dtype) if conv.momentum_dtype == "model" else 0.0)
-            if mode != "emulated" and p.use_muon and u_out > oracles.unit_roundoff("fp32"):
+            if mode != "emulated" and newton_schulz and u_out > oracles.unit_roundoff("fp32"):
                 extra = 2.0 * u_out * (step_size / weight_scale if weight_scale > 0 else 1.0)
                 a_master, a_model = (oracles.Allowance(x.atol, x.rtol + extra, x.derivation
                                                        + f" + 2 u_out ({u_out:.3g}) x step_to_weight", x.cap)

@@ -229,6 +229,12 @@ class Conventions:
         gradient was, without the factor ``S``, and the step divides everything by ``S`` (``S'`` under
         ``scale_update_before_unscale``): the Muon step is ``O / S`` and the clip norm counts ``O / S``
         for each Muon parameter (DSM-108).
+    muon_as_sgd: False (default) or True -- accident of DeepSpeed before 0.19.7 where no ZeRO optimizer runs
+        Muon before ``MuonWithAuxAdam.step`` (0.19.6 ``muon_optimizer.py`` ``step``, the BF16_Optimizer route:
+        its param groups are flat fp32 partitions): each Muon matrix is moved by ``lr`` times the gradient
+        the step reads (after a clip before the step, ``clip_norm_source="gradient"``), with the group's
+        decoupled weight decay: no momentum (it stays as it was), no Newton-Schulz, no ``muon_update``
+        call (DSM-114).
     muon_momentum_lost_after: ``None`` (default) or a step count ``k``: accident of a ZeRO-3 resume with
         ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
         optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
@@ -260,6 +266,7 @@ class Conventions:
     backward_loss_scaled: bool = True
     muon_momentum_lost_after: Optional[int] = None
     muon_update_unscaled: bool = False
+    muon_as_sgd: bool = False
     # Accident of ZeRO-2 + bf16 + grad_accum_dtype fp32 at one data-parallel rank (DSM-019): every
     # non-Muon parameter's gradient is lost before the step, so the auxiliary Adam reads zeros.
     adam_grads_lost: bool = False
@@ -568,6 +575,10 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     new_mom, directions = {}, {}
     for spec in muon_specs:
         n = spec.name
+        if conv.muon_as_sgd:  # the (clipped) gradient is the step's direction; the momentum is untouched
+            new_mom[n] = state.momentum[n].to(torch.float64)
+            directions[n] = Gs[n] / pre_k
+            continue
         hp = cfg.hyper(spec)
         if conv.muon_ns_method is not None:
             hp = {**hp, "ns_method": conv.muon_ns_method}

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from harness import versions
+from harness import capture_adapters, versions
 from harness.scenarios import pipeline_case
 
 pytestmark = pytest.mark.pipeline
@@ -45,6 +45,39 @@ def test_every_quantity_is_captured(case, pool_manager):
         for p in c.params:
             ps = rec.params[p.name]
             wanted = ["master", "model", "grad"] + (["momentum", "update"] if p.uses_muon else [])
+            for q in wanted:
+                v = getattr(ps, q)
+                assert v is not None, f"{where}: {p.name} {q} not captured"
+                assert tuple(np.shape(v)) == tuple(p.shape), f"{where}: {p.name} {q} has shape {np.shape(v)}"
+                assert np.isfinite(v).all(), f"{where}: {p.name} {q} not finite"
+
+
+# The BF16_Optimizer route (bf16 + grad_accum_dtype fp32 + ZeRO-1) at world size 2, where a rank's partition
+# starts inside the parameter list: the gradient list is indexed differently before 0.19.8
+# (capture_adapters.bf16_grad_index; 0.19.6 raised "fragment of (7,) param has 6 elements" here), and before
+# 0.19.7 no muon_update runs on this route, so the Muon gradient is read before the step.
+BF16_ROUTE = "z1-none-bf16-ws2-ga2-clip0.05-gad32"
+
+
+def test_every_quantity_is_captured_on_the_bf16_optimizer_route(pool_manager):
+    from harness.matrix import bf16opt_cases
+
+    case = next(c for c in bf16opt_cases() if c.name == BF16_ROUTE)
+    adapted = versions.adapt(case)
+    if adapted.case is None:
+        pytest.skip(f"DeepSpeed {versions.installed().label}: {adapted.deselected}")  # 0.19.7 refuses the route
+    c = adapted.case
+    traj = pool_manager.run(c).result
+    muon_runs = not capture_adapters.muon_grads_before_step("bf16_opt")
+    assert len(traj.steps) == c.steps
+    for rec in traj.steps:
+        where = f"DeepSpeed {versions.installed().label}, {c.name} step {rec.step}"
+        assert not rec.notes, f"{where}: capture notes {rec.notes}"
+        assert rec.global_norm is not None and math.isfinite(rec.global_norm), where
+        assert set(rec.params) == {p.name for p in c.params}, f"{where}: parameters captured {sorted(rec.params)}"
+        for p in c.params:
+            ps = rec.params[p.name]
+            wanted = ["master", "model", "grad"] + (["momentum", "update"] if p.uses_muon and muon_runs else [])
             for q in wanted:
                 v = getattr(ps, q)
                 assert v is not None, f"{where}: {p.name} {q} not captured"

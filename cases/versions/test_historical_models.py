@@ -128,3 +128,40 @@ def test_every_historical_trigger_answers_for_every_ci_gate_case():
     for c in gate_cases(False):
         for b in HISTORICAL:
             assert isinstance(b.trigger(c), bool), (b.id, c.name)
+
+
+def test_muon_as_sgd_moves_each_matrix_by_its_clipped_gradient_and_leaves_its_momentum():
+    """DSM-114's model: the Muon matrix steps by lr x its gradient (after the clip before the step, DSM-013's
+    rule), with the decoupled weight decay; no momentum, no Newton-Schulz; Adam's step unchanged."""
+    specs = SPECS
+    clip = 0.01
+    cfg = StepConfig(specs, model_dtype="bf16", gradient_clipping=clip, muon_lr=0.05, weight_decay=0.1)
+    conv = Conventions(round_master_to_fp32=False, clip_norm_source="gradient")
+    bad_conv = Conventions(round_master_to_fp32=False, clip_norm_source="gradient", muon_as_sgd=True)
+    w0 = _weights()
+    good = oracle_step(initial_state(cfg, w0, conv), _grads(), cfg, conv)
+    start = initial_state(cfg, w0, bad_conv)  # (its masters: the weights as the bf16 model holds them)
+    new, bad = oracle_step(start, _grads(), cfg, bad_conv)
+    g = bad.params["w"].grad
+    k = bad.clip_coef
+    assert k > 1  # the clip acts, so its placement before the step is tested
+    norm = math.sqrt(sum(float(p.grad.square().sum()) for p in bad.params.values()))
+    assert math.isclose(k, (norm + 1e-6) / clip, rel_tol=1e-9)
+    want = start.master["w"] * (1 - 0.05 * 0.1) - 0.05 * g / k
+    torch.testing.assert_close(bad.params["w"].master, want, rtol=1e-12, atol=2.0**-52)
+    assert not new.momentum["w"].any()  # the momentum stays as it was (zero)
+    assert not torch.equal(bad.params["w"].master, good[1].params["w"].master)  # a real switch
+    torch.testing.assert_close(bad.params["b"].master, good[1].params["b"].master, rtol=0, atol=0)
+
+
+def test_dsm114_is_modelled_on_the_bf16_optimizer_route_only():
+    from harness.matrix import gate_cases
+
+    bug = next(b for b in HISTORICAL if b.id == "DSM-114")
+    cases = {c.name: c for c in gate_cases(False)}
+    for name in ("z1-none-bf16-ws1-gad32", "z1-none-bf16-ws2-ga2-clip0.05-gad32", "z1-none-bf16-ws3-clip0.05-gad32"):
+        assert bug.trigger(cases[name]) and Conventions(**bug.model(cases[name])).muon_as_sgd is True, name
+    stage0 = pipeline_case(0, "none", "bf16", 1, ns_method="standard")
+    assert bug.trigger(stage0) and bug.model(stage0) is None  # excused by quantity there, as before
+    for name in ("z2-none-bf16-ws2-knob-gad32", "z1-none-bf16-ws2-ga2-clip0.05-standard"):
+        assert not bug.trigger(cases[name]), name  # ZeRO-2, or no fp32 accumulation: a ZeRO optimizer runs Muon
