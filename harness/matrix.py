@@ -281,6 +281,33 @@ def square_cases(full: bool = False) -> list[Case]:
                   params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM))]
 
 
+# A Llama-style attention block sharded by DeepSpeed's AutoTP (harness.tp_case): 4 heads of width 2 over a
+# hidden size of 8, so each of 2 tensor-parallel ranks holds 2 whole heads of q/k/v (at 1 head per shard
+# the per-head and the whole-shard update would coincide). 8 rows in 4 heads: 8 // 4 = 2 differs from
+# 8 & 4 = 0 and from 8 - 4 = 4 (a width that makes a shard one head), so a wrong operator on the head
+# width (deepspeed/__init__.py set_optimizer_flags) either crashes or changes which blocks are orthogonalised.
+TP_SIZE = 2
+TP_HEADS, TP_HEAD_DIM, TP_HIDDEN = 4, 2, 8
+TP_PARAMS = tuple(ParamShape(f"layers.0.self_attn.{leaf}.weight", (TP_HEADS * TP_HEAD_DIM, TP_HIDDEN), TP_HEADS)
+                  for leaf in ("q_proj", "k_proj", "v_proj")) + (
+    ParamShape("layers.0.self_attn.o_proj.weight", (TP_HIDDEN, TP_HEADS * TP_HEAD_DIM)),)
+
+
+def tp_cases(full: bool = False) -> list[Case]:
+    """Tensor parallelism (AutoTP, ``tensor_parallel.autotp_size`` 2) with per-head Muon tagged by
+    DeepSpeed itself, on ZeRO-1 and ZeRO-2 at two ranks (one data-parallel rank), fp32: the shards each
+    rank holds are judged by ``harness.tp_verdict``. Not stage 0, which drops per-head Muon altogether
+    (``muon_optimizer.py`` calls ``muon_update`` without ``num_heads``; docs/deepspeed-0.19.8.md). 2 cases,
+    CI and --full."""
+    out = []
+    for st in (1, 2):
+        c = _case(st, "none", "fp32", TP_SIZE, params=TP_PARAMS, suffix="-autotp")
+        opt = json.loads(json.dumps(c.config["optimizer"]))
+        opt["params"]["per_head_muon"] = True
+        out.append(_with_config(c, "", optimizer=opt, tensor_parallel={"autotp_size": TP_SIZE}).replace(batch=4))
+    return out
+
+
 # Per-head parameters DeepSpeed must refuse at the first step (harness.ds_refusals): a 3-D tensor with a
 # head count, and 8 rows in 3 heads (8 & 3 == 0, so a "%" turned "&" would not refuse it either).
 HEADS_3D_PARAM = ParamShape("attn.qkv3d.weight", (2, 4, 6), num_heads=2)
@@ -559,6 +586,7 @@ GROUPS = (
     ("overflow", lambda n: n.endswith("-overflow")),
     ("growth", lambda n: n.endswith("-growth")),
     ("refusals", lambda n: n.endswith("-refused")),
+    ("tp", lambda n: n.endswith("-autotp")),
 )
 
 
@@ -598,7 +626,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
              + conv3d_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full) + ds_refusal_cases(full)
-             + square_cases(full))
+             + square_cases(full) + tp_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -47,6 +47,8 @@ EXTRA_GATE_CASES = (
     "z3-none-fp32-ws2-rs-refused", "z3-none-fp32-ws2-qg-refused",  # configs DeepSpeed must refuse (harness.ds_refusals)
     "z1-none-fp32-ws2-heads3d-refused", "z1-none-fp32-ws2-heads8by3-refused",  # per-head inputs it must refuse
     "z1-none-fp32-ws2-square",  # a 260 x 260 matrix and square head blocks: the gram kernel's square branch
+    "z1-none-fp32-ws2-autotp", "z2-none-fp32-ws2-autotp",  # AutoTP shards: per-head counts re-resolved per shard
+    "z2-cpu-fp32-ws2-standard-heads",  # per-head Muon with standard Newton-Schulz: the per-head kernel choice
 )
 
 
