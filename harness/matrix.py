@@ -281,29 +281,39 @@ def square_cases(full: bool = False) -> list[Case]:
                   params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM))]
 
 
-# A Llama-style attention block sharded by DeepSpeed's AutoTP (harness.tp_case): 4 heads of width 2 over a
-# hidden size of 8, so each of 2 tensor-parallel ranks holds 2 whole heads of q/k/v (at 1 head per shard
-# the per-head and the whole-shard update would coincide). 8 rows in 4 heads: 8 // 4 = 2 differs from
-# 8 & 4 = 0 and from 8 - 4 = 4 (a width that makes a shard one head), so a wrong operator on the head
-# width (deepspeed/__init__.py set_optimizer_flags) either crashes or changes which blocks are orthogonalised.
+# A Llama-style attention block sharded by DeepSpeed's AutoTP (harness.tp_case): 4 heads of width 5 over a
+# hidden size of 6, so each of 2 tensor-parallel ranks holds 2 whole heads (10 rows) of q/k/v (at 1 head per
+# shard the per-head and the whole-shard update would coincide). The numbers are chosen so that a wrong
+# operator on a head width or count changes the blocks or crashes instead of coinciding: 20 rows in 4 heads,
+# 20 // 4 = 5 but 20 & 4 = 4, 20 - 4 = 16, 6 // 4 = 1 (the width read from the hidden dim), and on a shard
+# 10 // 5 = 2 but 10 - 5 = 5, 10 & 5 = 0 (deepspeed/__init__.py set_optimizer_flags and
+# resolve_per_head_muon_after_sharding).
 TP_SIZE = 2
-TP_HEADS, TP_HEAD_DIM, TP_HIDDEN = 4, 2, 8
-TP_PARAMS = tuple(ParamShape(f"layers.0.self_attn.{leaf}.weight", (TP_HEADS * TP_HEAD_DIM, TP_HIDDEN), TP_HEADS)
-                  for leaf in ("q_proj", "k_proj", "v_proj")) + (
-    ParamShape("layers.0.self_attn.o_proj.weight", (TP_HIDDEN, TP_HEADS * TP_HEAD_DIM)),)
+TP_HEADS, TP_HEAD_DIM, TP_HIDDEN = 4, 5, 6
+
+
+def tp_params(attn: str = "self_attn") -> tuple[ParamShape, ...]:
+    return tuple(ParamShape(f"layers.0.{attn}.{leaf}.weight", (TP_HEADS * TP_HEAD_DIM, TP_HIDDEN), TP_HEADS)
+                 for leaf in ("q_proj", "k_proj", "v_proj")) + (
+        ParamShape(f"layers.0.{attn}.o_proj.weight", (TP_HIDDEN, TP_HEADS * TP_HEAD_DIM)),)
 
 
 def tp_cases(full: bool = False) -> list[Case]:
     """Tensor parallelism (AutoTP, ``tensor_parallel.autotp_size`` 2) with per-head Muon tagged by
     DeepSpeed itself, on ZeRO-1 and ZeRO-2 at two ranks (one data-parallel rank), fp32: the shards each
     rank holds are judged by ``harness.tp_verdict``. Not stage 0, which drops per-head Muon altogether
-    (``muon_optimizer.py`` calls ``muon_update`` without ``num_heads``; docs/deepspeed-0.19.8.md). 2 cases,
-    CI and --full."""
+    (``muon_optimizer.py`` calls ``muon_update`` without ``num_heads``; docs/deepspeed-0.19.8.md). And on
+    ZeRO-1 a linear-attention block (``KimiDeltaAttention``, ``harness.tp_case``) whose own head geometry
+    DeepSpeed must prefer over the model config's, and the same block without ``per_head_muon`` (every
+    shard one matrix). 4 cases, CI and --full."""
     out = []
-    for st in (1, 2):
-        c = _case(st, "none", "fp32", TP_SIZE, params=TP_PARAMS, suffix="-autotp")
+    for st, attn, per_head, suffix in ((1, "self_attn", True, "-autotp"), (2, "self_attn", True, "-autotp"),
+                                       (1, "linear_attn", True, "-autotp-linattn"),
+                                       (1, "self_attn", False, "-autotp-noheads")):
+        c = _case(st, "none", "fp32", TP_SIZE, params=tp_params(attn), suffix=suffix)
         opt = json.loads(json.dumps(c.config["optimizer"]))
-        opt["params"]["per_head_muon"] = True
+        if per_head:
+            opt["params"]["per_head_muon"] = True
         out.append(_with_config(c, "", optimizer=opt, tensor_parallel={"autotp_size": TP_SIZE}).replace(batch=4))
     return out
 
@@ -586,7 +596,7 @@ GROUPS = (
     ("overflow", lambda n: n.endswith("-overflow")),
     ("growth", lambda n: n.endswith("-growth")),
     ("refusals", lambda n: n.endswith("-refused")),
-    ("tp", lambda n: n.endswith("-autotp")),
+    ("tp", lambda n: "-autotp" in n),
 )
 
 

@@ -10,7 +10,8 @@ What the oracle decides on its own:
   column-parallel shard of ``rows`` rows holds ``rows / head_dim`` whole heads of the model's head
   width when ``head_dim`` divides ``rows`` (then Newton-Schulz runs per head block of ``head_dim``
   rows, scaled by ``aspect_scale(head_dim, in)``), and is one matrix otherwise (DeepSpeed documents
-  that it drops such a shard to the whole-matrix path). The head width comes from the case's head
+  that it drops such a shard to the whole-matrix path); without ``per_head_muon`` every shard is one
+  matrix. The head width comes from the case's head
   count (``ParamShape.num_heads``), never from ``muon_num_heads``. Per-head Newton-Schulz on a shard
   of whole heads is exactly the same blocks of per-head Newton-Schulz on the whole matrix, so this is
   Muon's intended per-head update. ``o_proj`` (no heads) is one matrix per shard: Muon on a
@@ -71,9 +72,10 @@ def shard_of(full: torch.Tensor, leaf: str, rank: int, tp: int) -> torch.Tensor:
     return full.narrow(dim, rank * k, k)
 
 
-def shard_heads(leaf: str, shard_shape, head_dim: int) -> int | None:
-    """How many per-head blocks the per-head rule gives a shard (None: one matrix)."""
-    if leaf not in COLUMN_PARALLEL:
+def shard_heads(leaf: str, shard_shape, head_dim: int | None) -> int | None:
+    """How many per-head blocks the per-head rule gives a shard (None: one matrix; ``head_dim`` None:
+    per-head Muon is off)."""
+    if leaf not in COLUMN_PARALLEL or head_dim is None:
         return None
     rows = shard_shape[0]
     return rows // head_dim if rows % head_dim == 0 else None
@@ -103,6 +105,7 @@ def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = 
     lr = float(opt.get("muon_lr", opt.get("lr", 0.02)))
     wd = float(opt.get("weight_decay", 0.0))
     ns_method = opt.get("ns_method", "gram")
+    per_head = bool(opt.get("per_head_muon", False))  # the user's opt-in: without it every shard is one matrix
     full = full_weights(case)
     v = TpVerdict(case.name)
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
@@ -122,7 +125,7 @@ def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = 
                                   f"{tuple(want.shape)} rows/cols {rank} of {tp})")
                 continue
             v.checked += 1
-            heads = shard_heads(leaf, want.shape, geo["head_dim"])
+            heads = shard_heads(leaf, want.shape, geo["head_dim"] if per_head else None)
             for s, st in enumerate(rec["steps"]):
                 call = st["muon"].get(name)
                 if call is None:

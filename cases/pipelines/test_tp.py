@@ -67,15 +67,15 @@ def test_judge_passes_the_per_head_step_on_each_shard():
 
 
 def test_judge_fails_a_shard_orthogonalised_as_one_matrix():
-    """What ``muon_head_dim = rows - heads`` does to this geometry (8 rows, 4 heads: width 4, one head
-    per shard): the per-head blocks of each shard are orthogonalised together."""
+    """What a wrong head width that leaves one head per shard does (or per-head Muon dropped, as stage 0
+    does): the per-head blocks of each shard are orthogonalised together."""
     case = _case()
     whole = _records(case, heads_rule=lambda leaf, shape, hd: None)
     v = tp_verdict.judge(case, whole, half_support=HALF)
     assert not v.passed
     bad = {line.split(" ")[1] for line in v.failures}
     assert bad == {f"layers.0.self_attn.{leaf}.weight" for leaf in COLUMN_PARALLEL}, v.message()
-    assert "update diverged at step 1" in v.message() and "oracle: 2 head blocks of 2 rows" in v.message()
+    assert "update diverged at step 1" in v.message() and "oracle: 2 head blocks of 5 rows" in v.message()
 
 
 def test_judge_fails_a_shard_of_the_wrong_rows():
@@ -88,3 +88,12 @@ def test_judge_fails_a_master_stepped_with_another_lr():
     case = _case()
     v = tp_verdict.judge(case, _records(case, lr_factor=1.01), half_support=HALF)
     assert not v.passed and "master diverged" in v.message()
+
+
+def test_judge_wants_one_matrix_per_shard_without_per_head_muon():
+    """The same block without the user's ``per_head_muon``: per-head updates there fail, whole-shard ones pass."""
+    case = next(c for c in matrix.tp_cases() if c.name.endswith("-noheads"))
+    assert not tp_verdict.judge(case, _records(case), half_support=HALF).passed
+    whole = _records(case, heads_rule=lambda leaf, shape, hd: None)
+    v = tp_verdict.judge(case, whole, half_support=HALF)
+    assert v.passed, v.message()
