@@ -281,15 +281,15 @@ def square_cases(full: bool = False) -> list[Case]:
                   params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM))]
 
 
-# A Llama-style attention block sharded by DeepSpeed's AutoTP (harness.tp_case): 4 heads of width 5 over a
-# hidden size of 6, so each of 2 tensor-parallel ranks holds 2 whole heads (10 rows) of q/k/v (at 1 head per
+# A Llama-style attention block sharded by DeepSpeed's AutoTP (harness.tp_case): 6 heads of width 3 over a
+# hidden size of 6, so each of 2 tensor-parallel ranks holds 3 whole heads (9 rows) of q/k/v (at 1 head per
 # shard the per-head and the whole-shard update would coincide). The numbers are chosen so that a wrong
-# operator on a head width or count changes the blocks or crashes instead of coinciding: 20 rows in 4 heads,
-# 20 // 4 = 5 but 20 & 4 = 4, 20 - 4 = 16, 6 // 4 = 1 (the width read from the hidden dim), and on a shard
-# 10 // 5 = 2 but 10 - 5 = 5, 10 & 5 = 0 (deepspeed/__init__.py set_optimizer_flags and
-# resolve_per_head_muon_after_sharding).
+# operator on a head width or count changes the blocks or crashes instead of coinciding: 18 rows in 6 heads,
+# 18 // 6 = 3 but 18 & 6 = 2, 18 - 6 = 12, 18 >> 6 = 0, 6 // 6 = 1 (the width read from the hidden dim);
+# on a shard 9 // 3 = 3 but 9 & 3 = 1, 9 >> 3 = 1, 9 - 3 = 6, and 9 % 3 = 0 but 9 & 3, 9 >> 3 are not
+# (deepspeed/__init__.py set_optimizer_flags and resolve_per_head_muon_after_sharding).
 TP_SIZE = 2
-TP_HEADS, TP_HEAD_DIM, TP_HIDDEN = 4, 5, 6
+TP_HEADS, TP_HEAD_DIM, TP_HIDDEN = 6, 3, 6
 
 
 def tp_params(attn: str = "self_attn") -> tuple[ParamShape, ...]:

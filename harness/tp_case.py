@@ -131,9 +131,9 @@ def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def build_model(case: Case) -> TinyLlama:
     """The model with the seed's full weights and a Llama-style ``model.config``. With a linear-attention
-    module the config describes the softmax layers of a hybrid model: half the heads at twice the width
-    (the same rows), which the module's own geometry overrides; a model that read the config there would
-    cut each of its heads in two."""
+    module the config describes the softmax layers of a hybrid model: one head per tensor-parallel rank
+    over the same rows, which the module's own geometry overrides for per-head Muon; a model that read the
+    config there would orthogonalise each rank's heads as one block."""
     from types import SimpleNamespace
 
     geo = geometry(case)
@@ -144,9 +144,12 @@ def build_model(case: Case) -> TinyLlama:
             named[name].copy_(w)
     heads, width = geo["heads"], geo["head_dim"]
     if geo["attn"] == LINEAR_ATTN:
-        if heads % 2:
-            raise ValueError(f"{case.name}: the linear-attention case halves the head count for its config")
-        heads, width = heads // 2, width * 2
+        # AutoTP splits on the config's head boundaries: one config head per rank keeps the split even
+        tp = autotp_size(case)
+        if heads == tp or heads % tp:
+            raise ValueError(f"{case.name}: the linear-attention case describes {tp} config heads, which must "
+                             f"differ from and divide its {heads} heads")
+        heads, width = tp, heads * width // tp
     model.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=heads, head_dim=width,
                                    hidden_size=geo["hidden"], model_type="llama",
                                    base_model_tp_plan=tp_plan(geo["attn"]))

@@ -75,7 +75,7 @@ def test_judge_fails_a_shard_orthogonalised_as_one_matrix():
     assert not v.passed
     bad = {line.split(" ")[1] for line in v.failures}
     assert bad == {f"layers.0.self_attn.{leaf}.weight" for leaf in COLUMN_PARALLEL}, v.message()
-    assert "update diverged at step 1" in v.message() and "oracle: 2 head blocks of 5 rows" in v.message()
+    assert "update diverged at step 1" in v.message() and "oracle: 3 head blocks of 3 rows" in v.message()
 
 
 def test_judge_fails_a_shard_of_the_wrong_rows():
