@@ -49,6 +49,7 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-square",  # a 260 x 260 matrix and square head blocks: the gram kernel's square branch
     "z1-none-fp32-ws2-autotp", "z2-none-fp32-ws2-autotp",  # AutoTP shards: per-head counts re-resolved per shard
     "z1-none-fp32-ws2-autotp-linattn",  # a listed linear-attention module: its own head geometry, not the config's
+    "z1-none-fp32-ws2-autotp-noheads",  # AutoTP without per_head_muon: nothing to re-resolve after sharding
     "z2-cpu-fp32-ws2-standard-heads",  # per-head Muon with standard Newton-Schulz: the per-head kernel choice
 )
 
