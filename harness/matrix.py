@@ -292,10 +292,10 @@ TP_SIZE = 2
 TP_HEADS, TP_HEAD_DIM, TP_HIDDEN = 6, 3, 6
 
 
-def tp_params(attn: str = "self_attn") -> tuple[ParamShape, ...]:
-    return tuple(ParamShape(f"layers.0.{attn}.{leaf}.weight", (TP_HEADS * TP_HEAD_DIM, TP_HIDDEN), TP_HEADS)
+def tp_params(attn: str = "self_attn", heads: int = TP_HEADS, head_dim: int = TP_HEAD_DIM) -> tuple[ParamShape, ...]:
+    return tuple(ParamShape(f"layers.0.{attn}.{leaf}.weight", (heads * head_dim, TP_HIDDEN), heads)
                  for leaf in ("q_proj", "k_proj", "v_proj")) + (
-        ParamShape(f"layers.0.{attn}.o_proj.weight", (TP_HIDDEN, TP_HEADS * TP_HEAD_DIM)),)
+        ParamShape(f"layers.0.{attn}.o_proj.weight", (TP_HIDDEN, heads * head_dim)),)
 
 
 def tp_cases(full: bool = False) -> list[Case]:
@@ -304,13 +304,17 @@ def tp_cases(full: bool = False) -> list[Case]:
     rank holds are judged by ``harness.tp_verdict``. Not stage 0, which drops per-head Muon altogether
     (``muon_optimizer.py`` calls ``muon_update`` without ``num_heads``; docs/deepspeed-0.19.8.md). And on
     ZeRO-1 a linear-attention block (``KimiDeltaAttention``, ``harness.tp_case``) whose own head geometry
-    DeepSpeed must prefer over the model config's, and the same block without ``per_head_muon`` (every
-    shard one matrix). 4 cases, CI and --full."""
+    DeepSpeed must prefer over the model config's, the same block without ``per_head_muon`` (every
+    shard one matrix), and a linear-attention block whose every shard cuts a head, which DeepSpeed must
+    refuse (``harness.ds_refusals``). 5 cases, CI and --full."""
     out = []
-    for st, attn, per_head, suffix in ((1, "self_attn", True, "-autotp"), (2, "self_attn", True, "-autotp"),
-                                       (1, "linear_attn", True, "-autotp-linattn"),
-                                       (1, "self_attn", False, "-autotp-noheads")):
-        c = _case(st, "none", "fp32", TP_SIZE, params=tp_params(attn), suffix=suffix)
+    for st, params, per_head, suffix in ((1, tp_params(), True, "-autotp"), (2, tp_params(), True, "-autotp"),
+                                         (1, tp_params("linear_attn"), True, "-autotp-linattn"),
+                                         (1, tp_params(), False, "-autotp-noheads"),
+                                         # 3 heads of width 4 split as 2 config heads of 6 rows: every shard
+                                         # cuts a head, which DeepSpeed must refuse (harness.ds_refusals)
+                                         (1, tp_params("linear_attn", 3, 4), True, "-autotp-cut-refused")):
+        c = _case(st, "none", "fp32", TP_SIZE, params=params, suffix=suffix)
         opt = json.loads(json.dumps(c.config["optimizer"]))
         if per_head:
             opt["params"]["per_head_muon"] = True

@@ -146,9 +146,9 @@ def build_model(case: Case) -> TinyLlama:
     if geo["attn"] == LINEAR_ATTN:
         # AutoTP splits on the config's head boundaries: one config head per rank keeps the split even
         tp = autotp_size(case)
-        if heads == tp or heads % tp:
+        if heads == tp or (heads * width) % tp:
             raise ValueError(f"{case.name}: the linear-attention case describes {tp} config heads, which must "
-                             f"differ from and divide its {heads} heads")
+                             f"differ from its {heads} heads and divide its {heads * width} rows")
         heads, width = tp, heads * width // tp
     model.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=heads, head_dim=width,
                                    hidden_size=geo["hidden"], model_type="llama",

@@ -50,6 +50,7 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-autotp", "z2-none-fp32-ws2-autotp",  # AutoTP shards: per-head counts re-resolved per shard
     "z1-none-fp32-ws2-autotp-linattn",  # a listed linear-attention module: its own head geometry, not the config's
     "z1-none-fp32-ws2-autotp-noheads",  # AutoTP without per_head_muon: nothing to re-resolve after sharding
+    "z1-none-fp32-ws2-autotp-cut-refused",  # every shard cuts a head: DeepSpeed must refuse per-head Muon
     "z2-cpu-fp32-ws2-standard-heads",  # per-head Muon with standard Newton-Schulz: the per-head kernel choice
 )
 
