@@ -41,6 +41,19 @@ def _muon(cfg: dict) -> bool:
     return str((cfg.get("optimizer") or {}).get("type", "")).lower() == "muon"
 
 
+def _tp_heads_cut(c, cfg: dict) -> bool:
+    """An AutoTP case (``harness.tp_case``) whose every per-head shard cuts a head: the linear-attention
+    block, whose config gives AutoTP one head per rank (an even split of the rows), with a head width that
+    does not divide a rank's rows."""
+    from harness import tp_case
+
+    tp = tp_case.autotp_size(c)
+    if tp <= 1 or not (cfg.get("optimizer") or {}).get("params", {}).get("per_head_muon", False):
+        return False
+    geo = tp_case.geometry(c)
+    return geo["attn"] == tp_case.LINEAR_ATTN and (geo["heads"] * geo["head_dim"] // tp) % geo["head_dim"] != 0
+
+
 REFUSALS: tuple[DsRefusal, ...] = (
     # reduce_scatter defaults to true (zero config), so the harness's own ZeRO-3 configs turn it off
     # (harness.case.ds_config) and ``harness check`` refuses it (check_config.check_zero).
@@ -69,6 +82,11 @@ REFUSALS: tuple[DsRefusal, ...] = (
               lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) == 2 and p.shape[0] % p.num_heads
                                                 for p in c.params),
               lo="0.19.8"),
+    # Per-head Muon under AutoTP: every tagged projection's shard cuts a head, so nothing stays per-head
+    # after the re-resolution on the shards; DeepSpeed raises rather than train without it.
+    DsRefusal("per-head-tp-cut", "ValueError", "every tagged projection is sharded across head boundaries",
+              "__init__.py:resolve_per_head_muon_after_sharding", "__init__.py:428-430 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and _tp_heads_cut(c, cfg), lo="0.19.8"),
 )
 
 

@@ -406,6 +406,11 @@ def warm_rank() -> list[str]:
 
 
 def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> Trajectory | None:
+    from harness import tp_case
+
+    if tp_case.autotp_size(case) > 1:  # AutoTP shards the model: the shard records of harness.tp_case
+        return tp_case.run_on_rank(case, rank, world_size, workdir, process_state=ProcessState,
+                                   patches=recorded_patches, config=rank_config)
     return _run_case(case, rank, world_size, workdir, capture.DEFAULT_CAPTURE_MODE)
 
 

@@ -5,6 +5,7 @@ the two can never disagree about what passed:
 
 * passed   -- every quantity within tolerance (and an NVMe case really swapped);
              or, for a config DeepSpeed itself must refuse (``harness.ds_refusals``), refused exactly so;
+             or, for a tensor-parallel case (``harness.tp_case``), every rank's shards as ``harness.tp_verdict`` says;
 * xfailed  -- stock DeepSpeed diverged from the intended oracle as a registered bug the case triggers
               predicts (``harness.bugs``), and matches the oracle with that bug's model switched on at
               the usual tolerances (or crashed exactly as a crash bug says); carries the bug ids;
@@ -124,6 +125,22 @@ def _judge_refusal(c: Case, column: str, manager: Launcher, refusals) -> Outcome
                    f"\n  reproduce: {reproduce_command(c)}", time.perf_counter() - t0, trajectory=out.result)
 
 
+def _judge_tp(c: Case, column: str, manager: Launcher) -> Outcome:
+    """A tensor-parallel case (``harness.tp_case``): every rank's shards against the oracle of
+    ``harness.tp_verdict``; error when a rank raised. No registered bug applies to this case kind."""
+    from harness import tp_verdict
+
+    t0 = time.perf_counter()
+    try:
+        out = manager.run(c)
+    except CaseFailure as exc:
+        return Outcome(c, column, "error", [], str(exc), time.perf_counter() - t0, strength=None)
+    v = tp_verdict.judge(c, out.result)
+    message = v.message() + ("" if v.passed else f"\n  reproduce: {reproduce_command(c)}")
+    return Outcome(c, column, "passed" if v.passed else "failed", [], message, time.perf_counter() - t0,
+                   trajectory=out.result)
+
+
 def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     """Run one case on one column and decide its status.
 
@@ -146,6 +163,10 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     must_refuse = ds_refusals.expected(c)
     if must_refuse:
         return _judge_refusal(c, column, manager, must_refuse)
+    from harness.tp_case import autotp_size
+
+    if autotp_size(c) > 1:
+        return _judge_tp(c, column, manager)
     bugs = bugs_for(c, patched=patched)
     ids = [b.id for b in bugs]
     refusals = refusals_for(c) if patched else []

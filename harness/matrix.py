@@ -281,6 +281,47 @@ def square_cases(full: bool = False) -> list[Case]:
                   params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM))]
 
 
+# A Llama-style attention block sharded by DeepSpeed's AutoTP (harness.tp_case): 6 heads of width 3 over a
+# hidden size of 6, so each of 2 tensor-parallel ranks holds 3 whole heads (9 rows) of q/k/v (at 1 head per
+# shard the per-head and the whole-shard update would coincide). The numbers are chosen so that a wrong
+# operator on a head width or count changes the blocks or crashes instead of coinciding: 18 rows in 6 heads,
+# 18 // 6 = 3 but 18 & 6 = 2, 18 - 6 = 12, 18 >> 6 = 0, 6 // 6 = 1 (the width read from the hidden dim);
+# on a shard 9 // 3 = 3 but 9 & 3 = 1, 9 >> 3 = 1, 9 - 3 = 6, and 9 % 3 = 0 but 9 & 3, 9 >> 3 are not
+# (deepspeed/__init__.py set_optimizer_flags and resolve_per_head_muon_after_sharding).
+TP_SIZE = 2
+TP_HEADS, TP_HEAD_DIM, TP_HIDDEN = 6, 3, 6
+
+
+def tp_params(attn: str = "self_attn", heads: int = TP_HEADS, head_dim: int = TP_HEAD_DIM) -> tuple[ParamShape, ...]:
+    return tuple(ParamShape(f"layers.0.{attn}.{leaf}.weight", (heads * head_dim, TP_HIDDEN), heads)
+                 for leaf in ("q_proj", "k_proj", "v_proj")) + (
+        ParamShape(f"layers.0.{attn}.o_proj.weight", (TP_HIDDEN, heads * head_dim)),)
+
+
+def tp_cases(full: bool = False) -> list[Case]:
+    """Tensor parallelism (AutoTP, ``tensor_parallel.autotp_size`` 2) with per-head Muon tagged by
+    DeepSpeed itself, on ZeRO-1 and ZeRO-2 at two ranks (one data-parallel rank), fp32: the shards each
+    rank holds are judged by ``harness.tp_verdict``. Not stage 0, which drops per-head Muon altogether
+    (``muon_optimizer.py`` calls ``muon_update`` without ``num_heads``; docs/deepspeed-0.19.8.md). And on
+    ZeRO-1 a linear-attention block (``KimiDeltaAttention``, ``harness.tp_case``) whose own head geometry
+    DeepSpeed must prefer over the model config's, the same block without ``per_head_muon`` (every
+    shard one matrix), and a linear-attention block whose every shard cuts a head, which DeepSpeed must
+    refuse (``harness.ds_refusals``). 5 cases, CI and --full."""
+    out = []
+    for st, params, per_head, suffix in ((1, tp_params(), True, "-autotp"), (2, tp_params(), True, "-autotp"),
+                                         (1, tp_params("linear_attn"), True, "-autotp-linattn"),
+                                         (1, tp_params(), False, "-autotp-noheads"),
+                                         # 3 heads of width 4 split as 2 config heads of 6 rows: every shard
+                                         # cuts a head, which DeepSpeed must refuse (harness.ds_refusals)
+                                         (1, tp_params("linear_attn", 3, 4), True, "-autotp-cut-refused")):
+        c = _case(st, "none", "fp32", TP_SIZE, params=params, suffix=suffix)
+        opt = json.loads(json.dumps(c.config["optimizer"]))
+        if per_head:
+            opt["params"]["per_head_muon"] = True
+        out.append(_with_config(c, "", optimizer=opt, tensor_parallel={"autotp_size": TP_SIZE}).replace(batch=4))
+    return out
+
+
 # Per-head parameters DeepSpeed must refuse at the first step (harness.ds_refusals): a 3-D tensor with a
 # head count, and 8 rows in 3 heads (8 & 3 == 0, so a "%" turned "&" would not refuse it either).
 HEADS_3D_PARAM = ParamShape("attn.qkv3d.weight", (2, 4, 6), num_heads=2)
@@ -559,6 +600,7 @@ GROUPS = (
     ("overflow", lambda n: n.endswith("-overflow")),
     ("growth", lambda n: n.endswith("-growth")),
     ("refusals", lambda n: n.endswith("-refused")),
+    ("tp", lambda n: "-autotp" in n),
 )
 
 
@@ -598,7 +640,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
              + conv3d_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full) + ds_refusal_cases(full)
-             + square_cases(full))
+             + square_cases(full) + tp_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

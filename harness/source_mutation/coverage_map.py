@@ -47,6 +47,11 @@ EXTRA_GATE_CASES = (
     "z3-none-fp32-ws2-rs-refused", "z3-none-fp32-ws2-qg-refused",  # configs DeepSpeed must refuse (harness.ds_refusals)
     "z1-none-fp32-ws2-heads3d-refused", "z1-none-fp32-ws2-heads8by3-refused",  # per-head inputs it must refuse
     "z1-none-fp32-ws2-square",  # a 260 x 260 matrix and square head blocks: the gram kernel's square branch
+    "z1-none-fp32-ws2-autotp", "z2-none-fp32-ws2-autotp",  # AutoTP shards: per-head counts re-resolved per shard
+    "z1-none-fp32-ws2-autotp-linattn",  # a listed linear-attention module: its own head geometry, not the config's
+    "z1-none-fp32-ws2-autotp-noheads",  # AutoTP without per_head_muon: nothing to re-resolve after sharding
+    "z1-none-fp32-ws2-autotp-cut-refused",  # every shard cuts a head: DeepSpeed must refuse per-head Muon
+    "z2-cpu-fp32-ws2-standard-heads",  # per-head Muon with standard Newton-Schulz: the per-head kernel choice
 )
 
 

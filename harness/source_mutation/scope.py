@@ -114,9 +114,8 @@ NOT_REACHED_WHY = {
     "__init__.py:_attention_head_count": "no caller in DeepSpeed 0.19.8: set_optimizer_flags calls "
                                          "_resolve_attention_head_count directly (__init__.py:376)",
     "__init__.py:resolve_per_head_muon_after_sharding": "called only under AutoTP tensor parallelism "
-                                                        "(engine.py:595-604, autotp_size > 1), which no case runs: "
-                                                        "AutoTP with Muon does step on the cpu accelerator, but the "
-                                                        "harness has no tensor-parallel case kind -- a coverage gap",
+                                                        "(engine.py:595-604, autotp_size > 1): only the *-autotp "
+                                                        "cases (harness.tp_case) run it",
     "runtime/zero/muon/original_muon.py:MuonWithAuxAdam.step": "the base class's step: DeepSpeed's own "
                                                                "MuonWithAuxAdam (muon_optimizer.py) overrides it",
     "runtime/zero/muon/original_muon.py:adam_update": "called only by the overridden base-class step",
