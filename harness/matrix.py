@@ -348,13 +348,16 @@ def stage0_cases(full: bool = False) -> list[Case]:
     see ``stage0_knob_cases``); ``--full``: the product with gradient accumulation and ns_method."""
     out = []
     grid = list(itertools.product(DTYPES, WORLD_SIZES))
+    # A per-head matrix (DSM-020: the non-ZeRO step drops it): one case in CI, every dtype at 1-2 ranks in --full.
     if full:
         for (dt, ws), (ga, ns) in itertools.product(grid, itertools.product((1, 2), ("gram", "standard"))):
             out.append(_case(0, "none", dt, ws, grad_accum=ga, ns_method=ns))
+        out += [_case(0, "none", dt, ws, heads=True) for dt in DTYPES for ws in (1, 2)]
         return out
     for i, (dt, ws) in enumerate(grid):
         k = _knobs(i)
         out.append(_case(0, "none", dt, ws, grad_accum=k["grad_accum"], ns_method=k["ns_method"]))
+    out.append(_case(0, "none", "fp32", 2, heads=True))
     return out
 
 

@@ -22,7 +22,7 @@ from harness.scenarios import pipeline_case
 from harness.verdict import bug_model, judge
 
 MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009",
-            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019"}
+            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019", "DSM-020"}
 
 
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():
@@ -153,3 +153,17 @@ def test_refusal_is_accepted_only_as_a_value_error_carrying_the_fix_text():
     assert bug.refusal_matches("Traceback ...\n" + line)
     assert not bug.refusal_matches("Traceback ...\n" + line.replace("ValueError", "RuntimeError"))
     assert not bug.refusal_matches("Traceback ...\nValueError: something else")
+
+
+@pytest.mark.parametrize("column", ["stock", "patched"])
+def test_dsm020_stage0_orthogonalises_a_per_head_matrix_whole(pool_manager, column):
+    """DSM-020: the non-ZeRO Muon step drops ``num_heads``; the intended oracle must see it in the
+    update and the model (``honor_num_heads=False``) must explain every quantity. No fix: both columns."""
+    case = _case(0, "none", "fp32", 2, heads=True)
+    o = evaluate(case, column, pool_manager)
+    assert o.status == "xfailed" and o.bug_ids == ["DSM-020"] and o.strength == "full", o.message
+    heads = [p.name for p in case.params if (p.num_heads or 1) > 1]
+    assert {c.param for c in o.verdict.failures if c.quantity == "update"} == set(heads), o.message
+    assert o.model_verdict.passed, o.model_verdict.message()
+    assert "DSM-020" not in {b.id for b in bugs_for(_case(0, "none", "fp32", 2))}
+    assert "DSM-020" not in {b.id for b in bugs_for(_case(1, "none", "fp32", 2, heads=True))}
