@@ -90,9 +90,10 @@ _VERDICTS: OrderedDict = OrderedDict()
 _VERDICTS_KEPT = 4
 
 
-def judged(c: Case, traj, conventions=None) -> Verdict:
-    """``verdict.judge``, once per (case without its column, run bits, conventions)."""
-    key = (c.replace(patched=False).to_json(), traj.judged_digest(), repr(conventions),
+def judged(c: Case, traj, conventions=None, *, digest: str | None = None) -> Verdict:
+    """``verdict.judge``, once per (case without its column, run bits, conventions). ``digest``: the
+    run's ``judged_digest()`` where the caller already took it (a bug-model judge follows the intended one)."""
+    key = (c.replace(patched=False).to_json(), digest or traj.judged_digest(), repr(conventions),
            tuple((k, id(f)) for k, f in ORACLE_HOOKS.items()))  # a test's deliberately wrong oracle
     hit = _VERDICTS.get(key)
     if hit is None:
@@ -193,7 +194,8 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
                        f"({', '.join(b.id for b in refusals)}) but ran it\n  reproduce: {reproduce_command(c)}",
                        time.perf_counter() - t0, trajectory=out.result)
     traj = out.result
-    verdict = judged(c, traj)
+    digest = traj.judged_digest()  # once: the bug model's judge of the same run keys on it too
+    verdict = judged(c, traj, digest=digest)
     problems, extra_msgs = _problems(c, verdict, traj)
     seconds = time.perf_counter() - t0
     if crashes:
@@ -217,7 +219,7 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
         return Outcome(c, column, "xpassed", ids, message, seconds, verdict, problems, swapped, traj)
     # (b) DeepSpeed must match the bug models at full strength
     changes = model_changes(c, modelled)
-    mverdict = verdict if not changes else judged(c, traj, bug_model(changes))
+    mverdict = verdict if not changes else judged(c, traj, bug_model(changes), digest=digest)
     seconds = time.perf_counter() - t0
     mproblems, mmsgs = _problems(c, mverdict, traj)
     excused = set().union(*(b.quantities - NUMERIC for b in modelled), *(b.quantities for b in unmodelled))
