@@ -661,14 +661,13 @@ BUGS: tuple[Bug, ...] = (
         symptom="MuonWithAuxAdam.step calls muon_update without num_heads, so a parameter tagged per-head "
                 "(muon_num_heads) is orthogonalised as one matrix on the non-ZeRO path, in every dtype; "
                 "ZeRO-1/2/3 pass it. Found in session 7 by a tensor-parallel helper probe; measured on "
-                "z0-none-fp32-ws2-heads (update 0.675 off against 8.7e-08 allowed) on both columns: the "
-                "patched runtime does not fix it.",
+                "z0-none-fp32-ws2-heads (update 0.675 off against 8.7e-08 allowed).",
         trigger=lambda c: (c.stage == 0 and any(_is_muon(p) and (p.num_heads or 1) > 1 for p in c.params)),
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         model=lambda c: {"honor_num_heads": False},
         where="zero/muon/muon_optimizer.py MuonWithAuxAdam.step (:78-82: muon_update(grad, momentum, beta=..., "
               "ns_method=...) with no num_heads)",
-        fix=None,
+        fix="z0-per-head",
         reproducer="python -m harness gate --only z0-none-fp32-ws2-heads",
     ),
 )

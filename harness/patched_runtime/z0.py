@@ -17,10 +17,21 @@ check and the reported norm are taken on unscaled fp16 gradients, and small fp16
 if no loss scaling were configured. The fix multiplies the loss by the optimizer's current scale before
 the stock ``backward`` (exactly what ``FP16_UnfusedOptimizer.backward`` would do) and returns the
 stock return value divided by it again (a power of two: exact), so callers see the loss they always saw.
+
+``z0-per-head`` (DSM-020). Without ZeRO, ``MuonWithAuxAdam.step`` orthogonalises each 2-D weight itself
+and calls ``muon_update`` without ``num_heads``, so a parameter tagged per-head (``muon_num_heads``, the
+attribute ZeRO-1/2/3's call sites read) gets one whole-matrix Newton-Schulz. The stock step is kept
+whole: while it runs it is published (``muon._Z0_STEP``) and stage 0's binding of ``muon_update``
+recovers the parameter from the momentum buffer it is handed (``state[p]["momentum_buffer"]``, created
+just before the call) and passes its head count. Only that binding consults it: ZeRO's call sites go
+through ``original_muon`` and pass ``num_heads`` themselves, and under ZeRO the inner step sees flat
+1-D partitions and never calls ``muon_update``. In fp16/bf16 the inner optimizer steps fp32 clones,
+which carry no attributes, so each clone is linked to its model parameter when the wrapper is built.
 """
 from __future__ import annotations
 
 from harness.patched_runtime._registry import Fix, Target, active
+from harness.patched_runtime.muon import MODEL_PARAM_ATTR, T_MUON_UPDATE_Z0, T_Z0_STEP, Z0_HEADS
 
 INIT_STEP = "z0-no-init-step"
 LOSS_SCALE = "z0-fp16-loss-scale"
@@ -34,6 +45,10 @@ def _is_muon(opt) -> bool:
 
 def make_initialize_optimizer_states(orig):
     def initialize_optimizer_states(self):
+        if active(Z0_HEADS):  # called at the end of __init__, once both groups exist
+            for model_group, master_group in zip(self.fp16_groups, self.fp32_groups):
+                for lp, hp in zip(model_group, master_group):
+                    setattr(hp, MODEL_PARAM_ATTR, lp)
         if active(INIT_STEP) and _is_muon(self.optimizer):
             return  # Muon and its Adam create their state on the first real step
         return orig(self)
@@ -81,4 +96,8 @@ FIXES = (
                 "every gradient reaches the optimizer as g/S.",
         trigger="stage 0, fp16 (FP16_UnfusedOptimizer)",
         targets=(T_BACKWARD,)),
+    Fix(name=Z0_HEADS, bug_id="DSM-020",
+        symptom="Without ZeRO a per-head Muon parameter (muon_num_heads) is orthogonalised as one matrix.",
+        trigger="stage 0, a Muon parameter tagged with muon_num_heads > 1, any dtype",
+        targets=(T_MUON_UPDATE_Z0, T_Z0_STEP, T_INIT_STATES)),
 )
