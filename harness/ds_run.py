@@ -586,7 +586,9 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             if coalesced and pending:
                 pending[-1]["extra_notes"] += watch[0].check_destroyed()
             if coalesced:
-                # The case's only capture collective: every rank's pieces of every step to rank 0.
+                # The case's only capture collective: every rank's pieces of every step to rank 0
+                # (muon_update values once per step and parameter, digests for the other copies).
+                capture.share_calls_once(pending, rank, world_size, case.model_parallel)
                 gathered = capture.gather_once_to_rank0((initial_pieces, pending, initial_buffers), rank, world_size)
                 pending = initial_pieces = None
                 if rank == 0:
