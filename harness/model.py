@@ -247,6 +247,13 @@ def build_model(case, variant: int = 0, dtype: torch.dtype = torch.float32) -> S
 
 
 @functools.lru_cache(maxsize=16)
+def _model_dtype_data(case, rank: int, step: int, micro: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``batch_data`` of one micro-batch, drawn once for the judge's float64 promotion and its
+    half-precision backward replay (``backward_overflows``); shared like ``_float64_data``."""
+    return batch_data(case, rank, step, micro)
+
+
+@functools.lru_cache(maxsize=16)
 def _float64_data(case, rank: int, step: int, micro: int) -> dict[str, dict[str, torch.Tensor]]:
     """``batch_data`` promoted to float64, shared by the verdict's consumers of one micro-batch.
 
@@ -256,7 +263,7 @@ def _float64_data(case, rank: int, step: int, micro: int) -> dict[str, dict[str,
     every micro-batch of a 3-step, 3-rank, 2-micro case's step and bound the parent's memory. The
     tensors are shared: callers must not modify them (none does)."""
     return {name: {k: v.to(torch.float64) for k, v in d.items()}
-            for name, d in batch_data(case, rank, step, micro).items()}
+            for name, d in _model_dtype_data(case, rank, step, micro).items()}
 
 
 def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: int,
@@ -318,7 +325,7 @@ def backward_overflows(lp_weights: dict[str, torch.Tensor], case, rank: int, ste
     DeepSpeed then (rightly) skips the step. Run the same loss in the model dtype, as the engine
     does, and look. Only meaningful for fp16 (bf16 and fp32 have fp32's range)."""
     dtype = MODEL_DTYPES[case.dtype]
-    data = batch_data(case, rank, step, micro)
+    data = _model_dtype_data(case, rank, step, micro)
     leaves = {p.name: lp_weights[p.name].to(dtype).clone().requires_grad_(True) for p in case.params}
     total = None
     for p in case.params:

@@ -94,8 +94,14 @@ class Trajectory:
         import pickle
 
         h = hashlib.sha256()
+        # Protocol 5 hands each contiguous array's memory out of band (its dtype and shape stay in the
+        # stream): hashed in place, not copied into the pickle first (a third of the digest's time on
+        # an NVMe case's 1 MiB-per-rank matrix).
+        buffers: list = []
         h.update(pickle.dumps((self.case_name, self.initial, self.initial_buffers, self.muon_params, self.steps),
-                              protocol=5))
+                              protocol=5, buffer_callback=buffers.append))
+        for b in buffers:
+            h.update(b.raw())
         for r in self.replicas:
             h.update(r.judged_digest().encode())
         return h.hexdigest()

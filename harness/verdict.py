@@ -392,6 +392,36 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     return verdict
 
 
+class _SharedGradients:
+    """The float64 gradients, their magnitudes and the fp16-backward overflow flags of one captured run,
+    kept for the next judge of the same run.
+
+    Each judge (the intended oracle, then a bug model's) replays the run teacher-forced: every step's
+    gradients are taken at DeepSpeed's own captured weights on the case's fixed data, so they do not
+    depend on the conventions being judged (only the overflow test's loss scale does, and it is part
+    of that key). On a 1 MiB-per-rank NVMe matrix they were a third of each judge. Only the latest
+    trajectory is kept (the parent stays flat); a step whose weights a bug model replaces (DSM-010's
+    fresh engine) is never shared."""
+
+    _latest: tuple | None = None  # (weak reference to the trajectory, its entries)
+
+    @classmethod
+    def of(cls, traj: Trajectory) -> dict:
+        import weakref
+
+        if cls._latest is None or cls._latest[0]() is not traj:
+            cls._latest = (weakref.ref(traj), {})
+        return cls._latest[1]
+
+
+def _shared(entries: dict | None, key: tuple, fn, *args):
+    if entries is None:
+        return fn(*args)
+    if key not in entries:
+        entries[key] = fn(*args)
+    return entries[key]
+
+
 def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | None, mode: str,
                keep_maps: bool, *, mp_rank: int = 0, norm_of: dict | None = None) -> tuple[Verdict, dict]:
     """One data-parallel run: model-parallel replica ``mp_rank`` of the case (its data from the global
@@ -430,17 +460,22 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
     for rec in traj.steps:
         s = rec.step
         lp = _lp_weights(case, traj, s)
-        if conv.fresh_after is not None and s == conv.fresh_after + 1:
+        fresh_here = conv.fresh_after is not None and s == conv.fresh_after + 1
+        if fresh_here:
             # DSM-010's model: what the resume left of a fresh engine (built on the variant-1 init,
             # harness.ds_run) -- its masters, weights and optimizer state for the unrestored parameters.
             fresh = {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case, variant=1).items()}
             state = fresh_engine_state(state, sc, fresh, conv)
             lp = {n: (round_to_lp(fresh[n], case) if n in conv.fresh_params else w) for n, w in lp.items()}
+        # DeepSpeed's own weights (teacher forcing) unless a bug model replaced them: then not shared
+        shared = _SharedGradients.of(traj) if not fresh_here else None
+        at = (id(case), mp_rank, s)
         grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
-            [{n: g for n, g in model_mod.local_gradients(lp, case, data_rank[r], s, mu).items()} for mu in range(GAS)]
-            for r in range(W)]
+            [dict(_shared(shared, ("grad",) + at + (r, mu), model_mod.local_gradients, lp, case, data_rank[r], s, mu))
+             for mu in range(GAS)] for r in range(W)]
         mags = None if mo is not None else [
-            [model_mod.gradient_magnitudes(lp, case, data_rank[r], s, mu) for mu in range(GAS)] for r in range(W)]
+            [_shared(shared, ("mag",) + at + (r, mu), model_mod.gradient_magnitudes, lp, case, data_rank[r], s, mu)
+             for mu in range(GAS)] for r in range(W)]
         if case.dtype == "fp16" and mo is None:
             # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
             # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
@@ -448,7 +483,8 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             S = float(state.scaler.scale) if conv.backward_loss_scaled else 1.0
             for r in range(W):
                 for mu in range(GAS):
-                    if model_mod.backward_overflows(lp, case, data_rank[r], s, mu, S):
+                    if _shared(shared, ("overflow",) + at + (r, mu, S), model_mod.backward_overflows,
+                               lp, case, data_rank[r], s, mu, S):
                         grads[r][mu] = {n: torch.full_like(g, math.inf) for n, g in grads[r][mu].items()}
         true_G = oracles.accumulate(grads, sc)
         if conv.adam_grads_lost:  # DSM-019's model: what the Adam half receives is zero

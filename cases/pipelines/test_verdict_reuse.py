@@ -97,3 +97,36 @@ def test_an_oracle_hook_is_never_served_a_verdict_judged_without_it(both, counte
     monkeypatch.setitem(verdict_mod.ORACLE_HOOKS, "beta+1e-3", lambda sc: sc)
     judged(case, stock.trajectory)
     assert len(counted) == 2
+
+
+def test_a_second_judge_of_one_run_reuses_its_gradients_except_where_a_model_replaces_the_weights(
+        pool_manager, monkeypatch):
+    """``verdict._SharedGradients``: the float64 gradients are taken at DeepSpeed's captured weights,
+    so a bug model's judge of the same run reuses the intended judge's; a step whose weights the
+    model replaces (DSM-010's fresh engine, ``fresh_after``) and another run get their own."""
+    import oracles
+    from harness import model as model_mod
+
+    case = pipeline_case(3, "none", "fp16", 2, steps=3)
+    traj = pool_manager.run(case).result
+    seen = []
+    real = model_mod.local_gradients
+
+    def counting(lp, c, rank, step, micro):
+        seen.append(step)
+        return real(lp, c, rank, step, micro)
+
+    monkeypatch.setattr(model_mod, "local_gradients", counting)
+    intended = judge(case, traj)
+    first = len(seen)
+    assert first == case.dp_size * case.grad_accum * len(traj.steps)
+    again = judge(case, traj, conventions=oracles.Conventions(backward_loss_scaled=False))
+    assert len(seen) == first, "the second judge of the same run recomputed its gradients"
+    assert [c.worst_ratio for c in judge(case, traj).checks] == [c.worst_ratio for c in intended.checks]
+    assert again.checks  # judged, not skipped
+    fresh = oracles.Conventions(fresh_after=1, fresh_params=frozenset(p.name for p in case.params))
+    judge(case, traj, conventions=fresh)
+    assert seen[first:] == [2] * case.dp_size * case.grad_accum, "a model's replaced weights reused gradients"
+    other = pool_manager.run(case).result
+    judge(case, other)
+    assert len(seen) == first + case.dp_size * case.grad_accum * (1 + len(other.steps))
