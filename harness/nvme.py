@@ -20,14 +20,17 @@ swapped: 512x512 fp32 is enough at W=1 but not at W=2 (its partition is 512 KiB)
 supported knob to lower the threshold (the config's ``aio.block_size`` can only raise it), so the
 harness sizes the matrix instead: ``nvme_matrix(world_size)``.
 
-Its shape is wide and short (``8W x 32768``), not square, because of what that size costs twice:
+Its shape is wide and short (``4W x 65536``), not square, because of what that size costs twice:
 DeepSpeed's gram Newton-Schulz runs in fp16 on this CPU accelerator, and a CPU without AVX512-FP16
 (this machine's AMD EPYC) does fp16 matmuls in a scalar fallback about 50x slower than fp32, in
-DeepSpeed's ranks and again in the oracle's bit-exact emulation of them. The iteration costs about
-``numel x min(rows, cols)`` multiply-adds, so the swap threshold is met with the smallest short
-side: measured here (one thread, a loaded machine), the oracle's emulated gram iteration took 16 s
-on a 1536x512 matrix (the earlier shape at W=3) and 1.3 s on 24x32768. The swap path only cares
-about the bytes; tall, square and transposed shapes are covered by the small matrices beside it.
+DeepSpeed's ranks (with optimizer offload every rank orthogonalises every matrix) and again in the
+oracle's bit-exact emulation of them. The iteration costs about ``numel x min(rows, cols)``
+multiply-adds, so the swap threshold is met with the smallest short side: measured here (one thread,
+a loaded machine), the oracle's emulated gram iteration took 16 s on a 1536x512 matrix (the earlier
+shape at W=3) and 1.3 s on 24x32768; halving the short side again (12x65536 at W=3, session 8) took
+a 3-rank NVMe resume case from 12.3 to 10.4 s (the emulation 0.93 -> 0.40 s). A shorter side still
+(2W rows) gained nothing: the data drawn per micro-batch grows with the long side. The swap path only
+cares about the bytes; tall, square and transposed shapes are covered by the small matrices beside it.
 
 The bytes that really moved are measured by ``harness.capture.SwapCounter`` and land in
 ``StepRecord.swap_bytes_written/read``; ``predict_swapped_subgroups`` says in advance whether a
@@ -51,7 +54,7 @@ def min_swap_bytes(case: Case) -> int:
     return max(MIN_AIO_BYTES, block)
 
 
-def nvme_matrix(world_size: int, name: str = "big.weight", cols: int = 32768,
+def nvme_matrix(world_size: int, name: str = "big.weight", cols: int = 65536,
                 min_bytes: int = MIN_AIO_BYTES) -> ParamShape:
     """The smallest ``rows x cols`` fp32 Muon matrix whose ZeRO-3 partition reaches ``min_bytes`` on
     every rank of ``world_size`` (alone in its sub-group); wide and short for the reason above."""
