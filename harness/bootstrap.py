@@ -4,7 +4,6 @@ before the first case, so that the two launch modes run cases in identical proce
 """
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import sys
@@ -58,7 +57,7 @@ def bootstrap_rank(rank: int, world_size: int, *, backend: str = "gloo", init_me
 
     runtime_state.install_process_caches()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    importlib.import_module("harness.ds_run")
+    runtime_state.import_case_modules()  # harness.ds_run and what the first case would import
     if preload_ops:
         runtime_state.preload_built_ops()
 

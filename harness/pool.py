@@ -33,7 +33,7 @@ import uuid
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from harness import buildenv
+from harness import buildenv, runtime_state
 from harness.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case import Case
 from harness.launcher import (  # noqa: F401 - re-exported: callers catch these from harness.pool
@@ -154,15 +154,36 @@ def _fork_is_safe(compiled: bool) -> bool:
     nothing else runs in this process at the fork: no other Python thread (pytest-xdist's execnet
     threads, for one, could hold a lock the child then never sees released) and no OpenMP team
     (``buildenv.apply_base_env`` keeps torch at one thread; a process with more forks no ranks).
-    Compiled pools always spawn: torch._dynamo reads ``TORCHDYNAMO_DISABLE`` when it is imported, so a
-    rank forked from a process that imported it disabled would run a compiled case eagerly."""
+    Compiled pools always spawn: ``torch.compile`` reads ``TORCHDYNAMO_DISABLE`` when it is called, and
+    DeepSpeed calls it at import for some functions, so a rank forked from a process that imported them
+    disabled would run a compiled case eagerly (and the other way round for an eager rank)."""
     if compiled or threading.active_count() != 1:
         return False
     if os.environ.get("OMP_NUM_THREADS") != "1":
         return False
     if "torch" in sys.modules and sys.modules["torch"].get_num_threads() != 1:
         return False
+    if os.environ.get("TORCHDYNAMO_DISABLE") != "1":
+        # torch.compile reads it when called, and DeepSpeed calls it at import for some functions: a
+        # module imported here with dynamo on would be inherited compiled by an eager rank.
+        return False
     return True
+
+
+# What a rank's traceback says when its own collective failed because a peer went away (gloo): a
+# consequence, never the cause, whichever reaches the parent first.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "Broken pipe",
+             "Connection refused")
+
+
+def _peer_lost(traceback_text: str) -> bool:
+    return any(s in traceback_text for s in PEER_LOST)
+
+
+def _root_error(errors: dict[int, str]) -> int:
+    """The rank whose error is the cause: the lowest rank that did not just lose a peer."""
+    own = [r for r, text in errors.items() if not _peer_lost(text)]
+    return min(own) if own else min(errors)
 
 
 class RankPool:
@@ -196,6 +217,11 @@ class RankPool:
         self.env = env
         self.start_method = self.START_METHOD if self.START_METHOD != "auto" else (
             "fork" if _fork_is_safe(compiled) else "spawn")
+        if self.start_method == "fork":
+            # the ranks inherit DeepSpeed and what a case imports (``runtime_state.import_case_modules``)
+            runtime_state.import_case_modules()
+            if self.START_METHOD == "auto" and not _fork_is_safe(compiled):
+                self.start_method = "spawn"  # an import started a thread or an OpenMP team
         ctx = mp.get_context(self.start_method)
         # spawn starts a resource tracker with the first process; start it now, before the pool's
         # marker is in the environment, so it is not mistaken for a leftover rank.
@@ -288,6 +314,30 @@ class RankPool:
                 raise RankDied(case_name, r, self.procs[r].exitcode, self.log_tail(r))
         return msgs
 
+    def _later_errors(self, silent: set[int], grace_s: float = 0.5) -> dict[int, str]:
+        """The errors ranks of ``silent`` report within ``grace_s`` of another rank's (until each has
+        spoken or exited): the rank that raised first and its peers, whose collectives then fail,
+        report in a race the parent must not judge by arrival."""
+        out: dict[int, str] = {}
+        waiting = set(silent)
+        deadline = time.monotonic() + grace_s
+        while waiting and time.monotonic() < deadline:
+            for r in list(waiting):
+                try:
+                    if self.conns[r].poll():
+                        msg = self.conns[r].recv()
+                        waiting.discard(r)
+                        if msg[0] == "error":
+                            out[r] = msg[1]
+                        continue
+                except (EOFError, OSError):
+                    waiting.discard(r)
+                    continue
+                if self.procs[r].exitcode is not None:
+                    waiting.discard(r)
+            time.sleep(0.01)
+        return out
+
     def _dead_peer(self, reporter: int, pending: set[int], grace_s: float = 0.3) -> int | None:
         """A rank of ``pending`` (those not heard from yet) other than ``reporter`` that has exited
         without a word (or does within ``grace_s``): a peer that died makes the others' collectives
@@ -357,15 +407,20 @@ class RankPool:
                     stacks = self._dump_stacks()
                     self.close(kill=True)
                     raise CaseTimeout(case.name, case.timeout_s, stacks) from None
-                for r, msg in msgs.items():
-                    if msg[0] == "error":
-                        dead = self._dead_peer(r, pending - set(msgs))  # those in msgs have spoken
+                errors = {r: msg[1] for r, msg in msgs.items() if msg[0] == "error"}
+                if errors:
+                    silent = pending - set(msgs)  # those in msgs have spoken
+                    errors.update(self._later_errors(silent))
+                    root = _root_error(errors)
+                    if _peer_lost(errors[root]):
+                        dead = self._dead_peer(root, silent - set(errors))
                         if dead is not None:  # the root cause: the peer's error is its broken connection
                             code, tail = self.procs[dead].exitcode, self.log_tail(dead)
                             self.close(kill=True)
                             raise RankDied(case.name, dead, code, tail)
-                        self.close(kill=True)
-                        raise RankFailed(case.name, r, msg[1])
+                    self.close(kill=True)
+                    raise RankFailed(case.name, root, errors[root])
+                for r, msg in msgs.items():
                     results[r] = msg
                     pending.discard(r)
             self.cases_run += 1

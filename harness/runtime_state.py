@@ -11,12 +11,16 @@ from harness import buildenv
 
 
 def install_process_caches() -> None:
-    import cpuinfo
-    import cpuinfo.cpuinfo as inner
-
     from harness import device
 
     device.install_cpu_fp16_standin()
+    install_cpuinfo_cache()
+
+
+def install_cpuinfo_cache() -> None:
+    import cpuinfo
+    import cpuinfo.cpuinfo as inner
+
     path = buildenv.cpuinfo_cache()
     if path.exists():
         info = json.loads(path.read_text())
@@ -24,6 +28,38 @@ def install_process_caches() -> None:
         info = cpuinfo.get_cpu_info()
     cpuinfo.get_cpu_info = lambda: info
     inner.get_cpu_info = cpuinfo.get_cpu_info
+
+
+# What a rank's first case imports beyond ``harness.ds_run`` (measured: ~850 modules, ~4 s on the loaded
+# machine): DeepSpeed's engine, ZeRO optimizers, Muon, swappers and the torch subsystems they pull in
+# (dynamo, sympy through the symbolic shapes, fsdp, onnx).
+CASE_MODULES = (
+    "harness.ds_run",
+    "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.bf16_optimizer",
+    "deepspeed.runtime.fp16.unfused_optimizer", "deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper",
+    "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper", "deepspeed.module_inject.auto_ep_layer",
+    "deepspeed.ops.op_builder.all_ops", "deepspeed.utils.pin_memory",
+    "torch._dynamo", "torch.distributed.fsdp", "torch.onnx",
+)
+
+
+def import_case_modules() -> None:
+    """Import ``CASE_MODULES`` (those this DeepSpeed has; an older release may lack some).
+
+    A parent that forks its ranks calls this first: every rank of every pool then starts with them, and
+    a pool the gate starts afresh (after a crashing case, whose ranks are never reused: 75 stock crash
+    cases in ``--full``) no longer pays them per rank (pool start and first case on a 3-rank pool: ~11
+    -> ~6 s, loaded machine). Spawned ranks call it at start-up (``bootstrap_rank``), so a case's time
+    is its own. Only imports: no op is loaded, no DeepSpeed class patched, no thread started here."""
+    import importlib
+
+    install_cpuinfo_cache()  # DeepSpeed's CPU accelerator may probe the CPU (a subprocess) at import
+    for name in CASE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
 
 
 PRELOAD_BUILDERS = ("PinMemoryBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder",

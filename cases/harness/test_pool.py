@@ -203,3 +203,19 @@ def test_fork_only_where_nothing_else_runs(monkeypatch):
         t.join()
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert pool_mod._fork_is_safe(compiled=False) is False
+    # a parent whose modules may have been imported with dynamo on never forks eager ranks
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert pool_mod._fork_is_safe(compiled=False) is False
+
+
+def test_the_cause_is_the_rank_that_did_not_just_lose_a_peer():
+    """Which rank's error reaches the parent first is a race once ranks start fast (a raise on rank 1
+    makes rank 0's collective fail at once): the verdict names the rank whose error is its own."""
+    from harness.pool import _root_error
+
+    lost = "Traceback ...\nRuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
+    own = "Traceback ...\nRuntimeError: injected fault on rank 2"
+    assert _root_error({0: lost, 2: own, 1: lost}) == 2
+    assert _root_error({1: own, 0: own}) == 0
+    assert _root_error({2: lost, 1: lost}) == 1  # nothing but lost peers: the lowest (a silent death is checked apart)
