@@ -20,7 +20,7 @@ swapped: 512x512 fp32 is enough at W=1 but not at W=2 (its partition is 512 KiB)
 supported knob to lower the threshold (the config's ``aio.block_size`` can only raise it), so the
 harness sizes the matrix instead: ``nvme_matrix(world_size)``.
 
-Its shape is wide and short (``4W x 65536``), not square, because of what that size costs twice:
+Its shape is wide and short (``4W x 65536`` from two ranks, ``8 x 32768`` at one), not square, because of what that size costs twice:
 DeepSpeed's gram Newton-Schulz runs in fp16 on this CPU accelerator, and a CPU without AVX512-FP16
 (this machine's AMD EPYC) does fp16 matmuls in a scalar fallback about 50x slower than fp32, in
 DeepSpeed's ranks (with optimizer offload every rank orthogonalises every matrix) and again in the
@@ -54,11 +54,20 @@ def min_swap_bytes(case: Case) -> int:
     return max(MIN_AIO_BYTES, block)
 
 
-def nvme_matrix(world_size: int, name: str = "big.weight", cols: int = 65536,
+def nvme_matrix(world_size: int, name: str = "big.weight", cols: int | None = None,
                 min_bytes: int = MIN_AIO_BYTES) -> ParamShape:
     """The smallest ``rows x cols`` fp32 Muon matrix whose ZeRO-3 partition reaches ``min_bytes`` on
-    every rank of ``world_size`` (alone in its sub-group); wide and short for the reason above."""
+    every rank of ``world_size`` (alone in its sub-group); wide and short for the reason above.
+
+    Default ``cols``: 65536 from two ranks (rows 4W >= 8), 32768 at one (rows 8). The rows stay at 8 or
+    more so that the swapped matrix sorts first among the cases' Muon matrices (DeepSpeed orders a Muon
+    sub-group by ``p.size()``, descending, and the small ones have 6-7 rows): session 8 found that at
+    one rank a 4x65536 matrix sorted after them reached ``muon_update`` with its gradient shifted by 51
+    elements (their total size) in fp32 and fp16, not in bf16, and not with CPU offload; not yet
+    attributed (DeepSpeed's gradient swap-in, or the capture's reads between backward and step)."""
     per_rank = math.ceil(min_bytes / FP32_BYTES)
+    if cols is None:
+        cols = 65536 if world_size >= 2 else 32768
     rows = math.ceil(per_rank * world_size / cols)
     return ParamShape(name, (rows, cols))
 
