@@ -21,6 +21,7 @@ import itertools
 import json
 
 from harness.case import Case, Overflow, ParamGroup, ParamShape, canonical_json
+from harness.nvme import nvme_matrix
 from harness.scenarios import TINY_PARAMS, nvme_params, pipeline_case
 
 STAGES = (1, 2, 3)
@@ -76,6 +77,12 @@ def nvme_cases(full: bool = False) -> list[Case]:
         k = _knobs(i)
         k["heads"] = False
         out.append(_case(st, "nvme", dt, ws, swapper=sw, **k))
+    # The swapped matrix sorted after the small ones in its Muon sub-group (4 rows: DSM-021). CI: one;
+    # --full: both swappers, every dtype (bf16 has not shown it), one and two ranks.
+    for sw, dt, ws in itertools.product(("partitioned", "pipelined"), DTYPES, (1, 2)):
+        if full or (sw, dt, ws) == ("partitioned", "fp32", 1):
+            big = nvme_matrix(ws, cols=65536 * ws)
+            out.append(_case(3, "nvme", dt, ws, swapper=sw, params=TINY_PARAMS + (big,), suffix="-sortedlast"))
     return out
 
 

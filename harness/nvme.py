@@ -20,7 +20,8 @@ swapped: 512x512 fp32 is enough at W=1 but not at W=2 (its partition is 512 KiB)
 supported knob to lower the threshold (the config's ``aio.block_size`` can only raise it), so the
 harness sizes the matrix instead: ``nvme_matrix(world_size)``.
 
-Its shape is wide and short (``4W x 65536`` from two ranks, ``8 x 32768`` at one), not square, because of what that size costs twice:
+Its shape is wide and short (``4W x 65536`` from two ranks, ``8 x 32768`` at one), not square,
+because of what that size costs twice:
 DeepSpeed's gram Newton-Schulz runs in fp16 on this CPU accelerator, and a CPU without AVX512-FP16
 (this machine's AMD EPYC) does fp16 matmuls in a scalar fallback about 50x slower than fp32, in
 DeepSpeed's ranks (with optimizer offload every rank orthogonalises every matrix) and again in the

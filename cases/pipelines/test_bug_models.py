@@ -28,8 +28,10 @@ MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "D
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():
     assert {b.id for b in BUGS if b.model is not None} == MODELLED
     assert {b.id for b in BUGS if b.modelled == "crash"} == {"DSM-012", "DSM-017", "DSM-018"}
-    # Not modelled, and why: DSM-011 is about files left on disk, no trajectory quantity.
-    assert {b.id for b in BUGS if b.modelled == "no"} == {"DSM-011"}
+    # Not modelled, and why: DSM-011 is about files left on disk, no trajectory quantity; DSM-021 (found
+    # in session 8) shows only in the gradient muon_update receives, and where the misplaced elements
+    # come from at the tail is not derived yet: it excuses that one quantity ("excused" strength).
+    assert {b.id for b in BUGS if b.modelled == "no"} == {"DSM-011", "DSM-021"}
     for b in BUGS:
         if b.model is not None and b.id != "DSM-002":
             assert b.quantities & NUMERIC, b.id
@@ -169,3 +171,21 @@ def test_dsm020_stage0_orthogonalises_a_per_head_matrix_whole(pool_manager):
     assert fixed.status == "passed", fixed.message
     assert "DSM-020" not in {b.id for b in bugs_for(_case(0, "none", "fp32", 2))}
     assert "DSM-020" not in {b.id for b in bugs_for(_case(1, "none", "fp32", 2, heads=True))}
+
+
+def test_dsm021_a_swapped_matrix_sorted_after_others_gets_a_misplaced_gradient(pool_manager):
+    """DSM-021: ZeRO-3 NVMe, fp32/fp16: the swapped matrix sorted after the small Muon matrices reaches
+    muon_update with a misplaced gradient; nothing else in the case diverges (teacher forcing), and the
+    trigger selects exactly the layouts that show it."""
+    from harness.matrix import nvme_cases
+
+    cases = {c.name: c for c in nvme_cases(full=True)}
+    case = cases["z3-nvme-part-fp32-ws1-sortedlast"]
+    o = evaluate(case, "stock", pool_manager)
+    assert o.status == "xfailed" and o.bug_ids == ["DSM-021"] and o.strength == "excused", o.message
+    assert {(c.param, c.quantity) for c in o.verdict.failures} == {("big.weight", "grad")}, o.message
+    trig = BY_ID["DSM-021"].trigger
+    assert trig(case) and trig(cases["z3-nvme-pipe-fp16-ws2-sortedlast"])
+    assert not trig(cases["z3-nvme-part-bf16-ws1-sortedlast"])  # bf16 has not shown it
+    assert not any(trig(c) for n, c in cases.items() if not n.endswith("-sortedlast"))  # the matrix first
+    assert not trig(case.replace(ds_config=case.ds_config.replace('"nvme"', '"cpu"')))
