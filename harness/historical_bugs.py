@@ -10,6 +10,7 @@ Ids start at DSM-101 so they never collide with the 0.19.8 registry's. Each entr
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from harness.case import Case
@@ -198,6 +199,61 @@ def _z12_nocontig_unreduced(c: Case) -> bool:
             and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 
+# fp16 flushes a value to zero below half its smallest subnormal (2^-24 / 2)
+FP16_FLUSH = 2.0 ** -25
+
+
+def _gram_input_flushed(c: Case) -> bool:
+    """Where DSM-119 shows outright: a gram-method Muon matrix whose Nesterov blend ``U`` lies wholly below
+    fp16's flush point at some step, so the release's cast before the normalisation hands Newton-Schulz a
+    zero matrix and the update is zero (the intended one has norm ~1). Only where gram runs in fp16 (the
+    device has fp16: ``harness.device.half_support``), on the path measured (ZeRO-1/2 without offload's
+    ``get_flat_partition``), for fp32/bf16 models (an fp16 model's ``U`` is loss-scaled there: not measured).
+    A matrix flushed in part only, or wholly subnormal, is left to the tolerances (a smaller, case-by-case
+    effect), so the trigger replays the intended float64 oracle for ``max|U|`` and claims only the whole flush.
+    Per-head matrices are left out: only 0.19.8 has per-head Muon, and it normalises first."""
+    if not (_z12_optimizer(c) and _has_muon(c) and c.dtype in ("fp32", "bf16") and not c.model
+            and not any(p.num_heads for p in c.params)):
+        return False
+    from harness import device
+
+    if not device.half_support()[0]:
+        return False
+    return _flushed_gram_step(c.replace(name="plan").to_json())
+
+
+@functools.lru_cache(maxsize=64)
+def _flushed_gram_step(case_json: str) -> bool:
+    import torch
+
+    import oracles
+    from harness import model as model_mod
+    from harness.verdict import INTENDED, step_config
+    from oracles.momentum import muon_momentum
+
+    c = Case.from_json(case_json)
+    sc = step_config(c)
+    gram = {p.name: sc.hyper(p)["momentum"] for p in sc.params if p.use_muon and sc.hyper(p)["ns_method"] == "gram"}
+    if not gram:
+        return False
+    lp = oracles.MODEL_DTYPES[c.dtype]
+    state = oracles.initial_state(sc, {n: t.to(torch.float64) for n, t in model_mod.initial_weights(c).items()},
+                                  INTENDED)
+    for s in range(1, c.steps + 1):
+        w = {n: m.to(lp).to(torch.float64) for n, m in state.master.items()}
+        grads = [[model_mod.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
+                 for r in range(c.dp_size)]
+        before = state.momentum
+        state, rec = oracles.oracle_step(state, grads, sc, INTENDED, ns_mode="exact")
+        if rec.skipped:
+            continue
+        for n, beta in gram.items():
+            _, U = muon_momentum(before[n].to(torch.float64), rec.params[n].grad, beta)
+            if float(U.abs().max()) < FP16_FLUSH:
+                return True
+    return False
+
+
 # Bugs under which the release never runs a Muon code path for the case, and the crash frames that then
 # cannot be reached: a crash bug whose frame is one of them does not show there (measured: DSM-012, a 4-D
 # matrix, resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs under DSM-101; DSM-102, 0.18.9
@@ -213,7 +269,7 @@ SKIPPED_FRAMES: dict[str, frozenset] = {
 NO_MUON_GROUP = frozenset({"DSM-116"})
 IN_MUON_CODE = frozenset({"DSM-001", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009", "DSM-012",
                           "DSM-017", "DSM-101", "DSM-102", "DSM-103", "DSM-107", "DSM-108", "DSM-109", "DSM-110",
-                          "DSM-111", "DSM-112", "DSM-114"})
+                          "DSM-111", "DSM-112", "DSM-114", "DSM-119"})
 # what a Muon matrix stepped without its muon_update moves: everything from its gradient on
 MUON_NOT_RUN = frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"})
 
@@ -484,5 +540,21 @@ SPECS: tuple[dict, ...] = (
               "unconditionally; 0.19.7 keeps the momentum when the gradient is not finite (its grad_is_finite, "
               "torch.where) and returns the non-finite gradient so the step is still skipped",
         reproducer="z1-none-fp16-ws2-overflow (gate case) on DeepSpeed 0.19.6",
+    ),
+    dict(
+        id="DSM-119",
+        title="Gram Newton-Schulz casts to fp16 before it normalises: tiny updates flush to zero",
+        symptom="The gram iteration rounds its input to fp16 and only then divides by its norm, so a Muon matrix "
+                "whose momentum blend lies below fp16's flush point (2^-25, ~3e-8) becomes a zero matrix and its "
+                "update is zero where the intended one is an orthogonalised matrix of norm ~1; subnormal entries "
+                "(below 2^-14) keep fewer bits (0.19.5-0.19.7 z1-none-fp32-ws2-tinygrad, every gradient x1e-10: "
+                "update 0 where the oracle has 0.031, the masters 15-19x their allowance from step 1).",
+        trigger=_gram_input_flushed,
+        quantities=frozenset({"update", "master", "model", "global_norm"}),
+        where="0.19.0-0.19.7 original_muon.py zeropower_via_gram_newtonschulz (0.19.7 :89-97): X = G.to(fp16) "
+              "then X / (X.norm() + 1e-7); 0.19.8 normalises in the input's dtype (fp32 for fp16 input) and "
+              "casts after (its :108-115). Where the accelerator has no fp16 the iteration runs in fp32: no flush",
+        reproducer="z1-none-fp32-ws2-tinygrad (gate case) on DeepSpeed 0.19.5",
+        model=lambda c: {"gram_input_dtype": "fp16"},
     ),
 )
