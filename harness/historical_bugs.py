@@ -468,16 +468,18 @@ SPECS: tuple[dict, ...] = (
         symptom="At stage 0, and on the BF16_Optimizer route (ZeRO-1 bf16 with grad_accum_dtype fp32, whose param "
                 "groups are flat fp32 partitions), MuonWithAuxAdam.step moves each Muon parameter by lr times its "
                 "gradient (with the decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called "
-                "(the capture sees no Muon call; masters diverge from step 1). Modelled on the BF16_Optimizer route "
-                "(Conventions.muon_as_sgd, with DSM-013's clip of the raw gradients before the step); at stage 0 "
-                "not yet (the fp16 wrapper's own accidents, DSM-014..016, were not measured with it).",
+                "(the capture sees no Muon call; masters diverge from step 1). Modelled on both "
+                "(Conventions.muon_as_sgd: with DSM-013's clip of the raw gradients before the step on the "
+                "BF16_Optimizer route; at stage 0 "
+                "with the fp16 wrapper's own accidents DSM-014..016 where they apply, measured on 0.19.5 and "
+                "0.19.6's stage-0 gate cases, session 8).",
         trigger=_muon_stepped_as_sgd,
         quantities=MUON_NOT_RUN,
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
               "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there at stage "
               "0 and refuses Muon on the BF16_Optimizer route (engine.py _check_muon_can_reach_its_parameters)",
         reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9; z1-none-bf16-ws1-gad32 on 0.19.6",
-        model=lambda c: {"muon_as_sgd": True} if bf16_optimizer_route(c) else None,
+        model=lambda c: {"muon_as_sgd": True},
     ),
     dict(
         id="DSM-115",

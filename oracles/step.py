@@ -230,9 +230,10 @@ class Conventions:
         ``scale_update_before_unscale``): the Muon step is ``O / S`` and the clip norm counts ``O / S``
         for each Muon parameter (DSM-108).
     muon_as_sgd: False (default) or True -- accident of DeepSpeed before 0.19.7 where no ZeRO optimizer runs
-        Muon before ``MuonWithAuxAdam.step`` (0.19.6 ``muon_optimizer.py`` ``step``, the BF16_Optimizer route:
-        its param groups are flat fp32 partitions): each Muon matrix is moved by ``lr`` times the gradient
-        the step reads (after a clip before the step, ``clip_norm_source="gradient"``), with the group's
+        Muon before ``MuonWithAuxAdam.step`` (0.19.6 ``muon_optimizer.py`` ``step``: stage 0, and the
+        BF16_Optimizer route, whose param groups are flat fp32 partitions): each Muon matrix is moved by
+        ``lr`` times the gradient the step reads (after a clip before the step, where one is taken:
+        ``clip_norm_source="gradient"``), with the group's
         decoupled weight decay: no momentum (it stays as it was), no Newton-Schulz, no ``muon_update``
         call (DSM-114).
     gram_input_dtype: ``None`` (default) or ``"fp16"`` -- accident of the gram iteration before 0.19.8

@@ -154,15 +154,15 @@ def test_muon_as_sgd_moves_each_matrix_by_its_clipped_gradient_and_leaves_its_mo
     torch.testing.assert_close(bad.params["b"].master, good[1].params["b"].master, rtol=0, atol=0)
 
 
-def test_dsm114_is_modelled_on_the_bf16_optimizer_route_only():
+def test_dsm114_is_modelled_on_the_bf16_optimizer_route_and_without_zero():
     from harness.matrix import gate_cases
 
     bug = next(b for b in HISTORICAL if b.id == "DSM-114")
     cases = {c.name: c for c in gate_cases(False)}
     for name in ("z1-none-bf16-ws1-gad32", "z1-none-bf16-ws2-ga2-clip0.05-gad32", "z1-none-bf16-ws3-clip0.05-gad32"):
         assert bug.trigger(cases[name]) and Conventions(**bug.model(cases[name])).muon_as_sgd is True, name
-    stage0 = pipeline_case(0, "none", "bf16", 1, ns_method="standard")
-    assert bug.trigger(stage0) and bug.model(stage0) is None  # excused by quantity there, as before
+    for stage0 in (pipeline_case(0, "none", "bf16", 1, ns_method="standard"), cases["z0-none-fp32-ws1"]):
+        assert bug.trigger(stage0) and Conventions(**bug.model(stage0)).muon_as_sgd is True, stage0.name
     for name in ("z2-none-bf16-ws2-knob-gad32", "z1-none-bf16-ws2-ga2-clip0.05-standard"):
         assert not bug.trigger(cases[name]), name  # ZeRO-2, or no fp32 accumulation: a ZeRO optimizer runs Muon
 
