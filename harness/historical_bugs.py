@@ -544,6 +544,26 @@ SPECS: tuple[dict, ...] = (
         reproducer="z1-none-fp16-ws2-overflow (gate case) on DeepSpeed 0.19.6",
     ),
     dict(
+        id="DSM-120",
+        title="ZeRO-3 NVMe optimizer offload aborts the process at initialize on the CPU accelerator (0.19.3)",
+        symptom="deepspeed.initialize kills the rank with SIGABRT (C++ assert `_num_pending_ops > 0' in the async_io "
+                "handle's wait(), no Python exception) while initialize_optimizer_states swaps the optimizer state "
+                "out through the partitioned swapper: on the CPU accelerator no state tensor counts as pinned, so "
+                "nothing is submitted and the swapper then waits on an empty queue (0.19.3 z3-nvme-part-fp32-ws1-ga2, "
+                "every z3-nvme-part case without the in-memory momentum).",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme"
+        and not c.config["zero_optimization"]["offload_optimizer"].get("pipeline_write")
+        and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu",
+        quantities=frozenset({"crash"}),
+        where="0.19.3 partitioned_optimizer_swapper.py:106-107 _swap_out_optimizer_state: swap_out_tensors over "
+              "get_swap_buffers_and_paths(True) (optimizer_utils.py:96 selects by get_accelerator().is_pinned, "
+              "False for every CPU tensor) then assert aio_handle.wait() == len(...); "
+              "csrc/aio/py_lib/deepspeed_py_io_handle.cpp:203 asserts a pending op. 0.19.4 asks the aio handle "
+              "(its own pinned-tensor manager) instead",
+        reproducer="z3-nvme-part-fp32-ws1-ga2 (gate case) on DeepSpeed 0.19.3",
+        crash=("Fatal Python error", "Aborted", "_swap_out_optimizer_state"),
+    ),
+    dict(
         id="DSM-119",
         title="Gram Newton-Schulz casts to fp16 before it normalises: tiny updates flush to zero",
         symptom="The gram iteration rounds its input to fp16 and only then divides by its norm, so a Muon matrix "

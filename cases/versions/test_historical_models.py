@@ -221,3 +221,16 @@ def test_dsm119_claims_only_a_gram_matrix_flushed_whole_where_gram_runs_in_fp16(
     assert not bug.trigger(pipeline_case(1, "cpu", "fp32", 2).replace(grad_scale=1e-10))  # no Muon there (DSM-101)
     monkeypatch.setattr(device, "half_support", lambda accelerator=None: (False, True))
     assert not bug.trigger(gram)  # no fp16 on the device: the iteration runs in fp32
+
+
+def test_dsm120_selects_zero3_nvme_through_the_partitioned_swapper_on_the_cpu_accelerator(monkeypatch):
+    from harness.matrix import gate_cases
+
+    bug = next(b for b in HISTORICAL if b.id == "DSM-120")
+    cases = {c.name: c for c in gate_cases(False)}
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert bug.trigger(cases["z3-nvme-part-fp32-ws1-ga2"]) and bug.trigger(cases["z3-nvme-part-fp32-ws2-resume"])
+    assert not bug.trigger(cases["z3-nvme-pipe-fp32-ws2-ga2-standard"])  # the pipelined swapper: DSM-113's path
+    assert not bug.trigger(cases["z1-nvme-part-fp32-ws2"]) and not bug.trigger(cases["z3-cpu-fp32-ws2-groups"])
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    assert not bug.trigger(cases["z3-nvme-part-fp32-ws1-ga2"])  # pinned buffers there: the writes are submitted
