@@ -199,6 +199,17 @@ def _z12_nocontig_unreduced(c: Case) -> bool:
             and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 
+def _warmup_peak_from_first_group(c: Case) -> bool:
+    """A WarmupLR/WarmupDecayLR schedule without warmup_max_lr over a Muon and an Adam group whose lrs differ."""
+    sched = c.config.get("scheduler") or {}
+    if sched.get("type") not in ("WarmupLR", "WarmupDecayLR") or "warmup_max_lr" in sched.get("params", {}):
+        return False
+    opt = c.config.get("optimizer", {}).get("params", {})
+    muon_lr = opt.get("muon_lr", opt.get("lr"))
+    adam_lr = opt.get("adam_lr", opt.get("lr"))
+    return _has_muon(c) and any(not p.uses_muon for p in c.params) and muon_lr != adam_lr
+
+
 # fp16 flushes a value to zero below half its smallest subnormal (2^-24 / 2)
 FP16_FLUSH = 2.0 ** -25
 
@@ -562,6 +573,19 @@ SPECS: tuple[dict, ...] = (
               "(its own pinned-tensor manager) instead",
         reproducer="z3-nvme-part-fp32-ws1-ga2 (gate case) on DeepSpeed 0.19.3",
         crash=("Fatal Python error", "Aborted", "_swap_out_optimizer_state"),
+    ),
+    dict(
+        id="DSM-121",
+        title="WarmupLR without warmup_max_lr warms every param group up to the first group's lr (0.19.3)",
+        symptom="Without warmup_max_lr, WarmupLR (and WarmupDecayLR, its subclass) takes the first param group's lr "
+                "as the peak of every group, so the Adam group warms up to Muon's lr (0.19.3 "
+                "z0-none-fp32-ws2-sched-warmup: the Adam group's lr at step 3 is 0.008 = 0.002 + (0.02 - 0.002) / 3 "
+                "where its own lr 0.001 gives 0.00167; the Adam masters follow).",
+        trigger=lambda c: _warmup_peak_from_first_group(c),
+        quantities=frozenset({"lr", "master", "model"}),
+        where="0.19.3 lr_schedules.py WarmupLR.__init__ (:672-673): warmup_max_lr = [group['lr'] for group in "
+              "self.optimizer.param_groups][0]; 0.19.4 keeps the list (one peak per group)",
+        reproducer="z0-none-fp32-ws2-sched-warmup (gate case) on DeepSpeed 0.19.3",
     ),
     dict(
         id="DSM-119",

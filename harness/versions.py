@@ -368,6 +368,8 @@ AFFECTED.update({
     # session 8: the whole CI gate on 0.19.3, its six z3-nvme-part cases without in-memory momentum (the pool now
     # reports the abort's Python stack); 0.19.4's whole CI gate runs them past initialize
     "DSM-120": {"0.19.3": True, "0.19.4": False},
+    # session 8: F-11 of 0.19.3's whole CI gate (z0-none-fp32-ws2-sched-warmup); 0.19.4 xfails it [DSM-114] alone
+    "DSM-121": {"0.19.3": True, "0.19.4": False},
 })
 # The whole CI gate on 0.19.3 (session 8), its 78 failures/errors re-measured by name (--exclude-absent): the 0.19.4
 # set less DSM-106 (its pipelined cases crash first at initialize, as DSM-113 says: measured present there, and

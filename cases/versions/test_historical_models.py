@@ -234,3 +234,14 @@ def test_dsm120_selects_zero3_nvme_through_the_partitioned_swapper_on_the_cpu_ac
     assert not bug.trigger(cases["z1-nvme-part-fp32-ws2"]) and not bug.trigger(cases["z3-cpu-fp32-ws2-groups"])
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     assert not bug.trigger(cases["z3-nvme-part-fp32-ws1-ga2"])  # pinned buffers there: the writes are submitted
+
+
+def test_dsm121_needs_a_warmup_without_its_peak_over_groups_of_different_lr():
+    from harness.matrix import gate_cases
+
+    bug = next(b for b in HISTORICAL if b.id == "DSM-121")
+    cases = {c.name: c for c in gate_cases(False)}
+    assert bug.trigger(cases["z0-none-fp32-ws2-sched-warmup"])
+    assert not bug.trigger(cases["z1-none-fp32-ws2-sched-decay"])  # warmup_max_lr given: one peak for all, as meant
+    assert not bug.trigger(cases["z2-none-bf16-ws2-sched-cosine"])  # another schedule
+    assert not bug.trigger(cases["z1-none-fp32-ws2-ga2"])  # no schedule
