@@ -73,6 +73,8 @@ def apply_fault(case: Case, rank: int) -> None:
         raise RuntimeError(f"injected fault on rank {rank}")
     if kind == "exit":
         os._exit(17)
+    if kind == "abort":
+        os.abort()  # a fatal signal, as a C++ assert inside a DeepSpeed op raises
     if kind == "hang":
         while True:
             time.sleep(1)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from harness import ds_refusals
 from harness.bugs import NUMERIC, bugs_for, refusals_for
 from harness.case import Case
-from harness.launcher import CaseFailure, Launcher, RankFailed
+from harness.launcher import CaseFailure, Launcher, RankDied, RankFailed
 from harness.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
 
 
@@ -183,7 +183,8 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
             return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "
                            f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True,
                            strength="refusal")
-        if crashes and isinstance(exc, RankFailed) and any(b.crash_matches(exc.details) for b in crashes):
+        # a rank killed by a signal (a C++ assert in an op) is a crash too: its report carries faulthandler's stack
+        if crashes and isinstance(exc, (RankFailed, RankDied)) and any(b.crash_matches(exc.details) for b in crashes):
             hit = [b.id for b in crashes if b.crash_matches(exc.details)]
             return Outcome(c, column, "xfailed", hit, f"{c.name}: crashed exactly as {', '.join(hit)} predicts\n"
                            + text[-1500:], time.perf_counter() - t0, strength="crash")

@@ -10,6 +10,7 @@ Ids start at DSM-101 so they never collide with the 0.19.8 registry's. Each entr
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from harness.case import Case
@@ -198,6 +199,72 @@ def _z12_nocontig_unreduced(c: Case) -> bool:
             and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 
+def _warmup_peak_from_first_group(c: Case) -> bool:
+    """A WarmupLR/WarmupDecayLR schedule without warmup_max_lr over a Muon and an Adam group whose lrs differ."""
+    sched = c.config.get("scheduler") or {}
+    if sched.get("type") not in ("WarmupLR", "WarmupDecayLR") or "warmup_max_lr" in sched.get("params", {}):
+        return False
+    opt = c.config.get("optimizer", {}).get("params", {})
+    muon_lr = opt.get("muon_lr", opt.get("lr"))
+    adam_lr = opt.get("adam_lr", opt.get("lr"))
+    return _has_muon(c) and any(not p.uses_muon for p in c.params) and muon_lr != adam_lr
+
+
+# fp16 flushes a value to zero below half its smallest subnormal (2^-24 / 2)
+FP16_FLUSH = 2.0 ** -25
+
+
+def _gram_input_flushed(c: Case) -> bool:
+    """Where DSM-119 shows outright: a gram-method Muon matrix whose Nesterov blend ``U`` lies wholly below
+    fp16's flush point at some step, so the release's cast before the normalisation hands Newton-Schulz a
+    zero matrix and the update is zero (the intended one has norm ~1). Only where gram runs in fp16 (the
+    device has fp16: ``harness.device.half_support``), on the path measured (ZeRO-1/2 without offload's
+    ``get_flat_partition``), for fp32/bf16 models (an fp16 model's ``U`` is loss-scaled there: not measured).
+    A matrix flushed in part only, or wholly subnormal, is left to the tolerances (a smaller, case-by-case
+    effect), so the trigger replays the intended float64 oracle for ``max|U|`` and claims only the whole flush.
+    Per-head matrices are left out: only 0.19.8 has per-head Muon, and it normalises first."""
+    if not (_z12_optimizer(c) and _has_muon(c) and c.dtype in ("fp32", "bf16") and not c.model
+            and not any(p.num_heads for p in c.params)):
+        return False
+    from harness import device
+
+    if not device.half_support()[0]:
+        return False
+    return _flushed_gram_step(c.replace(name="plan").to_json())
+
+
+@functools.lru_cache(maxsize=64)
+def _flushed_gram_step(case_json: str) -> bool:
+    import torch
+
+    import oracles
+    from harness import model as model_mod
+    from harness.verdict import INTENDED, step_config
+    from oracles.momentum import muon_momentum
+
+    c = Case.from_json(case_json)
+    sc = step_config(c)
+    gram = {p.name: sc.hyper(p)["momentum"] for p in sc.params if p.use_muon and sc.hyper(p)["ns_method"] == "gram"}
+    if not gram:
+        return False
+    lp = oracles.MODEL_DTYPES[c.dtype]
+    state = oracles.initial_state(sc, {n: t.to(torch.float64) for n, t in model_mod.initial_weights(c).items()},
+                                  INTENDED)
+    for s in range(1, c.steps + 1):
+        w = {n: m.to(lp).to(torch.float64) for n, m in state.master.items()}
+        grads = [[model_mod.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
+                 for r in range(c.dp_size)]
+        before = state.momentum
+        state, rec = oracles.oracle_step(state, grads, sc, INTENDED, ns_mode="exact")
+        if rec.skipped:
+            continue
+        for n, beta in gram.items():
+            _, U = muon_momentum(before[n].to(torch.float64), rec.params[n].grad, beta)
+            if float(U.abs().max()) < FP16_FLUSH:
+                return True
+    return False
+
+
 # Bugs under which the release never runs a Muon code path for the case, and the crash frames that then
 # cannot be reached: a crash bug whose frame is one of them does not show there (measured: DSM-012, a 4-D
 # matrix, resnet-z1-cpu-fp32-ws2-standard on 0.19.7 runs under DSM-101; DSM-102, 0.18.9
@@ -213,7 +280,7 @@ SKIPPED_FRAMES: dict[str, frozenset] = {
 NO_MUON_GROUP = frozenset({"DSM-116"})
 IN_MUON_CODE = frozenset({"DSM-001", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009", "DSM-012",
                           "DSM-017", "DSM-101", "DSM-102", "DSM-103", "DSM-107", "DSM-108", "DSM-109", "DSM-110",
-                          "DSM-111", "DSM-112", "DSM-114"})
+                          "DSM-111", "DSM-112", "DSM-114", "DSM-119"})
 # what a Muon matrix stepped without its muon_update moves: everything from its gradient on
 MUON_NOT_RUN = frozenset({"grad", "momentum", "update", "muon_calls", "master", "model", "global_norm"})
 
@@ -412,16 +479,18 @@ SPECS: tuple[dict, ...] = (
         symptom="At stage 0, and on the BF16_Optimizer route (ZeRO-1 bf16 with grad_accum_dtype fp32, whose param "
                 "groups are flat fp32 partitions), MuonWithAuxAdam.step moves each Muon parameter by lr times its "
                 "gradient (with the decoupled weight decay): no momentum, no Newton-Schulz, muon_update never called "
-                "(the capture sees no Muon call; masters diverge from step 1). Modelled on the BF16_Optimizer route "
-                "(Conventions.muon_as_sgd, with DSM-013's clip of the raw gradients before the step); at stage 0 "
-                "not yet (the fp16 wrapper's own accidents, DSM-014..016, were not measured with it).",
+                "(the capture sees no Muon call; masters diverge from step 1). Modelled on both "
+                "(Conventions.muon_as_sgd: with DSM-013's clip of the raw gradients before the step on the "
+                "BF16_Optimizer route; at stage 0 "
+                "with the fp16 wrapper's own accidents DSM-014..016 where they apply, measured on 0.19.5 and "
+                "0.19.6's stage-0 gate cases, session 8).",
         trigger=_muon_stepped_as_sgd,
         quantities=MUON_NOT_RUN,
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
               "to the deepspeed's optimizer', p.add_(p.grad, alpha=-lr); 0.19.7 calls muon_update there at stage "
               "0 and refuses Muon on the BF16_Optimizer route (engine.py _check_muon_can_reach_its_parameters)",
         reproducer="z0-none-bf16-ws1-standard (gate case) on DeepSpeed 0.18.9; z1-none-bf16-ws1-gad32 on 0.19.6",
-        model=lambda c: {"muon_as_sgd": True} if bf16_optimizer_route(c) else None,
+        model=lambda c: {"muon_as_sgd": True},
     ),
     dict(
         id="DSM-115",
@@ -484,5 +553,54 @@ SPECS: tuple[dict, ...] = (
               "unconditionally; 0.19.7 keeps the momentum when the gradient is not finite (its grad_is_finite, "
               "torch.where) and returns the non-finite gradient so the step is still skipped",
         reproducer="z1-none-fp16-ws2-overflow (gate case) on DeepSpeed 0.19.6",
+    ),
+    dict(
+        id="DSM-120",
+        title="ZeRO-3 NVMe optimizer offload aborts the process at initialize on the CPU accelerator (0.19.3)",
+        symptom="deepspeed.initialize kills the rank with SIGABRT (C++ assert `_num_pending_ops > 0' in the async_io "
+                "handle's wait(), no Python exception) while initialize_optimizer_states swaps the optimizer state "
+                "out through the partitioned swapper: on the CPU accelerator no state tensor counts as pinned, so "
+                "nothing is submitted and the swapper then waits on an empty queue (0.19.3 z3-nvme-part-fp32-ws1-ga2, "
+                "every z3-nvme-part case without the in-memory momentum).",
+        trigger=lambda c: c.stage == 3 and c.offload == "nvme"
+        and not c.config["zero_optimization"]["offload_optimizer"].get("pipeline_write")
+        and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu",
+        quantities=frozenset({"crash"}),
+        where="0.19.3 partitioned_optimizer_swapper.py:106-107 _swap_out_optimizer_state: swap_out_tensors over "
+              "get_swap_buffers_and_paths(True) (optimizer_utils.py:96 selects by get_accelerator().is_pinned, "
+              "False for every CPU tensor) then assert aio_handle.wait() == len(...); "
+              "csrc/aio/py_lib/deepspeed_py_io_handle.cpp:203 asserts a pending op. 0.19.4 asks the aio handle "
+              "(its own pinned-tensor manager) instead",
+        reproducer="z3-nvme-part-fp32-ws1-ga2 (gate case) on DeepSpeed 0.19.3",
+        crash=("Fatal Python error", "Aborted", "_swap_out_optimizer_state"),
+    ),
+    dict(
+        id="DSM-121",
+        title="WarmupLR without warmup_max_lr warms every param group up to the first group's lr (0.19.3)",
+        symptom="Without warmup_max_lr, WarmupLR (and WarmupDecayLR, its subclass) takes the first param group's lr "
+                "as the peak of every group, so the Adam group warms up to Muon's lr (0.19.3 "
+                "z0-none-fp32-ws2-sched-warmup: the Adam group's lr at step 3 is 0.008 = 0.002 + (0.02 - 0.002) / 3 "
+                "where its own lr 0.001 gives 0.00167; the Adam masters follow).",
+        trigger=lambda c: _warmup_peak_from_first_group(c),
+        quantities=frozenset({"lr", "master", "model"}),
+        where="0.19.3 lr_schedules.py WarmupLR.__init__ (:672-673): warmup_max_lr = [group['lr'] for group in "
+              "self.optimizer.param_groups][0]; 0.19.4 keeps the list (one peak per group)",
+        reproducer="z0-none-fp32-ws2-sched-warmup (gate case) on DeepSpeed 0.19.3",
+    ),
+    dict(
+        id="DSM-119",
+        title="Gram Newton-Schulz casts to fp16 before it normalises: tiny updates flush to zero",
+        symptom="The gram iteration rounds its input to fp16 and only then divides by its norm, so a Muon matrix "
+                "whose momentum blend lies below fp16's flush point (2^-25, ~3e-8) becomes a zero matrix and its "
+                "update is zero where the intended one is an orthogonalised matrix of norm ~1; subnormal entries "
+                "(below 2^-14) keep fewer bits (0.19.5-0.19.7 z1-none-fp32-ws2-tinygrad, every gradient x1e-10: "
+                "update 0 where the oracle has 0.031, the masters 15-19x their allowance from step 1).",
+        trigger=_gram_input_flushed,
+        quantities=frozenset({"update", "master", "model", "global_norm"}),
+        where="0.19.0-0.19.7 original_muon.py zeropower_via_gram_newtonschulz (0.19.7 :89-97): X = G.to(fp16) "
+              "then X / (X.norm() + 1e-7); 0.19.8 normalises in the input's dtype (fp32 for fp16 input) and "
+              "casts after (its :108-115). Where the accelerator has no fp16 the iteration runs in fp32: no flush",
+        reproducer="z1-none-fp32-ws2-tinygrad (gate case) on DeepSpeed 0.19.5",
+        model=lambda c: {"gram_input_dtype": "fp16"},
     ),
 )

@@ -311,7 +311,7 @@ class RankPool:
             if obj in sentinel_rank and sentinel_rank[obj] not in msgs:
                 r = sentinel_rank[obj]
                 self.procs[r].join(timeout=1)
-                raise RankDied(case_name, r, self.procs[r].exitcode, self.log_tail(r))
+                raise RankDied(case_name, r, self.procs[r].exitcode, self.died_tail(r))
         return msgs
 
     def _later_errors(self, silent: set[int], grace_s: float = 0.5) -> dict[int, str]:
@@ -370,6 +370,19 @@ class RankPool:
             return ""
         return text[-chars:]
 
+    def died_tail(self, rank: int) -> str:
+        """A dead rank's log tail, and the Python stack faulthandler wrote when a fatal signal killed it (a C++
+        ``assert`` in a DeepSpeed op aborts the rank with no Python traceback in its log: measured, 0.19.3's
+        async_io handle), so a crash bug can name the frame it happens in."""
+        tail = self.log_tail(rank)
+        try:
+            stack = (self.dir / f"rank{rank}.stack").read_text(errors="replace")
+        except FileNotFoundError:
+            stack = ""
+        fatal = stack.rfind("Fatal Python error")  # the dump of the signal that killed it, current thread first
+        stack = stack[fatal:][:6000] if fatal >= 0 else stack[-4000:]
+        return tail + ("\n" + stack if stack.strip() else "")
+
     def _dump_stacks(self) -> dict[int, str]:
         for p in self.procs:
             if p.is_alive():
@@ -415,7 +428,7 @@ class RankPool:
                     if _peer_lost(errors[root]):
                         dead = self._dead_peer(root, silent - set(errors))
                         if dead is not None:  # the root cause: the peer's error is its broken connection
-                            code, tail = self.procs[dead].exitcode, self.log_tail(dead)
+                            code, tail = self.procs[dead].exitcode, self.died_tail(dead)
                             self.close(kill=True)
                             raise RankDied(case.name, dead, code, tail)
                     self.close(kill=True)

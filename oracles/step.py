@@ -230,11 +230,19 @@ class Conventions:
         ``scale_update_before_unscale``): the Muon step is ``O / S`` and the clip norm counts ``O / S``
         for each Muon parameter (DSM-108).
     muon_as_sgd: False (default) or True -- accident of DeepSpeed before 0.19.7 where no ZeRO optimizer runs
-        Muon before ``MuonWithAuxAdam.step`` (0.19.6 ``muon_optimizer.py`` ``step``, the BF16_Optimizer route:
-        its param groups are flat fp32 partitions): each Muon matrix is moved by ``lr`` times the gradient
-        the step reads (after a clip before the step, ``clip_norm_source="gradient"``), with the group's
+        Muon before ``MuonWithAuxAdam.step`` (0.19.6 ``muon_optimizer.py`` ``step``: stage 0, and the
+        BF16_Optimizer route, whose param groups are flat fp32 partitions): each Muon matrix is moved by
+        ``lr`` times the gradient the step reads (after a clip before the step, where one is taken:
+        ``clip_norm_source="gradient"``), with the group's
         decoupled weight decay: no momentum (it stays as it was), no Newton-Schulz, no ``muon_update``
         call (DSM-114).
+    gram_input_dtype: ``None`` (default) or ``"fp16"`` -- accident of the gram iteration before 0.19.8
+        (0.19.0-0.19.7 ``original_muon.py`` ``zeropower_via_gram_newtonschulz``: ``X = G.to(compute_dtype)``,
+        then ``X / (||X|| + 1e-7)``; 0.19.8 normalises first): the Nesterov blend ``U`` a gram-method Muon
+        matrix feeds Newton-Schulz is rounded to fp16 *before* the normalisation, in fp16's range: entries
+        below half its smallest subnormal (2^-25) flush to zero, subnormal ones (below 2^-14) keep fewer
+        bits, and a matrix wholly below 2^-25 comes back as a zero update (DSM-119). Standard-method matrices
+        are untouched (their bf16 cast keeps fp32's range).
     muon_momentum_lost_after: ``None`` (default) or a step count ``k``: accident of a ZeRO-3 resume with
         ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
         optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
@@ -267,6 +275,7 @@ class Conventions:
     muon_momentum_lost_after: Optional[int] = None
     muon_update_unscaled: bool = False
     muon_as_sgd: bool = False
+    gram_input_dtype: Optional[str] = None
     # Accident of ZeRO-2 + bf16 + grad_accum_dtype fp32 at one data-parallel rank (DSM-019): every
     # non-Muon parameter's gradient is lost before the step, so the auxiliary Adam reads zeros.
     adam_grads_lost: bool = False
@@ -280,7 +289,8 @@ class Conventions:
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm", "raw"), "scaled_update_dtype": ("float64", "model"),
                   "padded_tail_momentum_dtype": (None, "fp16", "bf16"),
-                  "update_store_dtype": (None, "fp16", "bf16"), "muon_ns_method": (None, "gram", "standard"),
+                  "update_store_dtype": (None, "fp16", "bf16"), "gram_input_dtype": (None, "fp16"),
+                  "muon_ns_method": (None, "gram", "standard"),
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
                   "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
@@ -594,6 +604,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
             g = round_to(g, mdt)
             m_new = round_to(beta * state.momentum[n].to(torch.float64) + (1.0 - beta) * g, mdt)
             U = round_to((1.0 - beta) * g + beta * m_new, mdt)
+        if conv.gram_input_dtype is not None and hp["ns_method"] == "gram":
+            U = round_to(U, MODEL_DTYPES[conv.gram_input_dtype])  # DSM-119: cast before the normalisation
         if ns_mode == "emulated":
             O = emulate.emulated_direction(U.to(mdt), hp["ns_method"], heads, out_dtype=mdt,
                                            conv_aspect=conv.conv_aspect, steps=cfg.ns_steps,

@@ -81,6 +81,16 @@ def test_dying_rank_is_reported_with_exit_code(pool_manager):
     assert pool_manager.run(pipeline_case(1, world_size=2, steps=1)).result is not None
 
 
+def test_aborted_rank_is_reported_with_its_python_stack(pool_manager):
+    """A rank killed by a fatal signal (a C++ assert in a DeepSpeed op) leaves no traceback in its log; the
+    report carries the stack faulthandler wrote, so a crash bug can name its frame."""
+    with pytest.raises(RankDied) as err:
+        pool_manager.run(pipeline_case(1, world_size=2, steps=1).replace(fault="abort:1"))
+    assert err.value.rank == 1 and err.value.exitcode == -6
+    assert "Fatal Python error: Aborted" in str(err.value) and "in apply_fault" in str(err.value)
+    assert pool_manager.run(pipeline_case(1, world_size=2, steps=1)).result is not None
+
+
 def test_hung_rank_times_out_with_stacks_and_leaves_nothing(pool_manager):
     pool_manager.run(pipeline_case(1, world_size=2, steps=1))  # make sure a pool is up
     uid = _pool_uid(pool_manager, 2)

@@ -66,9 +66,23 @@ def test_every_quantity_is_captured_on_the_bf16_optimizer_route(pool_manager):
     adapted = versions.adapt(case)
     if adapted.case is None:
         pytest.skip(f"DeepSpeed {versions.installed().label}: {adapted.deselected}")  # 0.19.7 refuses the route
-    c = adapted.case
+    _every_quantity_without_muon_update(adapted.case, "bf16_opt", pool_manager)
+
+
+def test_every_quantity_is_captured_without_zero(pool_manager):
+    """Stage 0 (bf16: the wrapper reports a norm): before 0.19.7 ``MuonWithAuxAdam.step`` moves the Muon matrices
+    by lr times their gradient without ``muon_update`` (DSM-114), so their gradient is read before the step."""
+    case = pipeline_case(0, "none", "bf16", 2, ns_method="standard")
+    adapted = versions.adapt(case)
+    assert adapted.case is not None, adapted.deselected
+    _every_quantity_without_muon_update(adapted.case, "z0", pool_manager)
+
+
+def _every_quantity_without_muon_update(c, kind: str, pool_manager):
+    """Every quantity of every parameter, the Muon momentum and update only where the release runs
+    ``muon_update`` on path ``kind``."""
     traj = pool_manager.run(c).result
-    muon_runs = not capture_adapters.muon_grads_before_step("bf16_opt")
+    muon_runs = not capture_adapters.muon_grads_before_step(kind)
     assert len(traj.steps) == c.steps
     for rec in traj.steps:
         where = f"DeepSpeed {versions.installed().label}, {c.name} step {rec.step}"

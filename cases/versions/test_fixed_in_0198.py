@@ -11,9 +11,10 @@ import json
 
 import pytest
 
-from harness import versions
+from harness import device, versions
 from harness.case import canonical_json
 from harness.gate import evaluate
+from harness.matrix import tiny_grad_cases
 from harness.scenarios import pipeline_case
 
 pytestmark = pytest.mark.pipeline
@@ -45,10 +46,12 @@ FIXED_IN_0198 = {
     "DSM-112": pipeline_case(2, "none", "fp32", 3, ns_method="standard"),
     "DSM-115": pipeline_case(1, "none", "fp32", 2, ns_method="standard", extra_zero={"contiguous_gradients": False}
                              ).replace(name="z1-none-fp32-ws2-standard-nocontig"),
+    "DSM-119": tiny_grad_cases()[0],  # z1-none-fp32-ws2-tinygrad: gram, every gradient x1e-10
 }
 # the ids each case xfails with on 0.19.7 where more than its own bug shows (DSM-112 is DSM-103 on a
-# matrix that straddles ranks: both are there; DSM-115's case has two Muon matrices in one group, so DSM-103)
-ALSO = {"DSM-112": ["DSM-103"], "DSM-115": ["DSM-103"]}
+# matrix that straddles ranks: both are there; DSM-115's and DSM-119's cases have two Muon matrices in one
+# group, so DSM-103)
+ALSO = {"DSM-112": ["DSM-103"], "DSM-115": ["DSM-103"], "DSM-119": ["DSM-103"]}
 
 
 def test_every_bug_fixed_in_0198_has_a_case():
@@ -61,6 +64,8 @@ def test_fails_on_0197_passes_on_0198(bug_id, pool_manager):
     release = versions.judged_as()
     if release not in ("0.19.7", "0.19.8"):
         pytest.skip(f"DeepSpeed {versions.installed().label}: this test compares 0.19.7 with 0.19.8")
+    if bug_id == "DSM-119" and not device.half_support()[0]:
+        pytest.skip("DSM-119 needs an accelerator with fp16: without it the gram iteration runs in fp32")
     o = evaluate(FIXED_IN_0198[bug_id], "stock", pool_manager)
     if versions.excuses(bug_id, release):
         assert o.status == "xfailed" and sorted(o.bug_ids) == sorted([bug_id, *ALSO.get(bug_id, [])]), o.message

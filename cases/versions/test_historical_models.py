@@ -154,14 +154,94 @@ def test_muon_as_sgd_moves_each_matrix_by_its_clipped_gradient_and_leaves_its_mo
     torch.testing.assert_close(bad.params["b"].master, good[1].params["b"].master, rtol=0, atol=0)
 
 
-def test_dsm114_is_modelled_on_the_bf16_optimizer_route_only():
+def test_dsm114_is_modelled_on_the_bf16_optimizer_route_and_without_zero():
     from harness.matrix import gate_cases
 
     bug = next(b for b in HISTORICAL if b.id == "DSM-114")
     cases = {c.name: c for c in gate_cases(False)}
     for name in ("z1-none-bf16-ws1-gad32", "z1-none-bf16-ws2-ga2-clip0.05-gad32", "z1-none-bf16-ws3-clip0.05-gad32"):
         assert bug.trigger(cases[name]) and Conventions(**bug.model(cases[name])).muon_as_sgd is True, name
-    stage0 = pipeline_case(0, "none", "bf16", 1, ns_method="standard")
-    assert bug.trigger(stage0) and bug.model(stage0) is None  # excused by quantity there, as before
+    for stage0 in (pipeline_case(0, "none", "bf16", 1, ns_method="standard"), cases["z0-none-fp32-ws1"]):
+        assert bug.trigger(stage0) and Conventions(**bug.model(stage0)).muon_as_sgd is True, stage0.name
     for name in ("z2-none-bf16-ws2-knob-gad32", "z1-none-bf16-ws2-ga2-clip0.05-standard"):
         assert not bug.trigger(cases[name]), name  # ZeRO-2, or no fp32 accumulation: a ZeRO optimizer runs Muon
+
+
+def _gram_step(conv, scale, ns_method="gram"):
+    """One fp32 step of SPECS, every gradient times ``scale``; returns (record, the blend U Newton-Schulz read)."""
+    from oracles.momentum import muon_momentum
+
+    cfg = StepConfig(SPECS, model_dtype="fp32", ns_method=ns_method)
+    conv = Conventions(round_master_to_fp32=False, **conv)
+    grads = [[{n: g * scale for n, g in mb.items()} for mb in rank] for rank in _grads()]
+    state = initial_state(cfg, _weights(), conv)
+    rec = oracle_step(state, grads, cfg, conv)[1]
+    return rec, muon_momentum(state.momentum["w"], rec.params["w"].grad, cfg.momentum)[1]
+
+
+def test_gram_input_cast_flushes_a_tiny_matrix_to_a_zero_update():
+    """DSM-119's model: every |U| below 2^-25 rounds to fp16 zero, so the Muon direction and step are zero,
+    where the intended one is not (the 1e-7 in the normalisation leaves it small, but far from zero);
+    Adam's step is untouched."""
+    good, U = _gram_step({}, 1e-10)
+    bad, _ = _gram_step({"gram_input_dtype": "fp16"}, 1e-10)
+    assert 0 < float(U.abs().max()) < 2.0 ** -25
+    assert float(good.params["w"].direction.abs().max()) > 1e-3
+    assert not bad.params["w"].direction.any() and not bad.params["w"].update.any()
+    torch.testing.assert_close(bad.params["b"].update, good.params["b"].update, rtol=0, atol=0)
+
+
+def test_gram_input_cast_rounds_only_the_gram_input():
+    """At ordinary gradients the switch is exactly Newton-Schulz of U rounded to fp16 (the mechanism, not a
+    run of DeepSpeed); a standard-method matrix is untouched bit for bit (its bf16 cast keeps fp32's range)."""
+    from oracles.momentum import round_to
+    from oracles.newton_schulz import muon_direction
+
+    good, U = _gram_step({}, 1.0)
+    bad, _ = _gram_step({"gram_input_dtype": "fp16"}, 1.0)
+    want = muon_direction(round_to(U, torch.float16), "gram")
+    torch.testing.assert_close(bad.params["w"].direction, want, rtol=0, atol=0)
+    assert not torch.equal(bad.params["w"].direction, good.params["w"].direction)  # a real switch
+    std_good, _ = _gram_step({}, 1.0, "standard")
+    std_bad, _ = _gram_step({"gram_input_dtype": "fp16"}, 1.0, "standard")
+    torch.testing.assert_close(std_bad.params["w"].direction, std_good.params["w"].direction, rtol=0, atol=0)
+
+
+def test_dsm119_claims_only_a_gram_matrix_flushed_whole_where_gram_runs_in_fp16(monkeypatch):
+    from harness import device
+    from harness.matrix import tiny_grad_cases
+
+    bug = next(b for b in HISTORICAL if b.id == "DSM-119")
+    gram, standard = tiny_grad_cases()
+    assert "gram" in gram.ds_config and "standard" in standard.ds_config
+    monkeypatch.setattr(device, "half_support", lambda accelerator=None: (True, True))
+    assert bug.trigger(gram) and Conventions(**bug.model(gram)).gram_input_dtype == "fp16"
+    assert not bug.trigger(standard)
+    assert not bug.trigger(gram.replace(grad_scale=1.0))  # ordinary gradients: left to the tolerances
+    assert not bug.trigger(pipeline_case(1, "cpu", "fp32", 2).replace(grad_scale=1e-10))  # no Muon there (DSM-101)
+    monkeypatch.setattr(device, "half_support", lambda accelerator=None: (False, True))
+    assert not bug.trigger(gram)  # no fp16 on the device: the iteration runs in fp32
+
+
+def test_dsm120_selects_zero3_nvme_through_the_partitioned_swapper_on_the_cpu_accelerator(monkeypatch):
+    from harness.matrix import gate_cases
+
+    bug = next(b for b in HISTORICAL if b.id == "DSM-120")
+    cases = {c.name: c for c in gate_cases(False)}
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert bug.trigger(cases["z3-nvme-part-fp32-ws1-ga2"]) and bug.trigger(cases["z3-nvme-part-fp32-ws2-resume"])
+    assert not bug.trigger(cases["z3-nvme-pipe-fp32-ws2-ga2-standard"])  # the pipelined swapper: DSM-113's path
+    assert not bug.trigger(cases["z1-nvme-part-fp32-ws2"]) and not bug.trigger(cases["z3-cpu-fp32-ws2-groups"])
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    assert not bug.trigger(cases["z3-nvme-part-fp32-ws1-ga2"])  # pinned buffers there: the writes are submitted
+
+
+def test_dsm121_needs_a_warmup_without_its_peak_over_groups_of_different_lr():
+    from harness.matrix import gate_cases
+
+    bug = next(b for b in HISTORICAL if b.id == "DSM-121")
+    cases = {c.name: c for c in gate_cases(False)}
+    assert bug.trigger(cases["z0-none-fp32-ws2-sched-warmup"])
+    assert not bug.trigger(cases["z1-none-fp32-ws2-sched-decay"])  # warmup_max_lr given: one peak for all, as meant
+    assert not bug.trigger(cases["z2-none-bf16-ws2-sched-cosine"])  # another schedule
+    assert not bug.trigger(cases["z1-none-fp32-ws2-ga2"])  # no schedule
