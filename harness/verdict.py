@@ -663,4 +663,15 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         moms = {n: _t(ps.momentum) / (1.0 if scaled_momentum else float(ps.momentum_scale))
                 for n, ps in rec.params.items() if spec[n].use_muon and ps.momentum is not None}
         state = replace(new_state, master={**new_state.master, **masters}, momentum={**new_state.momentum, **moms})
+    non_muon = non_muon_optimizer(case)
+    if non_muon:
+        # Under another optimizer no parameter is Muon's: DeepSpeed's ``use_muon`` tags (read on rank 0
+        # after initialize, ``Trajectory.muon_params``) must name none. A leaked tag changes no AdamW
+        # number on 0.19.8 (every reader sits behind a MuonWithAuxAdam test) but routes the parameter
+        # through Muon for any code that trusts the tag, the capture's gradient read included.
+        tagged = sorted(traj.muon_params)
+        verdict.checks.append(compare_arrays(
+            label, "<case>", "use_muon", 0, [float(len(tagged))], [0.0],
+            oracles.Allowance(0.0, 0.0, f"count of parameters DeepSpeed tagged use_muon under {non_muon[0]} "
+                                        f"(none may be): {tagged or 'none'}")))
     return verdict, oracle_norms
