@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from oracles.layout import deepspeed_uses_muon
 
 DTYPES = ("fp32", "fp16", "bf16")
+# Optimizers that are not Muon, as a user names them (torch.optim class names, which are also
+# DeepSpeed config types): the oracle steps every parameter with Adam, decoupled decay for AdamW and
+# L2 for Adam (oracles.adam), whatever DeepSpeed tags them.
+NON_MUON_OPTIMIZERS = ("AdamW", "Adam")
 OFFLOADS = ("none", "cpu", "nvme")
 SWAPPERS = ("partitioned", "pipelined")
 
@@ -100,6 +104,10 @@ class Case:
     # A torch LR scheduler passed to deepspeed.initialize (lr_scheduler=), as JSON text
     # '{"type": "StepLR", "params": {...}}'; a config scheduler lives in ds_config["scheduler"].
     client_scheduler: str | None = None
+    # A torch optimizer the user builds and passes to ``deepspeed.initialize`` (``optimizer=``), as JSON
+    # text '{"type": "AdamW", "params": {...}}' (``NON_MUON_OPTIMIZERS``); the config then names no
+    # optimizer, so DeepSpeed's ``optimizer_name`` is None. The oracle steps every parameter with it.
+    client_optimizer: str | None = None
 
     # A real module instead of the synthetic one (harness.models): a built-in name or
     # "package.module:factory"; ``params`` then lists the module's parameters (filled by
@@ -156,6 +164,11 @@ class Case:
                 validate(self.schedule)
             except ValueError as e:
                 raise ValueError(f"case {self.name!r}: {e}") from None
+        if self.client_optimizer is not None:
+            spec = json.loads(self.client_optimizer)
+            if spec.get("type") not in NON_MUON_OPTIMIZERS or "optimizer" in self.config:
+                raise ValueError(f"case {self.name!r}: client_optimizer {spec.get('type')!r} must be one of "
+                                 f"{NON_MUON_OPTIMIZERS}, with no optimizer in the DeepSpeed config")
         if self.groups:
             names = [p.name for p in self.params]
             listed = [n for g in self.groups for n in g.params]
@@ -223,6 +236,10 @@ class Case:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["ds_config"] = json.loads(self.ds_config)
+        if d["client_optimizer"] is None:
+            # absent, not null: every case without one keeps the JSON (reproducers, the mutation run's
+            # stored coverage and baselines) it had before the field existed
+            del d["client_optimizer"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod

@@ -293,8 +293,10 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
     ds_tags_heads = bool(cfg.get("optimizer", {}).get("params", {}).get("per_head_muon", False))
     if ds_tags_heads and not case.model:
         model.config = head_config(case)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_params, config=cfg,
-                                           lr_scheduler=client_scheduler(case), mpu=mpu)
+    optimizer = client_optimizer(case, model_params)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=None if optimizer else model_params,
+                                           optimizer=optimizer, config=cfg, lr_scheduler=client_scheduler(case),
+                                           mpu=mpu)
     named = dict(engine.module.named_parameters())
     for ps in case.params:
         if ps.num_heads and not ds_tags_heads:
@@ -339,6 +341,15 @@ def client_scheduler(case: Case):
     cls = getattr(torch.optim.lr_scheduler, spec["type"])
     params = dict(spec.get("params", {}))
     return lambda optimizer: cls(optimizer, **params)
+
+
+def client_optimizer(case: Case, model_params):
+    """The torch optimizer a user builds and hands ``deepspeed.initialize`` (``case.client_optimizer``),
+    over the parameters the case would otherwise pass as ``model_parameters``; None: the config's."""
+    if not case.client_optimizer:
+        return None
+    spec = json.loads(case.client_optimizer)
+    return getattr(torch.optim, spec["type"])(list(model_params), **spec.get("params", {}))
 
 
 def model_parameters(case: Case, model):

@@ -136,10 +136,10 @@ def _judge_tp(c: Case, column: str, manager: Launcher) -> Outcome:
         out = manager.run(c)
     except CaseFailure as exc:
         return Outcome(c, column, "error", [], str(exc), time.perf_counter() - t0, strength=None)
-    v = tp_verdict.judge(c, out.result)
-    message = v.message() + ("" if v.passed else f"\n  reproduce: {reproduce_command(c)}")
-    return Outcome(c, column, "passed" if v.passed else "failed", [], message, time.perf_counter() - t0,
-                   trajectory=out.result)
+    v = tp_verdict.judge(c, out.result)  # the shared record: the report and the reproducer as for any case
+    problems = [(f.param, f.quantity) for f in v.failures]
+    return Outcome(c, column, "failed" if problems else "passed", [], v.message(), time.perf_counter() - t0,
+                   v, problems, trajectory=out.result)
 
 
 def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:

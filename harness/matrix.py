@@ -233,6 +233,28 @@ def ds_tagged_head_cases(full: bool = False) -> list[Case]:
     return out
 
 
+# A non-Muon optimizer, every setting stated (harness.verdict.non_muon_optimizer): AdamW with a
+# decoupled weight decay large enough to show, and torch's own betas / eps rather than Muon's Adam half's.
+NON_MUON_PARAMS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
+
+
+def non_muon_cases(full: bool = False) -> list[Case]:
+    """Runs whose optimizer is not Muon, at two ranks (fp32): AdamW named in the config (ZeRO-2: the
+    engine builds FusedAdam) and a torch.optim.AdamW the user builds and passes to
+    ``deepspeed.initialize`` with no optimizer in the config (ZeRO-1: DeepSpeed's ``optimizer_name`` is
+    None). Every parameter, matrices included, must take plain AdamW: the oracle says so from the
+    configured optimizer, never from DeepSpeed's ``use_muon`` tags, so Muon routing that leaks into a
+    non-Muon run (``set_optimizer_flags``, the engine's optimizer choice) diverges or crashes. 2 cases,
+    CI and --full."""
+    c = _case(2, "none", "fp32", 2)
+    named = _with_config(c, "-adamw", optimizer={"type": "AdamW", "params": dict(NON_MUON_PARAMS)})
+    c = _case(1, "none", "fp32", 2)
+    cfg = {k: v for k, v in c.config.items() if k != "optimizer"}
+    client = c.replace(name=c.name + "-client-adamw", ds_config=canonical_json(cfg),
+                       client_optimizer=canonical_json({"type": "AdamW", "params": dict(NON_MUON_PARAMS)}))
+    return [named, client]
+
+
 # A 5-D Muon weight (a Conv3d filter, out x in x kd x kh x kw): muon_update reshapes only 4-D filters
 # to (out, rest) (original_muon.py:224, ``ndim == 4``, as Muon's reference does); a 5-D update is
 # orthogonalised per leading index like any batched tensor (oracles.newton_schulz.muon_direction).
@@ -611,6 +633,7 @@ GROUPS = (
     ("growth", lambda n: n.endswith("-growth")),
     ("refusals", lambda n: n.endswith("-refused")),
     ("tp", lambda n: "-autotp" in n),
+    ("nonmuon", lambda n: n.endswith("adamw")),
 )
 
 
@@ -649,7 +672,8 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full) + ds_refusal_cases(full)
+             + conv3d_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
+             + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]

@@ -29,33 +29,25 @@ blocks Muon orthogonalises, the question this case kind exists for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 import oracles
 from harness.case import Case
+from harness.compare import compare_arrays, missing
 from harness.tp_case import COLUMN_PARALLEL, autotp_size, full_weights, geometry
+from harness.verdict import Verdict
 from oracles import emulate
 
+# A rank's shard before its first step is a copy of the seed's weights: nothing rounds it.
+PLACEMENT = oracles.Allowance(0.0, 0.0, "exact: before step 1 each rank's shard must be the column/row block "
+                              "the tensor-parallel rule gives of the seed's full weights; any difference means "
+                              "the rank does not hold that block")
 
-@dataclass
-class TpVerdict:
-    case: str
-    failures: list[str] = field(default_factory=list)
-    checked: int = 0
 
-    @property
-    def passed(self) -> bool:
-        return not self.failures and self.checked > 0
-
-    def message(self) -> str:
-        if self.passed:
-            return f"{self.case}: {self.checked} shard quantities within tolerance"
-        if not self.failures:
-            return f"{self.case}: nothing was checked (no rank records)"
-        more = len(self.failures) - 8
-        return "\n".join(self.failures[:8]) + (f"\n  ... {more} more" if more > 0 else "")
+def shard_key(name: str, rank: int, tp: int) -> str:
+    """The parameter a shard's checks are filed under: the shard, not the whole parameter (its values
+    are not the ZeRO layout of ``name``, so the report draws its heatmap without one)."""
+    return f"{name}[tp {rank}/{tp}]"
 
 
 def _leaf(name: str) -> str:
@@ -91,8 +83,10 @@ def expected_step(theta, momentum, grad, *, beta: float, lr: float, wd: float, n
     return m_new.double(), master, O
 
 
-def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = None) -> TpVerdict:
-    """Every rank's shards of every step against the oracle; ``result`` is rank 0's gathered records."""
+def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = None) -> Verdict:
+    """Every rank's shards of every step against the oracle; ``result`` is rank 0's gathered records.
+    The same record as every other case (``harness.verdict.Verdict`` of ``harness.compare.Check``): a
+    shard's checks are filed under ``shard_key`` with the rank, and the oracle's block rule as region."""
     if half_support is None:
         from harness import device
 
@@ -107,29 +101,37 @@ def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = 
     ns_method = opt.get("ns_method", "gram")
     per_head = bool(opt.get("per_head_muon", False))  # the user's opt-in: without it every shard is one matrix
     full = full_weights(case)
-    v = TpVerdict(case.name)
+    v = Verdict(case, "emulated")
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     if [r["rank"] for r in ranks] != list(range(case.world_size)):
-        v.failures.append(f"{case.name}: records of ranks {[r['rank'] for r in ranks]}, expected every rank of "
-                          f"{case.world_size}")
+        v.checks.append(missing(case.name, "<case>", "ranks", 0, f"records of ranks {[r['rank'] for r in ranks]}, "
+                                f"expected every rank of {case.world_size}"))
         return v
     for rec in ranks:
         rank = rec["rank"] % tp
         for name, w in full.items():
             leaf = _leaf(name)
+            key = shard_key(name, rank, tp)
             want = shard_of(w, leaf, rank, tp)
             got = rec["steps"][0]["before"][name]
-            if tuple(got.shape) != tuple(want.shape) or not torch.equal(got, want):
-                v.failures.append(f"{case.name}: {name} on rank {rec['rank']} is not the column/row block the "
-                                  f"tensor-parallel rule gives (shape {tuple(got.shape)}, expected "
-                                  f"{tuple(want.shape)} rows/cols {rank} of {tp})")
+            where = f"shard {tuple(want.shape)}, rows/cols {rank} of {tp}"
+            if tuple(got.shape) != tuple(want.shape):
+                chk = missing(case.name, key, "shard", 0, f"shape {tuple(got.shape)} is not the column/row block "
+                              f"the tensor-parallel rule gives ({where})")
+            else:
+                chk = compare_arrays(case.name, key, "shard", 0, got.double(), want.double(), PLACEMENT)
+            chk.rank, chk.region = rec["rank"], where
+            v.checks.append(chk)
+            if not chk.passed:
                 continue
-            v.checked += 1
             heads = shard_heads(leaf, want.shape, geo["head_dim"] if per_head else None)
+            blocks = f"{heads} head blocks of {geo['head_dim']} rows" if heads else "one matrix"
             for s, st in enumerate(rec["steps"]):
                 call = st["muon"].get(name)
                 if call is None:
-                    v.failures.append(f"{case.name}: {name} on rank {rec['rank']}: Muon never ran at step {s + 1}")
+                    chk = missing(case.name, key, "update", s + 1, "Muon never ran on this shard")
+                    chk.rank = rec["rank"]
+                    v.checks.append(chk)
                     continue
                 theta, g = st["before"][name], call["grad"]
                 # the momentum the step starts from: the previous step's (a fresh optimizer's is zero)
@@ -142,15 +144,12 @@ def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = 
                                        ns_method=ns_method, beta=beta, num_heads=heads, weight_scale=weight_scale,
                                        step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
                                        clipping_active=False, use_muon=True)
-                blocks = f"{heads} head blocks of {geo['head_dim']} rows" if heads else "one matrix"
                 for quantity, actual, expected, allow in (("momentum", call["momentum"], m_new, a.momentum),
                                                           ("update", call["update"], O.double(), a.direction),
                                                           ("master", st["after"][name], master, a.master)):
-                    d = allow.check(actual.double(), expected)
-                    v.checked += 1
-                    if not d.ok:
-                        v.failures.append(
-                            f"{case.name}: {name} (rank {rec['rank']} shard {tuple(theta.shape)}, oracle: {blocks}) "
-                            f"{quantity} diverged at step {s + 1}: error {d.error:.3g} > allowed {d.bound:.3g} "
-                            f"({allow.derivation})")
+                    chk = compare_arrays(case.name, key, quantity, s + 1, actual.double(), expected, allow)
+                    chk.rank, chk.region = rec["rank"], f"shard {tuple(theta.shape)}, oracle: {blocks}"
+                    v.checks.append(chk)
+    if not v.checks:
+        v.checks.append(missing(case.name, "<case>", "shards", 0, "nothing was checked (no rank records)"))
     return v

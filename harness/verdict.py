@@ -20,6 +20,7 @@ orthogonalised twice by one rank) is a failed check of its own.
 """
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from dataclasses import dataclass, field, replace
@@ -76,7 +77,8 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
     schedule (``case.schedule``) every parameter's lr is then the schedule's value for its group
     (``oracles.schedules``), from the group's configured lr. None: the configured lrs."""
     cfg = case.config
-    opt = cfg.get("optimizer", {}).get("params", {})
+    non_muon = non_muon_optimizer(case)
+    opt = non_muon[1] if non_muon else cfg.get("optimizer", {}).get("params", {})
     shared_lr = opt.get("lr")
     muon_lr = opt.get("muon_lr", shared_lr if shared_lr is not None else 0.02)
     adam_lr = opt.get("adam_lr", shared_lr if shared_lr is not None else 3e-4)
@@ -92,7 +94,10 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
                 hysteresis=f.get("hysteresis", 2),
                 consecutive_hysteresis=f.get("consecutive_hysteresis", False),
                 min_loss_scale=f.get("min_loss_scale", 1.0))
-    specs = tuple(oracles.ParamSpec.deepspeed_tagged(p.name, p.shape, p.num_heads) for p in case.params)
+    if non_muon:  # the user chose another optimizer: no parameter is Muon's, whatever DeepSpeed tags
+        specs = tuple(oracles.ParamSpec(p.name, tuple(p.shape), False) for p in case.params)
+    else:
+        specs = tuple(oracles.ParamSpec.deepspeed_tagged(p.name, p.shape, p.num_heads) for p in case.params)
     specs, param_hyper = _user_groups(case, specs)
     fp16_ok, bf16_ok = device.half_support()
     betas = tuple(opt.get("betas", (0.9, 0.95)))
@@ -101,7 +106,8 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
         weight_decay=float(opt.get("weight_decay", 0.0)), ns_method=opt.get("ns_method", versions.default_ns_method()),
         device_fp16=fp16_ok, device_bf16=bf16_ok,
         betas=(float(betas[0]), float(betas[1])), eps=float(opt.get("eps", 1e-10)),
-        adam_w_mode=bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True))),
+        adam_w_mode=(non_muon[0] == "adamw" if non_muon
+                     else bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True)))),
         gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
         gradient_accumulation_steps=case.grad_accum, world_size=case.dp_size, model_dtype=case.dtype,
         loss_scaler=scaler, param_hyper=param_hyper)
@@ -112,6 +118,34 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
     for hook in ORACLE_HOOKS.values():
         sc = hook(sc)
     return sc
+
+
+# What a non-Muon optimizer's oracle reads from its params: every one stated, since the defaults differ
+# between the implementations DeepSpeed may pick (torch AdamW's weight decay 1e-2, FusedAdam's 0).
+_NON_MUON_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def non_muon_optimizer(case: Case) -> tuple[str, dict] | None:
+    """(lower-case type, params) of a case whose optimizer is not Muon: the user's own torch optimizer
+    (``Case.client_optimizer``) or a config that names one of ``harness.case.NON_MUON_OPTIMIZERS``;
+    None for Muon. The oracle then steps every parameter with Adam (decoupled decay for AdamW, L2 for
+    Adam, as torch.optim and DeepSpeed's FusedAdam define them), never Muon."""
+    from harness.case import NON_MUON_OPTIMIZERS
+
+    spec = json.loads(case.client_optimizer) if case.client_optimizer else case.config.get("optimizer", {})
+    kind = str(spec.get("type", "muon"))
+    if kind.lower() == "muon":
+        return None
+    if kind.lower() not in {n.lower() for n in NON_MUON_OPTIMIZERS}:
+        raise ValueError(f"{case.name}: optimizer {kind!r}: the oracle knows Muon and {NON_MUON_OPTIMIZERS}")
+    params = dict(spec.get("params", {}))
+    if spec.get("adam_w_mode", params.pop("adam_w_mode", None)) is not None:
+        raise ValueError(f"{case.name}: adam_w_mode with a non-Muon optimizer: name AdamW or Adam instead")
+    unset = [k for k in _NON_MUON_KEYS if k not in params]
+    if unset:
+        raise ValueError(f"{case.name}: a non-Muon optimizer's oracle needs {unset} stated (defaults differ "
+                         "between torch.optim and DeepSpeed's FusedAdam)")
+    return kind.lower(), params
 
 
 def _scheduled_hyper(case: Case, sc: oracles.StepConfig, applied: int) -> tuple:
@@ -128,6 +162,8 @@ def expected_group_lrs(case: Case, sc: oracles.StepConfig) -> dict[str, float]:
     each incoming group split into its Muon and Adam halves, named "<half>-params" for one incoming
     group and "group<i>-<half>-params" for several (``engine.py _muon_param_groups``)."""
     spec = {p.name: p for p in sc.params}
+    if non_muon_optimizer(case) and not case.groups and not case.model:
+        return {"0": sc.adam_lr}  # one group, model.parameters(), unnamed: known by its index
     if case.groups:
         incoming = [g.params for g in case.groups]
     elif case.model:  # the groups the model's factory declares (harness.models.incoming_groups)
@@ -663,4 +699,15 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         moms = {n: _t(ps.momentum) / (1.0 if scaled_momentum else float(ps.momentum_scale))
                 for n, ps in rec.params.items() if spec[n].use_muon and ps.momentum is not None}
         state = replace(new_state, master={**new_state.master, **masters}, momentum={**new_state.momentum, **moms})
+    non_muon = non_muon_optimizer(case)
+    if non_muon:
+        # Under another optimizer no parameter is Muon's: DeepSpeed's ``use_muon`` tags (read on rank 0
+        # after initialize, ``Trajectory.muon_params``) must name none. A leaked tag changes no AdamW
+        # number on 0.19.8 (every reader sits behind a MuonWithAuxAdam test) but routes the parameter
+        # through Muon for any code that trusts the tag, the capture's gradient read included.
+        tagged = sorted(traj.muon_params)
+        verdict.checks.append(compare_arrays(
+            label, "<case>", "use_muon", 0, [float(len(tagged))], [0.0],
+            oracles.Allowance(0.0, 0.0, f"count of parameters DeepSpeed tagged use_muon under {non_muon[0]} "
+                                        f"(none may be): {tagged or 'none'}")))
     return verdict, oracle_norms

@@ -63,7 +63,7 @@ def test_judge_passes_the_per_head_step_on_each_shard():
     v = tp_verdict.judge(case, _records(case), half_support=HALF)
     assert v.passed, v.message()
     # every shard: its placement, then momentum, update and master per step
-    assert v.checked == case.world_size * len(case.params) * (1 + 3 * case.steps)
+    assert len(v.checks) == case.world_size * len(case.params) * (1 + 3 * case.steps)
 
 
 def test_judge_fails_a_shard_orthogonalised_as_one_matrix():
@@ -73,7 +73,7 @@ def test_judge_fails_a_shard_orthogonalised_as_one_matrix():
     whole = _records(case, heads_rule=lambda leaf, shape, hd: None)
     v = tp_verdict.judge(case, whole, half_support=HALF)
     assert not v.passed
-    bad = {line.split(" ")[1] for line in v.failures}
+    bad = {c.param.split("[")[0] for c in v.failures}
     assert bad == {f"layers.0.self_attn.{leaf}.weight" for leaf in COLUMN_PARALLEL}, v.message()
     assert "update diverged at step 1" in v.message() and "oracle: 3 head blocks of 3 rows" in v.message()
 
@@ -81,7 +81,22 @@ def test_judge_fails_a_shard_orthogonalised_as_one_matrix():
 def test_judge_fails_a_shard_of_the_wrong_rows():
     case = _case()
     v = tp_verdict.judge(case, _records(case, swap_ranks=True), half_support=HALF)
-    assert not v.passed and "is not the column/row block" in v.message()
+    assert not v.passed and {c.quantity for c in v.failures} == {"shard"}, v.message()
+    assert "does not hold that block" in v.message() and "reproduce: " in v.message()
+
+
+def test_a_failing_judge_is_the_gate_s_shared_record():
+    """One divergence record for every case kind: a tp failure is stored like any other (rank, region,
+    the error map for the report's heatmap, the one-line reproducer)."""
+    from harness import results
+
+    case = _case()
+    v = tp_verdict.judge(case, _records(case, lr_factor=1.01), half_support=HALF)
+    rec, maps = results.from_verdict(v, column="stock", status="failed", bug_ids=[], seconds=0.0)
+    bad = [r for r in rec.checks if r.quantity == "master" and r.record and r.record["ratio"] > 1]
+    assert bad and all(r.rank is not None and "oracle:" in r.region for r in bad)
+    assert any(k.endswith("|master|1") and "[tp " in k for k in maps)
+    assert rec.reproduce.startswith(".venv/bin/python -m harness run --case ")
 
 
 def test_judge_fails_a_master_stepped_with_another_lr():

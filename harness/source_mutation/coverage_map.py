@@ -52,6 +52,7 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-autotp-noheads",  # AutoTP without per_head_muon: nothing to re-resolve after sharding
     "z1-none-fp32-ws2-autotp-cut-refused",  # every shard cuts a head: DeepSpeed must refuse per-head Muon
     "z2-cpu-fp32-ws2-standard-heads",  # per-head Muon with standard Newton-Schulz: the per-head kernel choice
+    "z2-none-fp32-ws2-adamw", "z1-none-fp32-ws2-client-adamw",  # not Muon: no parameter may take Muon's route
 )
 
 
