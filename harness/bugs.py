@@ -688,8 +688,13 @@ BUGS: tuple[Bug, ...] = (
         # and weights agree with it; the gradient check is where the bug shows. Not modelled yet (which
         # elements land where, and what fills the tail, is not derived): excused by quantity.
         quantities=frozenset({"grad"}),
-        where="stage3.py _apply_muon_updates_cpu_offload after _optimizer_states_and_gradient_swap_in (the "
-              "swapped sub-group's gradient buffer); the exact line is not located",
+        where="swap_tensor/partitioned_optimizer_swapper.py _swap_in_pinned_gradients (:195) and "
+              "optimizer_utils.py get_swap_gradient_buffers (:125, the pipelined swapper): each swapped gradient is "
+              "read into parameter.grad.narrow(0, offset, length), a view into a handle-locked buffer; measured "
+              "standalone on this CPU build, aio_handle.async_pread into such a view at a nonzero offset leaves "
+              "the view untouched (at offset 0, or into a plain tensor at any offset, it lands), and after the "
+              "swap-in the buffer holds the matrix's gradient from offset 0, under the unswapped ones restored at "
+              "0-51; stage3.py _apply_muon_updates_cpu_offload then narrows at the matrix's own offset",
         fix=None,
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-sortedlast",
     ),
