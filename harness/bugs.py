@@ -690,12 +690,12 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"grad"}),
         where="swap_tensor/partitioned_optimizer_swapper.py _swap_in_pinned_gradients (:195) and "
               "optimizer_utils.py get_swap_gradient_buffers (:125, the pipelined swapper): each swapped gradient is "
-              "read into parameter.grad.narrow(0, offset, length), a view into a handle-locked buffer; measured "
-              "standalone on this CPU build, aio_handle.async_pread into such a view at a nonzero offset leaves "
-              "the view untouched (at offset 0, or into a plain tensor at any offset, it lands), and after the "
-              "swap-in the buffer holds the matrix's gradient from offset 0, under the unswapped ones restored at "
-              "0-51; stage3.py _apply_muon_updates_cpu_offload then narrows at the matrix's own offset",
-        fix=None,
+              "read into parameter.grad.narrow(0, offset, length), a view into a handle-locked buffer, and written "
+              "back from it (_writeback_gradients); on this CPU build an aio read into, or write from, such a view "
+              "at a nonzero offset moves nothing (measured standalone; at offset 0, or with a plain tensor, it "
+              "works). After the swap-in the region holds what the pooled buffer held (the gradient as the "
+              "swap-out staged it, from offset 0); the Muon update written back never reaches the file",
+        fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-sortedlast",
     ),
 )

@@ -175,8 +175,8 @@ def test_dsm020_stage0_orthogonalises_a_per_head_matrix_whole(pool_manager):
 
 def test_dsm021_a_swapped_matrix_sorted_after_others_gets_a_misplaced_gradient(pool_manager):
     """DSM-021: ZeRO-3 NVMe, fp32/fp16: the swapped matrix sorted after the small Muon matrices reaches
-    muon_update with a misplaced gradient; nothing else in the case diverges (teacher forcing), and the
-    trigger selects exactly the layouts that show it."""
+    muon_update with a misplaced gradient; nothing else in the case diverges (teacher forcing), the
+    trigger selects exactly the layouts that show it, and the patched runtime's fix passes it."""
     from harness.matrix import nvme_cases
 
     cases = {c.name: c for c in nvme_cases(full=True)}
@@ -189,3 +189,6 @@ def test_dsm021_a_swapped_matrix_sorted_after_others_gets_a_misplaced_gradient(p
     assert not trig(cases["z3-nvme-part-bf16-ws1-sortedlast"])  # bf16 has not shown it
     assert not any(trig(c) for n, c in cases.items() if not n.endswith("-sortedlast"))  # the matrix first
     assert not trig(case.replace(ds_config=case.ds_config.replace('"nvme"', '"cpu"')))
+    # The fix (nvme-grad-offset-io) makes the same case match the intended oracle, gradient included.
+    fixed = evaluate(case, "patched", pool_manager)
+    assert fixed.status == "passed" and fixed.strength == "full", fixed.message
