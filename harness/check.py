@@ -102,10 +102,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import buildenv
-from harness.case import Case, canonical_json
-from harness.check_config import BadInput
-from harness.check_plan import Plan, validate
-from harness.check_shapes import _fmt_shape, padded_ranks
+
+if __name__ == "__main__":
+    # Run as ``python -m harness.check``: the imports below reach torch (harness.case -> oracles), which
+    # reads OMP_NUM_THREADS once, at import; ``main`` would set it too late (the parent then judges on
+    # every core and never forks its rank pools). ``python -m harness check`` sets it in its own main.
+    buildenv.apply_base_env()
+
+from harness.case import Case, canonical_json  # noqa: E402
+from harness.check_config import BadInput  # noqa: E402
+from harness.check_plan import Plan, validate  # noqa: E402
+from harness.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
 
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
 DEFAULT_SHAPES = "4096x4096,11008x4096"

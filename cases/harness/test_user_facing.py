@@ -189,3 +189,17 @@ def test_the_command_line_keeps_torch_on_one_thread_before_anything_imports_it()
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.split()[-3:] == ["1", "True", "2"], proc.stdout + proc.stderr
+
+
+def test_python_dash_m_harness_check_keeps_torch_on_one_thread_too():
+    """``python -m harness.check`` (the module run directly) imports torch through its own imports
+    before ``main`` runs; the base environment must be in place by then (bad input: exit 2 before any
+    rank starts, then the torch it imported is asked)."""
+    script = ("import runpy, sys\nsys.argv = ['check', '--ds-config', 'no-such-config.json']\n"
+              "try:\n    runpy.run_module('harness.check', run_name='__main__')\n"
+              "except SystemExit as e:\n    rc = e.code\n"
+              "import torch\nprint(torch.get_num_threads(), rc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split()[-2:] == ["1", "2"], proc.stdout + proc.stderr
