@@ -85,6 +85,7 @@ import math
 import os
 import pickle
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -207,13 +208,16 @@ def share_calls_once(pending: list[dict], rank: int, world_size: int, model_para
     names = [[c.name for c in loc["calls"]] for loc in pending]
     everyone: list = [None] * world_size
     tdist.all_gather_object(everyone, names)
+    replica = range(rank % model_parallel, world_size, model_parallel)
     for s, loc in enumerate(pending):
-        below = {n for r in range(rank % model_parallel, rank, model_parallel) for n in everyone[r][s]}
+        below = {n for r in replica if r < rank for n in everyone[r][s]}
+        made = Counter(n for r in replica for n in everyone[r][s])
         seen: set = set()
         for c in loc["calls"]:
             if c.grad is None and c.update is None:
                 continue  # a count-only recorder: nothing to compare or ship
-            c.digest = (value_digest(c.grad), value_digest(c.update), value_digest(c.momentum))
+            if made[c.name] > 1:  # a call made once (no offload: one owner) has nothing to agree with
+                c.digest = (value_digest(c.grad), value_digest(c.update), value_digest(c.momentum))
             if c.name in below or c.name in seen:
                 c.grad = c.update = c.momentum = None
             seen.add(c.name)

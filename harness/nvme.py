@@ -62,10 +62,9 @@ def nvme_matrix(world_size: int, name: str = "big.weight", cols: int | None = No
 
     Default ``cols``: 65536 from two ranks (rows 4W >= 8), 32768 at one (rows 8). The rows stay at 8 or
     more so that the swapped matrix sorts first among the cases' Muon matrices (DeepSpeed orders a Muon
-    sub-group by ``p.size()``, descending, and the small ones have 6-7 rows): session 8 found that at
-    one rank a 4x65536 matrix sorted after them reached ``muon_update`` with its gradient shifted by 51
-    elements (their total size) in fp32 and fp16, not in bf16, and not with CPU offload; not yet
-    attributed (DeepSpeed's gradient swap-in, or the capture's reads between backward and step)."""
+    sub-group by ``p.size()``, descending, and the small ones have 6-7 rows): a swapped matrix sorted
+    after them reaches ``muon_update`` with a misplaced gradient in fp32 and fp16 (DSM-021,
+    ``harness.bugs``), which only the ``-sortedlast`` cases (``harness.matrix.nvme_cases``) are for."""
     per_rank = math.ceil(min_bytes / FP32_BYTES)
     if cols is None:
         cols = 65536 if world_size >= 2 else 32768

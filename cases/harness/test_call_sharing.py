@@ -86,3 +86,11 @@ def test_with_model_parallelism_each_replica_keeps_its_own_values(monkeypatch):
     per_rank = [[_call("w", [1.0], [1.0], [1.0])] for _ in range(4)]
     gathered = _share(monkeypatch, per_rank, model_parallel=2)
     assert [c.grad is not None for g in gathered for c in g["calls"]] == [True, True, False, False]
+
+
+def test_a_call_made_once_is_shipped_whole_and_not_hashed(monkeypatch):
+    # without offload each matrix has one owner: nothing to agree with, so no digest work on that path
+    gathered = _share(monkeypatch, [[_call("a", [1.0], [1.0], [1.0])], [_call("b", [2.0], [2.0], [2.0])]])
+    assert all(c.digest is None and c.grad is not None for g in gathered for c in g["calls"])
+    _, notes = calls_by_param(gathered, step=1)
+    assert notes == []
