@@ -44,6 +44,9 @@ CASE_MODULES = (
 )
 
 
+_case_modules_imported = False
+
+
 def import_case_modules() -> None:
     """Import ``CASE_MODULES`` (those this DeepSpeed has; an older release may lack some).
 
@@ -54,6 +57,10 @@ def import_case_modules() -> None:
     is its own. Only imports: no op is loaded, no DeepSpeed class patched, no thread started here."""
     import importlib
 
+    global _case_modules_imported
+    if _case_modules_imported:  # every pool a parent forks calls it, and a forked rank again at start-up
+        return
+    _case_modules_imported = True
     install_cpuinfo_cache()  # DeepSpeed's CPU accelerator may probe the CPU (a subprocess) at import
     for name in CASE_MODULES:
         try:
