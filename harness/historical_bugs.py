@@ -586,6 +586,7 @@ SPECS: tuple[dict, ...] = (
         where="0.19.3 lr_schedules.py WarmupLR.__init__ (:672-673): warmup_max_lr = [group['lr'] for group in "
               "self.optimizer.param_groups][0]; 0.19.4 keeps the list (one peak per group)",
         reproducer="z0-none-fp32-ws2-sched-warmup (gate case) on DeepSpeed 0.19.3",
+        model=lambda c: {"warmup_peak": "first_group"},
     ),
     dict(
         id="DSM-119",

@@ -70,12 +70,14 @@ def comparison_mode(case: Case) -> str:
     return "emulated"
 
 
-def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
+def step_config(case: Case, applied: int | None = None,
+                conventions: oracles.Conventions | None = None) -> oracles.StepConfig:
     """The oracle's reading of the case's DeepSpeed config (docs/deepspeed-0.19.8.md section 2 for the lr routing).
 
     ``applied``: the number of optimizer steps applied before the step being configured; with an lr
     schedule (``case.schedule``) every parameter's lr is then the schedule's value for its group
-    (``oracles.schedules``), from the group's configured lr. None: the configured lrs."""
+    (``oracles.schedules``), from the group's configured lr. None: the configured lrs. ``conventions``:
+    a bug model's, where it changes the schedule (``Conventions.warmup_peak``)."""
     cfg = case.config
     non_muon = non_muon_optimizer(case)
     opt = non_muon[1] if non_muon else cfg.get("optimizer", {}).get("params", {})
@@ -114,7 +116,7 @@ def step_config(case: Case, applied: int | None = None) -> oracles.StepConfig:
     if case.model:  # a real module's parameter groups (harness.models.oracle)
         sc = _module_oracle().with_param_groups(case, sc)
     if applied is not None and case.schedule:
-        sc = replace(sc, param_hyper=_scheduled_hyper(case, sc, applied))
+        sc = replace(sc, param_hyper=_scheduled_hyper(case, sc, applied, conventions or INTENDED))
     for hook in ORACLE_HOOKS.values():
         sc = hook(sc)
     return sc
@@ -148,11 +150,14 @@ def non_muon_optimizer(case: Case) -> tuple[str, dict] | None:
     return kind.lower(), params
 
 
-def _scheduled_hyper(case: Case, sc: oracles.StepConfig, applied: int) -> tuple:
+def _scheduled_hyper(case: Case, sc: oracles.StepConfig, applied: int, conv: oracles.Conventions) -> tuple:
+    # DSM-121's model: the peak is the configured lr of DeepSpeed's first param group (the Muon half of
+    # the first incoming group: expected_group_lrs lists the groups in the engine's order)
+    peak = next(iter(expected_group_lrs(case, sc).values())) if conv.warmup_peak == "first_group" else None
     hyper = []
     for p in sc.params:
         base = dict(next((items for n, items in sc.param_hyper if n == p.name), ()))
-        base["lr"] = schedules.group_lr(case.schedule, sc.hyper(p)["lr"], applied)
+        base["lr"] = schedules.group_lr(case.schedule, sc.hyper(p)["lr"], applied, default_peak=peak)
         hyper.append((p.name, tuple(base.items())))
     return tuple(hyper)
 
@@ -575,7 +580,7 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
                 add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a if mo is None else mo.grad_allowance(n, a))
 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
-        sc_s = step_config(case, state.step_count - state.skipped_steps) if case.schedule else sc
+        sc_s = step_config(case, state.step_count - state.skipped_steps, conv) if case.schedule else sc
         # ... and the replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input.
         # A model-parallel replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
         new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds,

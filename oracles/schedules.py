@@ -60,9 +60,11 @@ def validate(schedule: Mapping) -> None:
         raise ValueError("scheduler StepLR needs step_size")
 
 
-def group_lr(schedule: Mapping | None, base_lr: float, applied: int) -> float:
+def group_lr(schedule: Mapping | None, base_lr: float, applied: int, default_peak: float | None = None) -> float:
     """The lr of a group whose own (configured) lr is ``base_lr`` in the optimizer step that follows
-    ``applied`` applied steps. ``schedule``: ``{"type": ..., "params": {...}}`` or None (constant)."""
+    ``applied`` applied steps. ``schedule``: ``{"type": ..., "params": {...}}`` or None (constant).
+    ``default_peak``: the peak a ``WarmupLR`` without ``warmup_max_lr`` warms to, where it is not the
+    group's own lr (a bug model's; the documented rule is the group's own)."""
     if not schedule:
         return float(base_lr)
     validate(schedule)
@@ -80,7 +82,7 @@ def group_lr(schedule: Mapping | None, base_lr: float, applied: int) -> float:
     if kind in ("WarmupLR", "WarmupDecayLR"):
         lo = _float(p, "warmup_min_lr", 0.0)
         hi = _float(p, "warmup_max_lr", None if kind == "WarmupLR" else 0.001)
-        hi = float(base_lr) if hi is None else hi
+        hi = float(base_lr if default_peak is None else default_peak) if hi is None else hi
         if i < 0:
             return lo
         if i < n:

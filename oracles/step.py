@@ -243,6 +243,11 @@ class Conventions:
         below half its smallest subnormal (2^-25) flush to zero, subnormal ones (below 2^-14) keep fewer
         bits, and a matrix wholly below 2^-25 comes back as a zero update (DSM-119). Standard-method matrices
         are untouched (their bf16 cast keeps fp32's range).
+    warmup_peak: ``"own"`` (default: a ``WarmupLR`` without ``warmup_max_lr`` warms each param group up
+        to its own lr) or ``"first_group"`` -- accident of 0.19.3 (``lr_schedules.py`` ``WarmupLR.__init__``
+        keeps only the first group's lr of the list it builds): every group warms up to the lr of
+        DeepSpeed's first param group, so the Adam half follows Muon's lr (DSM-121). Read by the caller
+        that computes the scheduled lrs (``oracles.schedules.group_lr``'s ``default_peak``).
     muon_momentum_lost_after: ``None`` (default) or a step count ``k``: accident of a ZeRO-3 resume with
         ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
         optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
@@ -276,6 +281,7 @@ class Conventions:
     muon_update_unscaled: bool = False
     muon_as_sgd: bool = False
     gram_input_dtype: Optional[str] = None
+    warmup_peak: str = "own"
     # Accident of ZeRO-2 + bf16 + grad_accum_dtype fp32 at one data-parallel rank (DSM-019): every
     # non-Muon parameter's gradient is lost before the step, so the auxiliary Adam reads zeros.
     adam_grads_lost: bool = False
@@ -293,7 +299,7 @@ class Conventions:
                   "muon_ns_method": (None, "gram", "standard"),
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
-                  "skip_on_nonfinite": ("always", "fp16_only"), "conv_aspect": ("reshaped", "last_two_dims")}
+                  "skip_on_nonfinite": ("always", "fp16_only"), "warmup_peak": ("own", "first_group"), "conv_aspect": ("reshaped", "last_two_dims")}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Conventions.{name} must be one of {allowed}, got {getattr(self, name)!r}")

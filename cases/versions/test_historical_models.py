@@ -245,3 +245,25 @@ def test_dsm121_needs_a_warmup_without_its_peak_over_groups_of_different_lr():
     assert not bug.trigger(cases["z1-none-fp32-ws2-sched-decay"])  # warmup_max_lr given: one peak for all, as meant
     assert not bug.trigger(cases["z2-none-bf16-ws2-sched-cosine"])  # another schedule
     assert not bug.trigger(cases["z1-none-fp32-ws2-ga2"])  # no schedule
+
+
+def test_dsm121_model_warms_every_group_to_the_first_groups_lr_and_only_without_a_peak():
+    from harness import verdict
+    from harness.matrix import gate_cases
+
+    bug = next(b for b in HISTORICAL if b.id == "DSM-121")
+    cases = {c.name: c for c in gate_cases(False)}
+    warm, decay = cases["z0-none-fp32-ws2-sched-warmup"], cases["z1-none-fp32-ws2-sched-decay"]
+    conv = Conventions(**bug.model(warm))
+    differs = 0
+    for applied in range(warm.steps + 1):
+        good = verdict.expected_group_lrs(warm, verdict.step_config(warm, applied))
+        bad = verdict.expected_group_lrs(warm, verdict.step_config(warm, applied, conv))
+        first = next(iter(good))
+        assert bad[first] == good[first]  # the first group's own schedule is the intended one
+        assert all(lr == good[first] for lr in bad.values())  # and every other group follows it
+        differs += any(bad[g] != good[g] for g in good)
+    assert differs >= 2  # the case shows it (the groups' configured lrs differ), not only after warm-up
+    for applied in range(decay.steps + 1):  # warmup_max_lr given: one peak for every group already
+        assert (verdict.expected_group_lrs(decay, verdict.step_config(decay, applied, conv))
+                == verdict.expected_group_lrs(decay, verdict.step_config(decay, applied)))
