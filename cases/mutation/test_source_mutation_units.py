@@ -187,3 +187,48 @@ def test_zygote_answers_a_request_in_a_forked_child_and_the_worker_forwards_to_i
         proc.kill()
         proc.wait()
     assert zygote.ask(str(sock), req, timeout=5) is None
+
+
+@pytest.mark.skipif(__import__("harness.source_mutation.cli", fromlist=["x"]).engine_executable() is None,
+                    reason="Cosmic Ray not installed: bash scripts/run.sh makes .venv-mutation")
+def test_session_records_listed_equivalents_without_a_run_unless_asked(tmp_path):
+    """A listed equivalent costs a survivor's whole run for a verdict already argued in writing, so the
+    session gives it its result at build time; --judge-equivalents (an audit of the list) leaves it pending,
+    and a premarked one whose line leaves the list reads as pending, never as equivalent."""
+    import os
+    import subprocess
+
+    from harness import buildenv
+    from harness.source_mutation.cli import engine_executable
+
+    resolved = scope.resolve(DS)
+    fn = next(r for r in resolved if r.entry.qualname == "ns_compute_dtype")
+    cmap = CoverageMap(lines={fn.entry.file: {i: ["c"] for i in range(fn.first, fn.last + 1)}},
+                       cases={"c": CaseInfo("c", 1.0, "passed", 1, "{}")})
+    cmap.dump(tmp_path / "map.json")
+    listed = {k for k in equivalents.load() if k.startswith(f"{fn.entry.file}:")
+              and fn.first <= int(k.split(":")[1]) <= fn.last}
+    assert listed, "ns_compute_dtype has listed equivalents (equivalents.txt)"
+    engine = engine_executable()
+    env = dict(os.environ, PYTHONPATH=str(buildenv.PROJECT_ROOT))
+
+    def build(name, *extra):
+        r = subprocess.run([str(engine.parent / "python"), "-m", "harness.source_mutation.session", "--session",
+                            str(tmp_path / name), "--map", str(tmp_path / "map.json"), "--only", "ns_compute_dtype",
+                            *extra], cwd=DS, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        dump = subprocess.run([str(engine), "dump", str(tmp_path / name)], cwd=DS, env=env, capture_output=True,
+                              text=True, timeout=300)
+        return json.loads(r.stdout), dump.stdout.splitlines()
+
+    info, lines = build("a.sqlite")
+    assert info["equivalent_not_judged"] == len(listed) and info["not_reached"] == 0
+    ms = report.read_dump(lines, resolved, equivalents.load())
+    assert {m.key for m in ms if m.status == "equivalent"} == listed
+    assert all(m.status == "pending" for m in ms if m.key not in listed) and len(ms) > len(listed)
+    assert all(m.reason for m in ms if m.status == "equivalent")
+    gone = report.read_dump(lines, resolved, {})  # the list no longer names them: judge them again
+    assert all(m.status == "pending" for m in gone)
+    info, lines = build("b.sqlite", "--judge-equivalents")
+    assert info["equivalent_not_judged"] == 0
+    assert all(m.status == "pending" for m in report.read_dump(lines, resolved, equivalents.load()))

@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--retry", default=None, metavar="STATUSES",
                     help="make mutants of these recorded statuses pending again, e.g. survived,not-reached "
                          "(after adding a case or sharpening a tolerance)")
+    ap.add_argument("--judge-equivalents", action="store_true",
+                    help="judge the mutants listed in equivalents.txt too (default: recorded as equivalent "
+                         "without a run; with --fresh, to audit the list: a listed mutant a case kills is wrong there)")
     ap.add_argument("--prepare", action="store_true",
                     help="make the copy, the coverage map, the session and the config, then stop (a worker "
                          "machine of the HTTP distributor, or the main machine before exec)")
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
             cmd += ["--sample", str(args.sample)]
         if args.only:
             cmd += ["--only", args.only]
-        cmd += replaced
+        cmd += replaced + (["--judge-equivalents"] if args.judge_equivalents else [])
         r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)

@@ -57,6 +57,10 @@ def read_dump(lines, resolved, equivalents: dict[str, str]) -> list[Mutant]:
         status = rec.get("status") or ("harness-error" if result.get("worker_outcome") != "skipped" else "not-reached")
         if key in equivalents and status == "survived":
             status = "equivalent"
+        elif status == "equivalent" and key not in equivalents:  # recorded unjudged, then taken off the list
+            status = "pending"
+            rec = dict(rec, detail="recorded as a listed equivalent without a run, no longer listed: "
+                                   "rerun with --retry equivalent")
         out.append(Mutant(key, name, status, result.get("diff") or "", rec, equivalents.get(key, "")))
     return sorted(out, key=lambda x: sort_key(x.key))
 

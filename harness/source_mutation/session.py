@@ -4,13 +4,16 @@
 occurrence numbering, ``cosmic_ray.commands.init``) are kept only where the mutated span starts on a
 scoped line, given a job id derived from what they mutate (so a seeded sample names the same mutants
 on every machine and every run), optionally sampled, and written into the session database. Mutants
-on lines the coverage map says no case executes get their result at once ("not reached"), so
-``cosmic-ray exec`` only runs the ones a case can kill, and a resumed exec runs only what is pending.
+on lines the coverage map says no case executes get their result at once ("not reached"), as do the
+ones listed in ``equivalents.txt`` ("equivalent": a listed mutant survives every case that reaches it,
+which costs a survivor's full run, ~40 s each, ~80 min over the list, for a verdict already argued in
+writing; ``--judge-equivalents`` judges them anyway, to audit the list), so ``cosmic-ray exec`` only
+runs the ones a case can kill, and a resumed exec runs only what is pending.
 
 Runs as ``<engine python> -m harness.source_mutation.session ...`` with the checkout on PYTHONPATH and
 the copy's package folder as the working directory (module paths are relative to it, so an HTTP
 worker on another machine resolves them in its own copy). Imports only the standard library, Cosmic
-Ray and the stdlib-only ``scope`` and ``selection`` modules.
+Ray and the stdlib-only ``scope``, ``selection`` and ``equivalents`` modules.
 """
 from __future__ import annotations
 
@@ -64,9 +67,10 @@ def scoped_items(ds_root: Path, only: str | None = None):
     return out, resolved
 
 
-def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict]) -> str | None:
+def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalent: dict[str, str]) -> str | None:
     """Give a mutant its result now when no worker is needed: inside a function the patched runtime
-    replaces (patched column only: ``replaced`` is empty on stock), or on a line no case executes."""
+    replaces (patched column only: ``replaced`` is empty on stock), on a line no case executes, or
+    listed in ``equivalent`` (key -> reason; empty to judge the listed ones too)."""
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     m = w.mutations[0]
@@ -81,6 +85,9 @@ def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict]) -> str | 
         rec = patched.record(hit, where)
     elif not cmap.cases_for(resolved, rel, lines):
         rec = {"status": "not-reached", "where": where, "detail": "no candidate case executes this line"}
+    elif (key := mutant_key(rel, m.operator_name, m.occurrence, m.start_pos)) in equivalent:
+        rec = {"status": "equivalent", "where": where, "detail": "listed in equivalents.txt, not judged: "
+               + equivalent[key]}
     else:
         return None
     db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
@@ -89,8 +96,10 @@ def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict]) -> str | 
 
 
 def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, seed: int,
-          only: str | None = None, replaced: list[dict] | None = None) -> dict:
+          only: str | None = None, replaced: list[dict] | None = None, judge_equivalents: bool = False) -> dict:
     from cosmic_ray.work_db import WorkDB, use_db
+
+    from harness.source_mutation import equivalents
 
     items, resolved = scoped_items(ds_root, only)
     if only:
@@ -107,15 +116,17 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
     if sample is not None and sample < len(items):
         items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
     marked: dict[str, int] = {}
+    listed = {} if judge_equivalents else equivalents.load()
     with use_db(str(session), WorkDB.Mode.create) as db:
         db.clear()
         db.add_work_items([w for _, w, _ in items])
         for _, w, _ in items:
-            st = _premark(db, w, resolved, cmap, replaced or [])
+            st = _premark(db, w, resolved, cmap, replaced or [], listed)
             if st:
                 marked[st] = marked.get(st, 0) + 1
     print("KEYS " + "; ".join(k for k, _, _ in items), file=sys.stderr)
     return {"scoped_mutants": total, "in_session": len(items), "not_reached": marked.get("not-reached", 0),
+            "equivalent_not_judged": marked.get("equivalent", 0),
             **({patched.STATUS: marked.get(patched.STATUS, 0)} if replaced else {}), "functions": len(resolved)}
 
 
@@ -146,7 +157,7 @@ def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str],
         with db._session_maker.begin() as s:  # Cosmic Ray has no public "forget this result"
             s.query(WorkResultStorage).filter(WorkResultStorage.job_id.in_(ids)).delete(synchronize_session=False)
         for w in again:
-            unreached += _premark(db, w, resolved, cmap, replaced or []) == "not-reached"
+            unreached += _premark(db, w, resolved, cmap, replaced or [], {}) == "not-reached"
     return {"retried": len(again), "still_not_reached": unreached}
 
 
@@ -159,13 +170,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None)
     ap.add_argument("--retry", default=None, help="comma-separated statuses to make pending again")
     ap.add_argument("--replaced", default=None, help="the patched column's replaced functions (patched.dump)")
+    ap.add_argument("--judge-equivalents", action="store_true", help="judge the listed equivalents too")
     args = ap.parse_args(argv)
     replaced = patched.load(args.replaced)
     if args.retry:
         print(json.dumps(retry(Path(args.session), Path("."), Path(args.map), set(args.retry.split(",")), replaced)))
         return 0
     print(json.dumps(build(Path(args.session), Path("."), Path(args.map), args.sample, args.seed, args.only,
-                           replaced)))
+                           replaced, args.judge_equivalents)))
     return 0
 
 
