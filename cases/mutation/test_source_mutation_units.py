@@ -231,4 +231,37 @@ def test_session_records_listed_equivalents_without_a_run_unless_asked(tmp_path)
     assert all(m.status == "pending" for m in gone)
     info, lines = build("b.sqlite", "--judge-equivalents")
     assert info["equivalent_not_judged"] == 0
-    assert all(m.status == "pending" for m in report.read_dump(lines, resolved, equivalents.load()))
+    pending = report.read_dump(lines, resolved, equivalents.load())
+    assert all(m.status == "pending" for m in pending)
+    # a ledger's judged results are taken over; a listed equivalent stays equivalent whatever it says
+    from harness.source_mutation import ledger
+
+    first, second = sorted(m.key for m in pending if m.key not in listed)[:2]
+    book = tmp_path / "stock-x.jsonl"
+    assert ledger.append(book, {first: {"status": "killed", "by": "c", "seconds": 2.0},
+                                second: {"status": "survived", "nearest": "c"},
+                                next(iter(listed)): {"status": "survived", "nearest": "c"}}, "abc") == 3
+    info, lines = build("c.sqlite", "--ledger", str(book))
+    assert info["from_ledger"] == 2 and info["equivalent_not_judged"] == len(listed)
+    got = {m.key: m for m in report.read_dump(lines, resolved, equivalents.load())}
+    assert got[first].status == "killed" and got[first].record["by"] == "c"
+    assert got[first].record["from_ledger"] == "abc" and got[second].status == "survived"
+    assert {k for k, m in got.items() if m.status == "pending"} == set(got) - listed - {first, second}
+    assert "carried from the ledger: 2" in report.Summary(list(got.values())).text()
+
+
+def test_ledger_keeps_judged_results_newest_last_and_never_copies_itself(tmp_path):
+    from harness.source_mutation import ledger
+
+    book = tmp_path / "stock-d.jsonl"
+    recs = {"a": {"status": "killed", "by": "c1", "seconds": 1.5, "tried": [1]}, "b": {"status": "not-reached"},
+            "c": {"status": "survived", "nearest": "c2"}, "d": {"status": "killed", "by": "c1", "from_ledger": "x"}}
+    assert ledger.append(book, recs, "h1") == 2
+    assert ledger.append(book, recs, "h2") == 0  # the same verdicts are not written twice
+    assert ledger.append(book, {"c": {"status": "killed", "by": "c3"}}, "h3") == 1
+    got = ledger.load(book)
+    assert set(got) == {"a", "c"} and got["c"]["status"] == "killed" and got["c"]["commit"] == "h3"
+    assert "tried" not in got["a"] and ledger.as_record(got["a"])["from_ledger"] == "h1"
+    book.write_text(book.read_text() + "not json\n")
+    with pytest.raises(ValueError, match="stock-d.jsonl:4"):
+        ledger.load(book)

@@ -9,6 +9,7 @@ coverage_map  recording the map on the ranks (coverage.py)
 worker        the engine's test command: judge the mutant in the copy
 session       builds the engine's session (runs in the engine's own virtual environment)
 equivalents   the checked-in equivalent mutants
+ledger        the checked-in judged results, so the whole-scope run resumes across machines
 report        mutation.html
 cli           the ``mutate --engine cosmic-ray`` driver
 """

@@ -2,8 +2,10 @@
 
 Steps, each skipped when its result is already there: make the private copy of DeepSpeed; record
 the coverage map (once per DeepSpeed source, scope and candidate set); build the Cosmic Ray session
-(all scoped mutants, or a seeded ``--sample``); run ``cosmic-ray exec`` on it (it runs only pending
-mutants, so an interrupted run resumes where it stopped); read the results back and write the report.
+(all scoped mutants, or a seeded ``--sample``; mutants the checked-in ledger has judged take their
+result from it unless ``--fresh``); run ``cosmic-ray exec`` on it (it runs only pending mutants, so an
+interrupted run resumes where it stopped); read the results back, add the judged ones to the ledger
+and write the report.
 
 Cosmic Ray lives in its own virtual environment (``.venv-mutation``, made by ``scripts/run.sh
 mutation``; or ``MUON_COSMIC_RAY`` naming its ``cosmic-ray`` executable): nothing of it is imported
@@ -90,6 +92,13 @@ def _start_zygote(env: dict):
     return proc, str(sock)
 
 
+def _commit() -> str:
+    """The checkout's commit (with -dirty for local changes): what judged a ledger line."""
+    r = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"], cwd=buildenv.PROJECT_ROOT,
+                       capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness mutate --engine cosmic-ray",
                                  description=__doc__.splitlines()[0])
@@ -106,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--judge-equivalents", action="store_true",
                     help="judge the mutants listed in equivalents.txt too (default: recorded as equivalent "
                          "without a run; with --fresh, to audit the list: a listed mutant a case kills is wrong there)")
+    ap.add_argument("--no-ledger", action="store_true",
+                    help="neither take results from nor add them to the checked-in ledger (ledger.py); --fresh "
+                         "judges every mutant anew but still adds its results")
     ap.add_argument("--prepare", action="store_true",
                     help="make the copy, the coverage map, the session and the config, then stop (a worker "
                          "machine of the HTTP distributor, or the main machine before exec)")
@@ -131,7 +143,7 @@ def main(argv=None) -> int:
         return 2
     engine_py = engine.parent / "python"
     buildenv.apply_base_env()
-    from harness.source_mutation import coverage_map, equivalents, patched, report, scope, workspace, zygote
+    from harness.source_mutation import coverage_map, equivalents, ledger, patched, report, scope, workspace, zygote
 
     t0 = time.perf_counter()
     lock = workspace.lock_copy(progress=lambda s: print(s, flush=True))  # noqa: F841 - held until exit
@@ -151,6 +163,7 @@ def main(argv=None) -> int:
     session.parent.mkdir(parents=True, exist_ok=True)
     config = state / f"cosmic-ray-{args.distributor}{'' if args.column == 'stock' else '-' + args.column}.toml"
     write_config(config, workspace.site_dir(), pristine, cmap_path, args.distributor, args.worker_url, args.column)
+    ledger_file = ledger.path_for(args.column, coverage_map.source_digest())
     replaced: list[str] = []
     if args.column == "patched":
         spans_file = state / "patched-replaced.json"
@@ -165,6 +178,8 @@ def main(argv=None) -> int:
         if args.only:
             cmd += ["--only", args.only]
         cmd += replaced + (["--judge-equivalents"] if args.judge_equivalents else [])
+        if not args.fresh and not args.no_ledger:
+            cmd += ["--ledger", str(ledger_file)]
         r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)
@@ -202,6 +217,9 @@ def main(argv=None) -> int:
         print(dump.stderr, file=sys.stderr)
         return 1
     mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load())
+    if not args.no_ledger:
+        wrote = ledger.append(ledger_file, {m.key: m.record for m in mutants}, _commit())
+        print(f"ledger: {wrote} new judged result(s) -> {ledger_file.relative_to(buildenv.PROJECT_ROOT)}", flush=True)
     scope_file = Path(str(session) + ".scope.json")
     summary = report.Summary(mutants, time.perf_counter() - t0,
                              title=f"Cosmic Ray source mutation ({tag}, {args.column} column)",

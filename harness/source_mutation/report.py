@@ -125,6 +125,11 @@ class Summary:
                f" = {100 * sc:.1f}%"),
             f"judging time: {len(ran)} mutants run, {per:.1f} s each on average (worker's own time, pool start-up "
             f"included; {self.seconds:.0f} s wall for this invocation)"]
+        carried = [m for m in self.mutants if m.record.get("from_ledger")]
+        if carried:
+            commits = sorted({m.record["from_ledger"] for m in carried})
+            lines.append(f"carried from the ledger: {len(carried)} of those results, judged at "
+                         f"{', '.join(commits[:6])}{' ...' if len(commits) > 6 else ''} (--fresh judges them anew)")
         if self.scope:
             tot = sum(c["mutants"] for c in self.scope.values())
             rea = sum(c["reached"] for c in self.scope.values())

@@ -24,7 +24,7 @@ import random
 import sys
 from pathlib import Path
 
-from harness.source_mutation import patched, scope
+from harness.source_mutation import ledger, patched, scope
 from harness.source_mutation.selection import CoverageMap
 
 RESULT_TAG = "MUTATION-RESULT "  # the worker's tag (harness.source_mutation.worker.RESULT_TAG)
@@ -33,6 +33,11 @@ RESULT_TAG = "MUTATION-RESULT "  # the worker's tag (harness.source_mutation.wor
 def mutant_key(rel: str, operator: str, occurrence: int, start) -> str:
     """The stable name of one mutant: file:line:col operator#occurrence (equivalents file, report)."""
     return f"{rel}:{start[0]}:{start[1]} {operator}#{occurrence}"
+
+
+def mutant_key_of(w) -> str:
+    m = w.mutations[0]
+    return mutant_key(str(m.module_path), m.operator_name, m.occurrence, m.start_pos)
 
 
 def job_id(key: str) -> str:
@@ -67,10 +72,12 @@ def scoped_items(ds_root: Path, only: str | None = None):
     return out, resolved
 
 
-def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalent: dict[str, str]) -> str | None:
+def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalent: dict[str, str],
+             carried: dict[str, dict] | None = None) -> str | None:
     """Give a mutant its result now when no worker is needed: inside a function the patched runtime
-    replaces (patched column only: ``replaced`` is empty on stock), on a line no case executes, or
-    listed in ``equivalent`` (key -> reason; empty to judge the listed ones too)."""
+    replaces (patched column only: ``replaced`` is empty on stock), on a line no case executes,
+    listed in ``equivalent`` (key -> reason; empty to judge the listed ones too), or judged before
+    (``carried``: the ledger's lines, ``harness.source_mutation.ledger``)."""
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     m = w.mutations[0]
@@ -88,6 +95,8 @@ def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalen
     elif (key := mutant_key(rel, m.operator_name, m.occurrence, m.start_pos)) in equivalent:
         rec = {"status": "equivalent", "where": where, "detail": "listed in equivalents.txt, not judged: "
                + equivalent[key]}
+    elif carried and key in carried:
+        rec = {**ledger.as_record(carried[key]), "where": where}
     else:
         return None
     db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
@@ -96,7 +105,8 @@ def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalen
 
 
 def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, seed: int,
-          only: str | None = None, replaced: list[dict] | None = None, judge_equivalents: bool = False) -> dict:
+          only: str | None = None, replaced: list[dict] | None = None, judge_equivalents: bool = False,
+          ledger_path: Path | None = None) -> dict:
     from cosmic_ray.work_db import WorkDB, use_db
 
     from harness.source_mutation import equivalents
@@ -117,16 +127,19 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
         items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
     marked: dict[str, int] = {}
     listed = {} if judge_equivalents else equivalents.load()
+    carried = ledger.load(ledger_path) if ledger_path else {}
     with use_db(str(session), WorkDB.Mode.create) as db:
         db.clear()
         db.add_work_items([w for _, w, _ in items])
         for _, w, _ in items:
-            st = _premark(db, w, resolved, cmap, replaced or [], listed)
+            st = _premark(db, w, resolved, cmap, replaced or [], listed, carried)
             if st:
                 marked[st] = marked.get(st, 0) + 1
+                marked["from_ledger"] = marked.get("from_ledger", 0) + (mutant_key_of(w) in carried
+                                                                      and st in ledger.JUDGED)
     print("KEYS " + "; ".join(k for k, _, _ in items), file=sys.stderr)
     return {"scoped_mutants": total, "in_session": len(items), "not_reached": marked.get("not-reached", 0),
-            "equivalent_not_judged": marked.get("equivalent", 0),
+            "equivalent_not_judged": marked.get("equivalent", 0), "from_ledger": marked.get("from_ledger", 0),
             **({patched.STATUS: marked.get(patched.STATUS, 0)} if replaced else {}), "functions": len(resolved)}
 
 
@@ -171,13 +184,14 @@ def main(argv=None) -> int:
     ap.add_argument("--retry", default=None, help="comma-separated statuses to make pending again")
     ap.add_argument("--replaced", default=None, help="the patched column's replaced functions (patched.dump)")
     ap.add_argument("--judge-equivalents", action="store_true", help="judge the listed equivalents too")
+    ap.add_argument("--ledger", default=None, help="take the results of mutants judged before from this ledger")
     args = ap.parse_args(argv)
     replaced = patched.load(args.replaced)
     if args.retry:
         print(json.dumps(retry(Path(args.session), Path("."), Path(args.map), set(args.retry.split(",")), replaced)))
         return 0
     print(json.dumps(build(Path(args.session), Path("."), Path(args.map), args.sample, args.seed, args.only,
-                           replaced, args.judge_equivalents)))
+                           replaced, args.judge_equivalents, Path(args.ledger) if args.ledger else None)))
     return 0
 
 
