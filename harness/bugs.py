@@ -134,7 +134,7 @@ def _is_muon(p) -> bool:
 
 
 def _has_muon(c: Case) -> bool:
-    return any(_is_muon(p) for p in c.params)
+    return c.runs_muon
 
 
 def _has_adam(c: Case) -> bool:

@@ -230,6 +230,15 @@ class Case:
     def grad_accum(self) -> int:
         return int(self.config.get("gradient_accumulation_steps", 1))
 
+    @functools.cached_property
+    def runs_muon(self) -> bool:
+        """Muon is the optimizer (neither a client optimizer nor a configured one of
+        ``NON_MUON_OPTIMIZERS``) and at least one parameter takes its route: what every bug of Muon's
+        own paths needs. A non-Muon case has Muon-shaped matrices but no Muon step."""
+        kind = str(self.config.get("optimizer", {}).get("type", "muon")).lower()
+        return (self.client_optimizer is None and kind not in {n.lower() for n in NON_MUON_OPTIMIZERS}
+                and any(p.uses_muon for p in self.params))
+
     def replace(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)
 

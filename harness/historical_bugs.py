@@ -17,7 +17,7 @@ from harness.case import Case
 
 
 def _has_muon(c: Case) -> bool:
-    return any(p.uses_muon for p in c.params)
+    return c.runs_muon
 
 
 def bf16_optimizer_route(c: Case) -> bool:
@@ -87,6 +87,19 @@ def _z12_no_offload_muon_ws2(c: Case) -> bool:
     return _z12_optimizer(c) and c.world_size >= 2 and _has_muon(c)
 
 
+def _z12_muon_matrix_straddles(c: Case) -> bool:
+    """DSM-107's trigger: ZeRO-1/2 without offload and a Muon matrix whose flat elements lie in two or more
+    ranks' partitions (measured on 0.19.0's whole gate: the sweep layouts whose rank boundary falls between
+    matrices show nothing)."""
+    if not _z12_no_offload_muon_ws2(c):
+        return False
+    from harness import verdict
+    from oracles.layout import param_slices
+
+    layout = verdict.layout_for(c, verdict.step_config(c))
+    return any(len({s.rank for s in param_slices(layout, p.name)}) > 1 for p in c.params if p.uses_muon)
+
+
 def _fp16_scale(c: Case) -> bool:
     """fp16 with a loss scale other than 1 (a static ``loss_scale`` of 1 leaves nothing to unscale)."""
     f = c.config.get("fp16", {})
@@ -133,6 +146,13 @@ def _z3_rounds(c: Case) -> list[list[tuple]]:
         if p.uses_muon:
             by_sub.setdefault(placement(layout, p.name).group, []).append(tuple(p.shape))
     return [shapes[i:i + W] for shapes in by_sub.values() for i in range(0, len(shapes), W)]
+
+
+def _z3_dist_muon_model_parallel(c: Case) -> bool:
+    """DSM-122's trigger: ZeRO-3 distributed Muon (Muon reached in the gradient reduce) with a data-parallel
+    group smaller than the world (``Case.model_parallel`` > 1): the deal's rounds are sized by the group and
+    gathered over the world."""
+    return c.stage == 3 and c.model_parallel > 1 and _has_muon(c) and not _z3_muon_skipped(c)
 
 
 def _z12_momentum_split(c: Case) -> bool:
@@ -312,6 +332,23 @@ SPECS: tuple[dict, ...] = (
         crash=("RuntimeError", "invalid tensor size", "_apply_distributed_muon_update"),
     ),
     dict(
+        id="DSM-122",
+        title="ZeRO-3 distributed Muon all-gathers over the whole world, not the data-parallel group",
+        symptom="With model parallelism (a data-parallel group smaller than the world) the first backward raises "
+                "RuntimeError from gloo's all_gather ('invalid output tensor list at index 0 (expected length 4, "
+                "got 2)'): each round of the one-matrix-per-rank deal is sized by the data-parallel group but "
+                "gathered over the default (world) group (0.19.0 z3-none-fp32-ws4-clip0.05-mp2, "
+                "z3-cpu-bf16-ws4-ga2-mp2).",
+        trigger=_z3_dist_muon_model_parallel,
+        quantities=frozenset({"crash"}),
+        where="0.19.0-0.19.2 stage3.py _apply_distributed_muon_update (0.19.0 :1507-1527): world_sz = "
+              "dist.get_world_size(self.dp_process_group), then dist.all_gather(grads_pad[base_i:base_i + "
+              "world_sz], ...) and the momentum's all_gather with no group= argument; 0.19.3 passes "
+              "group=process_group",
+        reproducer="z3-none-fp32-ws4-clip0.05-mp2 (gate case) on DeepSpeed 0.19.0",
+        crash=("RuntimeError", "invalid output tensor list", "_apply_distributed_muon_update"),
+    ),
+    dict(
         id="DSM-103",
         title="ZeRO-1/2 keep the Muon momentum of only the last matrix of a group",
         symptom="Without offload every Muon matrix restages the group's momentum from the committed copy "
@@ -376,8 +413,10 @@ SPECS: tuple[dict, ...] = (
                 "the average is -0.412): the capture notes the ranks' disagreement, and the update, master and "
                 "model diverge from step 1 (fp32: 6.6x the master allowance). Seen on layer0.weight, the Muon "
                 "matrix that the two ranks' partitions share.",
-        trigger=_z12_no_offload_muon_ws2,
-        quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model"}),
+        trigger=_z12_muon_matrix_straddles,
+        # global_norm: the norm counts each Muon matrix's update O (DeepSpeed's clip_norm_source), made from
+        # that gradient (session 9, 0.19.0's whole gate: the norm alone diverged in 8 such cases)
+        quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model", "global_norm"}),
         where="0.19.0-0.19.2 stage_1_and_2.py get_flat_partition (0.19.0: lines 2003-2013): muon_update over "
               "the whole matrix's self.all_grad_tensors entry on each rank; which part of it holds the averaged "
               "gradient was not investigated",
