@@ -71,7 +71,7 @@ def _groups_flattened() -> bool:
 def _z12_group_with_two_muon(c: Case) -> bool:
     """ZeRO-1/2 without offload, a param group with two or more Muon matrices (the staging reset only
     loses the momentum of a matrix that is not the last one a rank updates in its group)."""
-    if not _z12_optimizer(c):
+    if not (_z12_optimizer(c) and _has_muon(c)):
         return False
     return any(len(shapes) >= 2 for shapes in _muon_shapes_by_group(c))
 
