@@ -244,7 +244,8 @@ def non_muon_cases(full: bool = False) -> list[Case]:
     ``deepspeed.initialize`` with no optimizer in the config (ZeRO-1: DeepSpeed's ``optimizer_name`` is
     None). Every parameter, matrices included, must take plain AdamW: the oracle says so from the
     configured optimizer, never from DeepSpeed's ``use_muon`` tags, so Muon routing that leaks into a
-    non-Muon run (``set_optimizer_flags``, the engine's optimizer choice) diverges or crashes. 2 cases,
+    non-Muon run (``set_optimizer_flags``, the engine's optimizer choice) diverges or crashes; and "Adam"
+    with ``adam_w_mode: false``, whose weight decay is L2 (added to the gradient), not decoupled. 3 cases,
     CI and --full."""
     c = _case(2, "none", "fp32", 2)
     named = _with_config(c, "-adamw", optimizer={"type": "AdamW", "params": dict(NON_MUON_PARAMS)})
@@ -252,7 +253,11 @@ def non_muon_cases(full: bool = False) -> list[Case]:
     cfg = {k: v for k, v in c.config.items() if k != "optimizer"}
     client = c.replace(name=c.name + "-client-adamw", ds_config=canonical_json(cfg),
                        client_optimizer=canonical_json({"type": "AdamW", "params": dict(NON_MUON_PARAMS)}))
-    return [named, client]
+    # "Adam" with adam_w_mode false: the L2 rule, which DeepSpeed picks only from this flag (engine.py
+    # _configure_basic_optimizer; a comparison there mutated to always decouple survived the AdamW cases)
+    l2 = _with_config(_case(2, "none", "fp32", 2), "-adam-l2",
+                      optimizer={"type": "Adam", "params": dict(NON_MUON_PARAMS, adam_w_mode=False)})
+    return [named, client, l2]
 
 
 # A 5-D Muon weight (a Conv3d filter, out x in x kd x kh x kw): muon_update reshapes only 4-D filters
@@ -633,7 +638,7 @@ GROUPS = (
     ("growth", lambda n: n.endswith("-growth")),
     ("refusals", lambda n: n.endswith("-refused")),
     ("tp", lambda n: "-autotp" in n),
-    ("nonmuon", lambda n: n.endswith("adamw")),
+    ("nonmuon", lambda n: n.endswith(("adamw", "adam-l2"))),
 )
 
 

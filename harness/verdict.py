@@ -128,10 +128,12 @@ _NON_MUON_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def non_muon_optimizer(case: Case) -> tuple[str, dict] | None:
-    """(lower-case type, params) of a case whose optimizer is not Muon: the user's own torch optimizer
+    """(update rule, params) of a case whose optimizer is not Muon: the user's own torch optimizer
     (``Case.client_optimizer``) or a config that names one of ``harness.case.NON_MUON_OPTIMIZERS``;
-    None for Muon. The oracle then steps every parameter with Adam (decoupled decay for AdamW, L2 for
-    Adam, as torch.optim and DeepSpeed's FusedAdam define them), never Muon."""
+    None for Muon. The oracle then steps every parameter with Adam, never Muon. The rule is "adamw"
+    (decoupled weight decay) or "adam" (L2, the decay added to the gradient): a client torch.optim.Adam
+    / AdamW is what its class says; in the config, DeepSpeed's documented rule holds: "AdamW" always
+    decouples, and "Adam" decouples too unless its ``adam_w_mode`` is false."""
     from harness.case import NON_MUON_OPTIMIZERS
 
     spec = json.loads(case.client_optimizer) if case.client_optimizer else case.config.get("optimizer", {})
@@ -141,13 +143,19 @@ def non_muon_optimizer(case: Case) -> tuple[str, dict] | None:
     if kind.lower() not in {n.lower() for n in NON_MUON_OPTIMIZERS}:
         raise ValueError(f"{case.name}: optimizer {kind!r}: the oracle knows Muon and {NON_MUON_OPTIMIZERS}")
     params = dict(spec.get("params", {}))
-    if spec.get("adam_w_mode", params.pop("adam_w_mode", None)) is not None:
-        raise ValueError(f"{case.name}: adam_w_mode with a non-Muon optimizer: name AdamW or Adam instead")
+    w_mode = params.pop("adam_w_mode", spec.get("adam_w_mode"))
+    if case.client_optimizer:
+        if w_mode is not None:
+            raise ValueError(f"{case.name}: adam_w_mode is no torch.optim argument: a client optimizer is Adam (L2) "
+                             "or AdamW (decoupled) by its type")
+        rule = kind.lower()
+    else:
+        rule = "adamw" if kind.lower() == "adamw" or w_mode is None or bool(w_mode) else "adam"
     unset = [k for k in _NON_MUON_KEYS if k not in params]
     if unset:
         raise ValueError(f"{case.name}: a non-Muon optimizer's oracle needs {unset} stated (defaults differ "
                          "between torch.optim and DeepSpeed's FusedAdam)")
-    return kind.lower(), params
+    return rule, params
 
 
 def _scheduled_hyper(case: Case, sc: oracles.StepConfig, applied: int, conv: oracles.Conventions) -> tuple:

@@ -24,12 +24,12 @@ def _cases():
     return {c.name: c for c in non_muon_cases()}
 
 
-def test_every_parameter_is_adamw_in_the_oracle_whatever_deepspeed_would_tag():
+def test_every_parameter_is_adam_in_the_oracle_whatever_deepspeed_would_tag():
     for c in non_muon_cases():
         sc = step_config(c)
         assert any(deepspeed_uses_muon(p.name, p.shape) for p in c.params)  # DeepSpeed's rule would say Muon
         assert not any(p.use_muon for p in sc.params), c.name
-        assert sc.adam_lr == NON_MUON_PARAMS["lr"] and sc.adam_w_mode
+        assert sc.adam_lr == NON_MUON_PARAMS["lr"] and sc.adam_w_mode == (not c.name.endswith("-adam-l2"))
         assert sc.betas == tuple(NON_MUON_PARAMS["betas"]) and sc.eps == NON_MUON_PARAMS["eps"]
         assert sc.weight_decay == NON_MUON_PARAMS["weight_decay"]
         assert expected_group_lrs(c, sc) == {"0": NON_MUON_PARAMS["lr"]}
@@ -75,3 +75,25 @@ def test_a_muon_routed_run_fails_the_adamw_case_on_the_matrices_only(pool_manage
     failed = {f.param for f in v.failures}
     params = {p for p in failed if not p.startswith("<")}  # "<step>" muon_calls, "<group ...>" lr: run-level
     assert params == matrices, v.message()
+
+
+def test_adam_rule_follows_deepspeeds_documented_flag_and_torchs_class():
+    """A configured "Adam" decouples its weight decay unless adam_w_mode is false; "AdamW" always does; a
+    client optimizer is what its torch class is, and adam_w_mode (no torch argument) is refused there."""
+    c = _cases()["z2-none-fp32-ws2-adamw"]
+
+    def rule(kind, **extra):
+        cfg = c.config
+        cfg["optimizer"] = {"type": kind, "params": dict(NON_MUON_PARAMS, **extra)}
+        return non_muon_optimizer(c.replace(ds_config=canonical_json(cfg)))[0]
+
+    assert rule("Adam") == "adamw" and rule("Adam", adam_w_mode=True) == "adamw"
+    assert rule("Adam", adam_w_mode=False) == "adam" and rule("AdamW", adam_w_mode=False) == "adamw"
+    l2 = _cases()["z2-none-fp32-ws2-adam-l2"]
+    assert non_muon_optimizer(l2)[0] == "adam" and not step_config(l2).adam_w_mode
+    client = _cases()["z1-none-fp32-ws2-client-adamw"]
+    spec = json.loads(client.client_optimizer)
+    assert non_muon_optimizer(client.replace(client_optimizer=canonical_json(dict(spec, type="Adam"))))[0] == "adam"
+    with pytest.raises(ValueError, match="no torch.optim argument"):
+        non_muon_optimizer(client.replace(client_optimizer=canonical_json(
+            dict(spec, params=dict(spec["params"], adam_w_mode=True)))))
