@@ -273,6 +273,21 @@ def conv3d_cases(full: bool = False) -> list[Case]:
             for st in (0, 1)]
 
 
+# Two Muon matrices whose flat group puts exactly one element of the larger on the second rank (ZeRO-1/2 at
+# W=2: 3x3 then 2x2, 13 elements in two partitions of 8: layer1.weight's elements 0-7 on rank 0, its last on
+# rank 1). The offload paths copy each rank's share of an update by its length (``num_elements > 0``); no
+# other case has a share of exactly one element, so an off-by-one there showed nowhere.
+ONE_ELEMENT_SHARE_PARAMS = (ParamShape("layer0.weight", (2, 2)), ParamShape("layer0.bias", (2,)),
+                            ParamShape("layer1.weight", (3, 3)), ParamShape("layer1.bias", (3,)))
+
+
+def one_element_share_cases(full: bool = False) -> list[Case]:
+    """ZeRO-1 and ZeRO-2 with CPU offload at two ranks (fp32), a Muon matrix of which one rank holds a
+    single element (``ONE_ELEMENT_SHARE_PARAMS``; ``cases/pipelines`` checks the layout): 2 cases, CI and
+    --full."""
+    return [_case(st, "cpu", "fp32", 2, params=ONE_ELEMENT_SHARE_PARAMS, suffix="-oneelem") for st in (1, 2)]
+
+
 def low_momentum_cases(full: bool = False) -> list[Case]:
     """Muon momentum 0.3, ZeRO-1 at two ranks (fp32): every other case uses 0.9 or 0.95, and for a
     momentum in [0.5, 1) ``1 - beta`` and ``1 % beta`` are the same double (Sterbenz), so a wrong
@@ -677,7 +692,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
+             + conv3d_cases(full) + one_element_share_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))
     cases += sweep_cases(full)

@@ -98,6 +98,19 @@ def test_conv3d_weight(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.one_element_share_cases))
+def test_one_element_share(case, column, pool_manager, seed, request):
+    """A rank holds exactly one element of a Muon matrix (the layout oracle says so), and that element's
+    update is copied like any other share."""
+    from harness import verdict
+    from oracles.layout import param_slices
+
+    layout = verdict.layout_for(case, verdict.step_config(case))
+    split = [[s.param_end - s.param_start for s in param_slices(layout, p.name)] for p in case.params if p.uses_muon]
+    assert any(len(shares) > 1 and 1 in shares for shares in split), split
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.low_momentum_cases))
 def test_low_momentum(case, column, pool_manager, seed, request):
     assert case.config["optimizer"]["params"]["momentum"] < 0.5
