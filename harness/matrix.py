@@ -282,10 +282,14 @@ ONE_ELEMENT_SHARE_PARAMS = (ParamShape("layer0.weight", (2, 2)), ParamShape("lay
 
 
 def one_element_share_cases(full: bool = False) -> list[Case]:
-    """ZeRO-1 and ZeRO-2 with CPU offload at two ranks (fp32), a Muon matrix of which one rank holds a
-    single element (``ONE_ELEMENT_SHARE_PARAMS``; ``cases/pipelines`` checks the layout): 2 cases, CI and
-    --full."""
-    return [_case(st, "cpu", "fp32", 2, params=ONE_ELEMENT_SHARE_PARAMS, suffix="-oneelem") for st in (1, 2)]
+    """ZeRO-1 and ZeRO-2 with CPU offload at two ranks (fp32), and the BF16_Optimizer route (bf16, fp32
+    gradient accumulation, ZeRO-1), a Muon matrix of which one rank holds a single element
+    (``ONE_ELEMENT_SHARE_PARAMS``; ``cases/pipelines`` checks the layout). The BF16_Optimizer route decides
+    from the matrix's last element whether it is split between ranks (``_build_muon_exchange_layout``): an
+    off-by-one there takes this matrix as whole. 3 cases, CI and --full."""
+    out = [_case(st, "cpu", "fp32", 2, params=ONE_ELEMENT_SHARE_PARAMS, suffix="-oneelem") for st in (1, 2)]
+    bf16 = _case(1, "none", "bf16", 2, params=ONE_ELEMENT_SHARE_PARAMS, suffix="-oneelem")
+    return out + [_with_config(bf16, "-gad32", data_types={"grad_accum_dtype": "fp32"})]
 
 
 def low_momentum_cases(full: bool = False) -> list[Case]:
