@@ -155,6 +155,18 @@ def _z3_dist_muon_model_parallel(c: Case) -> bool:
     return c.stage == 3 and c.model_parallel > 1 and _has_muon(c) and not _z3_muon_skipped(c)
 
 
+def _cpu_fused_adam_l2(c: Case) -> bool:
+    """DSM-124's trigger: on the CPU accelerator the engine builds FusedAdam (no optimizer offload, no client
+    optimizer: the configured Adam, or Muon's auxiliary Adam), L2 weight decay is asked for
+    (``adam_w_mode`` false) and some Adam parameter has weight decay."""
+    from harness import verdict
+
+    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu" or c.offload != "none" or c.client_optimizer:
+        return False
+    sc = verdict.step_config(c)
+    return not sc.adam_w_mode and any(sc.hyper(p)["weight_decay"] > 0 for p in sc.params if not p.use_muon)
+
+
 def _z12_momentum_split(c: Case) -> bool:
     """DSM-103 on a matrix that straddles ranks: on each rank only the last Muon matrix of its partition keeps
     this step's momentum, so a matrix that is the last on one holder and not on another ends the step with
@@ -347,6 +359,21 @@ SPECS: tuple[dict, ...] = (
               "group=process_group",
         reproducer="z3-none-fp32-ws4-clip0.05-mp2 (gate case) on DeepSpeed 0.19.0",
         crash=("RuntimeError", "invalid output tensor list", "_apply_distributed_muon_update"),
+    ),
+    dict(
+        id="DSM-124",
+        title="CPU FusedAdam ignores adam_w_mode=False: L2 weight decay is applied decoupled (AdamW)",
+        symptom="An Adam asked for L2 weight decay (\"Adam\" with adam_w_mode false; Muon's auxiliary Adam with "
+                "it) steps as AdamW on the CPU accelerator: 0.19.5 z2-none-fp32-ws2-adam-l2, layer1.weight master "
+                "0.29304409 at step 1 where L2 gives 0.29107332 (1.3e4x the allowance) and decoupled decay gives "
+                "exactly what DeepSpeed wrote.",
+        trigger=_cpu_fused_adam_l2,
+        quantities=frozenset({"master", "model"}),
+        where="before 0.19.6 csrc/cpu/adam/fused_adam.cpp multi_tensor_adam: create_adam_optimizer(0) once, with "
+              "its default adamw_mode=true, and ds_adam_step(0, ...) never reads the mode argument; 0.19.6 keeps "
+              "one optimizer per mode",
+        reproducer="z2-none-fp32-ws2-adam-l2 (gate case) on DeepSpeed 0.19.5",
+        model=lambda c: {"adam_l2_decoupled": True},
     ),
     dict(
         id="DSM-103",

@@ -373,6 +373,9 @@ AFFECTED.update({
     # session 9: the whole CI gate on 0.19.0, its two ZeRO-3 -mp2 cases (rank 0 raised in the all_gather);
     # 0.19.1 and 0.19.2 (same code) below; 0.19.3's whole gate runs them past the backward
     "DSM-122": {"0.19.0": True, "0.19.3": False},
+    # session 9: z2-none-fp32-ws2-adam-l2 (added this session) in the whole CI gate on 0.19.5, then by name on
+    # the others; 0.19.6's op keeps one optimizer per mode (its fused_adam.cpp equals 0.19.8's)
+    "DSM-124": {"0.19.5": True, "0.19.6": False, "0.19.7": False, "0.19.8": False},
 })
 # The whole CI gate on 0.19.3 (session 8), its 78 failures/errors re-measured by name (--exclude-absent): the 0.19.4
 # set less DSM-106 (its pipelined cases crash first at initialize, as DSM-113 says: measured present there, and

@@ -248,6 +248,10 @@ class Conventions:
         keeps only the first group's lr of the list it builds): every group warms up to the lr of
         DeepSpeed's first param group, so the Adam half follows Muon's lr (DSM-121). Read by the caller
         that computes the scheduled lrs (``oracles.schedules.group_lr``'s ``default_peak``).
+    adam_l2_decoupled: False (default) or True -- accident of the CPU build of FusedAdam before 0.19.6
+        (``csrc/cpu/adam/fused_adam.cpp``: one optimizer made at first use in AdamW mode, the ``mode`` argument
+        never read): an Adam asked for L2 weight decay (``adam_w_mode`` false) decays decoupled, as AdamW
+        (DSM-124).
     muon_momentum_lost_after: ``None`` (default) or a step count ``k``: accident of a ZeRO-3 resume with
         ``save_muon_momentum_buffer_in_memory`` (``stage3.py`` ``_rigid_load_state_dict`` restores the
         optimizer state's momentum tensor, but the update reads the in-memory buffer, which nothing
@@ -282,6 +286,7 @@ class Conventions:
     muon_as_sgd: bool = False
     gram_input_dtype: Optional[str] = None
     warmup_peak: str = "own"
+    adam_l2_decoupled: bool = False
     # Accident of ZeRO-2 + bf16 + grad_accum_dtype fp32 at one data-parallel rank (DSM-019): every
     # non-Muon parameter's gradient is lost before the step, so the auxiliary Adam reads zeros.
     adam_grads_lost: bool = False
@@ -452,7 +457,8 @@ def _warmup_step(state: OracleState, cfg: StepConfig, conv: Conventions) -> Orac
             master[n] = round_master(theta * (1.0 - hp["lr"] * hp["weight_decay"]), conv)
             continue
         res = adam_step(theta, torch.zeros_like(theta), state.adam_m[n], state.adam_v[n], 1, lr=hp["lr"],
-                        betas=cfg.betas, eps=cfg.eps, weight_decay=hp["weight_decay"], adam_w_mode=cfg.adam_w_mode)
+                        betas=cfg.betas, eps=cfg.eps, weight_decay=hp["weight_decay"],
+                        adam_w_mode=cfg.adam_w_mode or conv.adam_l2_decoupled)
         master[n], am[n], av[n] = round_master(res.theta, conv), res.m, res.v
     return replace(state, master=master, adam_m=am, adam_v=av, adam_step=1)
 
@@ -694,7 +700,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         g = Gs[n] * (ratio / adam_div)
         hp = cfg.hyper(spec)
         res = adam_step(theta, g, state.adam_m[n], state.adam_v[n], t, lr=hp["lr"], betas=cfg.betas,
-                        eps=cfg.eps, weight_decay=hp["weight_decay"], adam_w_mode=cfg.adam_w_mode)
+                        eps=cfg.eps, weight_decay=hp["weight_decay"],
+                        adam_w_mode=cfg.adam_w_mode or conv.adam_l2_decoupled)
         master[n] = round_master(res.theta, conv)
         adam_m[n], adam_v[n] = res.m, res.v
         recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],
