@@ -375,7 +375,8 @@ AFFECTED.update({
     "DSM-122": {"0.19.0": True, "0.19.3": False},
     # session 9: z2-none-fp32-ws2-adam-l2 (added this session) in the whole CI gate on 0.19.5, then by name on
     # the others; 0.19.6's op keeps one optimizer per mode (its fused_adam.cpp equals 0.19.8's)
-    "DSM-124": {"0.19.5": True, "0.19.6": False, "0.19.7": False, "0.19.8": False},
+    "DSM-124": {"0.19.0": True, "0.19.1": True, "0.19.2": True, "0.19.3": True, "0.19.4": True, "0.19.5": True,
+                "0.19.6": False, "0.19.7": False, "0.19.8": False},
 })
 # The whole CI gate on 0.19.3 (session 8), its 78 failures/errors re-measured by name (--exclude-absent): the 0.19.4
 # set less DSM-106 (its pipelined cases crash first at initialize, as DSM-113 says: measured present there, and
