@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from harness import historical_bugs
+from harness import historical_bugs, nvme
 from harness.case import Case
 from oracles.layout import zero3_padded_tail
 
@@ -683,7 +683,7 @@ BUGS: tuple[Bug, ...] = (
                 "capture, the same run's weights after two steps differ from CPU offload's by 8.4e-4 in "
                 "that matrix and are bit-identical with an 8x32768 matrix (sorted first). Found in session "
                 "8 when a shorter swapped matrix was tried for speed.",
-        trigger=lambda c: c.dtype in ("fp32", "fp16") and _swapped_muon_matrix_not_first(c),
+        trigger=lambda c: c.dtype in ("fp32", "fp16") and nvme.swapped_muon_matrix_not_first(c),
         # Teacher forcing feeds the oracle DeepSpeed's own (misplaced) gradient, so the update, momentum
         # and weights agree with it; the gradient check is where the bug shows. Not modelled yet (which
         # elements land where, and what fills the tail, is not derived): excused by quantity.
@@ -699,25 +699,6 @@ BUGS: tuple[Bug, ...] = (
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-sortedlast",
     ),
 )
-
-
-def _swapped_muon_matrix_not_first(c: Case) -> bool:
-    """A ZeRO-3 swapped Muon sub-group (``harness.nvme``) in which a matrix whose own per-rank partition
-    reaches the swap threshold does not come first (DeepSpeed orders the group by ``p.size()``,
-    descending): DSM-021."""
-    from harness import nvme
-
-    if c.stage != 3 or c.offload != "nvme":
-        return False
-    by_name = {p.name: p for p in c.params}
-    threshold = nvme.min_swap_bytes(c)
-    for sub in nvme.predict_swapped_subgroups(c):
-        if sub["group"] != "muon" or not sub["swapped"]:
-            continue
-        for name in sub["params"][1:]:
-            if nvme.FP32_BYTES * math.ceil(by_name[name].numel / c.dp_size) >= threshold:
-                return True
-    return False
 
 
 def _muon_group_ns_methods(c: Case) -> set:

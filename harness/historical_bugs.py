@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 
+from harness import nvme
 from harness.case import Case
 
 
@@ -359,6 +360,23 @@ SPECS: tuple[dict, ...] = (
               "group=process_group",
         reproducer="z3-none-fp32-ws4-clip0.05-mp2 (gate case) on DeepSpeed 0.19.0",
         crash=("RuntimeError", "invalid output tensor list", "_apply_distributed_muon_update"),
+    ),
+    dict(
+        id="DSM-123",
+        title="ZeRO-3 NVMe before 0.19.8: the Muon update of a swapped matrix sorted after others never steps it",
+        symptom="A swapped Muon matrix that DeepSpeed sorts after smaller ones in its sub-group (0.19.4-0.19.6 "
+                "z3-nvme-part-fp32-ws1-sortedlast, big.weight 8 x 32768) reaches muon_update with the right "
+                "gradient, but its masters then move by something else: every element off from step 1 "
+                "(~5e-4, 2e5x the allowance) while the matrices ahead of it are right. The same sub-group "
+                "ordering as DSM-021 on 0.19.8, where the gradient read is what breaks; here the capture sees a "
+                "right gradient and momentum.",
+        trigger=lambda c: c.dtype in ("fp32", "fp16") and nvme.swapped_muon_matrix_not_first(c),
+        quantities=frozenset({"master", "model"}),
+        where="0.19.4 stage3.py:1877 swap_out_gradients after the Muon update in the gradient reduce "
+              "(optimizer_utils.py _swap_out_gradients writes each gradient at its offset in the swap file); not "
+              "located further: DSM-021's mechanism (aio through a view of a locked buffer at a nonzero offset "
+              "moves nothing on this CPU build) is the likely cause, unverified here",
+        reproducer="z3-nvme-part-fp32-ws1-sortedlast (gate case) on DeepSpeed 0.19.4",
     ),
     dict(
         id="DSM-124",

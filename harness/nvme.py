@@ -118,6 +118,23 @@ def _model_order(case: Case) -> list[str]:
     return [n for n, _ in build_model(case).named_parameters()]
 
 
+def swapped_muon_matrix_not_first(case: Case) -> bool:
+    """A ZeRO-3 swapped Muon sub-group in which a matrix whose own per-rank partition reaches the swap
+    threshold does not come first (DeepSpeed orders the group by ``p.size()``, descending): where DSM-021
+    (0.19.8) and DSM-123 (0.19.4-0.19.7) show."""
+    if case.stage != 3 or case.offload != "nvme":
+        return False
+    by_name = {p.name: p for p in case.params}
+    threshold = min_swap_bytes(case)
+    for sub in predict_swapped_subgroups(case):
+        if sub["group"] != "muon" or not sub["swapped"]:
+            continue
+        for name in sub["params"][1:]:
+            if FP32_BYTES * math.ceil(by_name[name].numel / case.dp_size) >= threshold:
+                return True
+    return False
+
+
 def expects_swap(case: Case) -> bool:
     return any(s["swapped"] for s in predict_swapped_subgroups(case))
 
