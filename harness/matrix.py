@@ -292,6 +292,17 @@ def one_element_share_cases(full: bool = False) -> list[Case]:
     return out + [_with_config(bf16, "-gad32", data_types={"grad_accum_dtype": "fp32"})]
 
 
+# One linear layer: one Muon matrix and one Adam vector, so each of DeepSpeed's param groups holds a single
+# parameter (every other case has two or more per group; ZeRO-3 reads a group's Muon-ness from its first
+# parameter, and code that looks past the first had nothing to trip on).
+ONE_MATRIX_PARAMS = (ParamShape("layer0.weight", (6, 5)), ParamShape("layer0.bias", (6,)))
+
+
+def one_matrix_cases(full: bool = False) -> list[Case]:
+    """A one-layer model under ZeRO-3 without offload at two ranks (fp32): 1 case, CI and --full."""
+    return [_case(3, "none", "fp32", 2, params=ONE_MATRIX_PARAMS, suffix="-onematrix")]
+
+
 def low_momentum_cases(full: bool = False) -> list[Case]:
     """Muon momentum 0.3, ZeRO-1 at two ranks (fp32): every other case uses 0.9 or 0.95, and for a
     momentum in [0.5, 1) ``1 - beta`` and ``1 % beta`` are the same double (Sterbenz), so a wrong
@@ -696,7 +707,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + one_element_share_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
+             + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))
     cases += sweep_cases(full)

@@ -111,6 +111,13 @@ def test_one_element_share(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.one_matrix_cases))
+def test_one_parameter_per_group(case, column, pool_manager, seed, request):
+    """A one-layer model: the Muon group and the Adam group hold one parameter each."""
+    assert sum(p.uses_muon for p in case.params) == 1 and len(case.params) == 2
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.low_momentum_cases))
 def test_low_momentum(case, column, pool_manager, seed, request):
     assert case.config["optimizer"]["params"]["momentum"] < 0.5
