@@ -303,6 +303,14 @@ def one_matrix_cases(full: bool = False) -> list[Case]:
     return [_case(3, "none", "fp32", 2, params=ONE_MATRIX_PARAMS, suffix="-onematrix")]
 
 
+def low_scale_cases(full: bool = False) -> list[Case]:
+    """fp16 with a loss scale of 2 (``initial_scale_power: 1``), ZeRO-1 at two ranks: every other fp16 case
+    starts at 256 and moves by factors of 2 from there, so code that treats one particular small scale
+    specially (the Muon update's rescale tests the scale against 1.0) was never run near it. 1 case, CI and
+    --full."""
+    return [_case(1, "none", "fp16", 2, initial_scale_power=1, suffix="-scale2")]
+
+
 def low_momentum_cases(full: bool = False) -> list[Case]:
     """Muon momentum 0.3, ZeRO-1 at two ranks (fp32): every other case uses 0.9 or 0.95, and for a
     momentum in [0.5, 1) ``1 - beta`` and ``1 % beta`` are the same double (Sterbenz), so a wrong
@@ -707,7 +715,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
+             + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))
     cases += sweep_cases(full)

@@ -118,6 +118,12 @@ def test_one_parameter_per_group(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.low_scale_cases))
+def test_loss_scale_two(case, column, pool_manager, seed, request):
+    assert case.config["fp16"]["initial_scale_power"] == 1
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.low_momentum_cases))
 def test_low_momentum(case, column, pool_manager, seed, request):
     assert case.config["optimizer"]["params"]["momentum"] < 0.5
