@@ -31,6 +31,8 @@ def warm_compiled_muon_update() -> None:
     # float64 Newton-Schulz only where the release has the hook that forces it (its cases are deselected
     # elsewhere: on 0.19.6 this warm-up raised AttributeError on ``ns_compute_dtype``)
     hpns = () if versions.refuses("ns-compute-dtype-hook") else ("float64",)
+    # 0.18.9's muon_update takes no ns_method (the warm-up raised TypeError there, session 9)
+    ns = {"ns_method": "gram"} if versions.has_ns_method() else {}
     for ns_dtype in (None, *hpns):
         with force_ns_dtype(ns_dtype):
             for dtype, mom_dtype in combos:
@@ -38,4 +40,4 @@ def warm_compiled_muon_update() -> None:
                 for shape in WARM_SHAPES:
                     grad = torch.randn(shape).to(dtype)
                     momentum = torch.zeros(shape, dtype=mom_dtype)
-                    original_muon.muon_update(grad, momentum, 0.95, ns_method="gram")
+                    original_muon.muon_update(grad, momentum, 0.95, **ns)

@@ -182,12 +182,17 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
 )
 
 
+def has_ns_method(version: str | None = None) -> bool:
+    """Whether Muon takes an ``ns_method`` (from 0.19.0; 0.18.9's muon_update has no such argument)."""
+    return in_range(version or installed().version, "0.19.0", None)
+
+
 def default_ns_method(version: str | None = None) -> str:
     """The Newton-Schulz method a Muon group without ``ns_method`` runs: "gram" from 0.19.0 (0.19.7
     original_muon.py muon_update's ``ns_method="gram"``), the standard quintic before (0.18.9 has no other).
     Judging a 0.18.9 run against gram's fp16 allowance instead held its bf16 standard Newton-Schulz to an
     8x tighter bound (session 5's F-5: 1.01-1.06x "over")."""
-    return "gram" if in_range(version or installed().version, "0.19.0", None) else "standard"
+    return "gram" if has_ns_method(version) else "standard"
 
 
 def _ns_methods(case, cfg: dict, default: str) -> set:
