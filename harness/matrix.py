@@ -376,6 +376,16 @@ def tp_params(attn: str = "self_attn", heads: int = TP_HEADS, head_dim: int = TP
         ParamShape(f"layers.0.{attn}.o_proj.weight", (TP_HIDDEN, heads * head_dim)),)
 
 
+# Grouped key/value heads where the query projection's shards cut a head and the key/value ones do not:
+# 3 query heads and 2 key/value heads of width 2 over tp 2 (query shards of 3 rows go to the whole-matrix
+# path, key/value shards of 2 rows hold 1 whole head each). The first tagged projection is dropped and a
+# later one kept, so DeepSpeed's re-tagging after sharding must go on past a dropped projection.
+TP_GQA_PARAMS = (ParamShape("layers.0.self_attn.q_proj.weight", (6, TP_HIDDEN), 3),
+                 ParamShape("layers.0.self_attn.k_proj.weight", (4, TP_HIDDEN), 2),
+                 ParamShape("layers.0.self_attn.v_proj.weight", (4, TP_HIDDEN), 2),
+                 ParamShape("layers.0.self_attn.o_proj.weight", (TP_HIDDEN, 6)))
+
+
 def tp_cases(full: bool = False) -> list[Case]:
     """Tensor parallelism (AutoTP, ``tensor_parallel.autotp_size`` 2) with per-head Muon tagged by
     DeepSpeed itself, on ZeRO-1 and ZeRO-2 at two ranks (one data-parallel rank), fp32: the shards each
@@ -384,14 +394,16 @@ def tp_cases(full: bool = False) -> list[Case]:
     ZeRO-1 a linear-attention block (``KimiDeltaAttention``, ``harness.tp_case``) whose own head geometry
     DeepSpeed must prefer over the model config's, the same block without ``per_head_muon`` (every
     shard one matrix), and a linear-attention block whose every shard cuts a head, which DeepSpeed must
-    refuse (``harness.ds_refusals``). 5 cases, CI and --full."""
+    refuse (``harness.ds_refusals``); and grouped key/value heads where the query shards cut a head and the
+    key/value shards do not (``TP_GQA_PARAMS``). 6 cases, CI and --full."""
     out = []
     for st, params, per_head, suffix in ((1, tp_params(), True, "-autotp"), (2, tp_params(), True, "-autotp"),
                                          (1, tp_params("linear_attn"), True, "-autotp-linattn"),
                                          (1, tp_params(), False, "-autotp-noheads"),
                                          # 3 heads of width 4 split as 2 config heads of 6 rows: every shard
                                          # cuts a head, which DeepSpeed must refuse (harness.ds_refusals)
-                                         (1, tp_params("linear_attn", 3, 4), True, "-autotp-cut-refused")):
+                                         (1, tp_params("linear_attn", 3, 4), True, "-autotp-cut-refused"),
+                                         (1, TP_GQA_PARAMS, True, "-autotp-gqa-cut")):
         c = _case(st, "none", "fp32", TP_SIZE, params=params, suffix=suffix)
         opt = json.loads(json.dumps(c.config["optimizer"]))
         if per_head:

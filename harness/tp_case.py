@@ -54,24 +54,34 @@ def geometry(case: Case) -> dict:
             or attn.issubset({SOFTMAX_ATTN, LINEAR_ATTN}) is False:
         raise ValueError(f"{case.name}: a tensor-parallel case holds exactly the projections {LEAVES} of one "
                          f"{SOFTMAX_ATTN} or {LINEAR_ATTN} module, got {[ps.name for ps in case.params]}")
-    q = by_leaf["q_proj"]
+    q, k = by_leaf["q_proj"], by_leaf["k_proj"]
     if not q.num_heads or q.shape[0] % q.num_heads:
         raise ValueError(f"{case.name}: q_proj {q.shape} needs a head count dividing its rows")
-    return {"hidden": q.shape[1], "heads": q.num_heads, "head_dim": q.shape[0] // q.num_heads, "attn": attn.pop()}
+    width = q.shape[0] // q.num_heads
+    kv_heads = k.num_heads or q.num_heads
+    if k.shape != by_leaf["v_proj"].shape or k.shape[0] != kv_heads * width:
+        raise ValueError(f"{case.name}: k_proj and v_proj must be {kv_heads} heads of q_proj's width {width}")
+    return {"hidden": q.shape[1], "heads": q.num_heads, "kv_heads": kv_heads, "head_dim": width,
+            "attn": attn.pop()}
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, kv_inner: int | None = None):
         super().__init__()
+        kv_inner = inner if kv_inner is None else kv_inner
         # o_proj (no heads) is registered first: DeepSpeed's per-shard re-resolution then meets a parameter
         # without a head width before the tagged ones, as it meets the embedding first in any real model.
         self.o_proj = torch.nn.Linear(inner, hidden, bias=False)
         self.q_proj = torch.nn.Linear(hidden, inner, bias=False)
-        self.k_proj = torch.nn.Linear(hidden, inner, bias=False)
-        self.v_proj = torch.nn.Linear(hidden, inner, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, kv_inner, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, kv_inner, bias=False)
 
     def forward(self, x):
-        return self.o_proj(self.q_proj(x) * self.k_proj(x) + self.v_proj(x))
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if k.shape[-1] == q.shape[-1]:
+            return self.o_proj(q * k + v)
+        # grouped key/value heads (fewer rows than q): each still reaches the loss, through a sum
+        return self.o_proj(q) + (k * v).sum(-1, keepdim=True)
 
 
 class KimiDeltaAttention(Attention):
@@ -85,20 +95,20 @@ class KimiDeltaAttention(Attention):
 
 
 class Layer(torch.nn.Module):
-    def __init__(self, hidden: int, heads: int, head_dim: int, attn: str):
+    def __init__(self, hidden: int, heads: int, head_dim: int, attn: str, kv_heads: int | None = None):
         super().__init__()
         self.attn_name = attn
         setattr(self, attn, KimiDeltaAttention(hidden, heads, head_dim) if attn == LINEAR_ATTN
-                else Attention(hidden, heads * head_dim))
+                else Attention(hidden, heads * head_dim, (kv_heads or heads) * head_dim))
 
     def forward(self, x):
         return getattr(self, self.attn_name)(x)
 
 
 class TinyLlama(torch.nn.Module):
-    def __init__(self, hidden: int, heads: int, head_dim: int, attn: str):
+    def __init__(self, hidden: int, heads: int, head_dim: int, attn: str, kv_heads: int | None = None):
         super().__init__()
-        self.layers = torch.nn.ModuleList([Layer(hidden, heads, head_dim, attn)])
+        self.layers = torch.nn.ModuleList([Layer(hidden, heads, head_dim, attn, kv_heads)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -137,7 +147,7 @@ def build_model(case: Case) -> TinyLlama:
     from types import SimpleNamespace
 
     geo = geometry(case)
-    model = TinyLlama(geo["hidden"], geo["heads"], geo["head_dim"], geo["attn"])
+    model = TinyLlama(geo["hidden"], geo["heads"], geo["head_dim"], geo["attn"], geo["kv_heads"])
     named = dict(model.named_parameters())
     with torch.no_grad():
         for name, w in full_weights(case).items():
@@ -150,7 +160,8 @@ def build_model(case: Case) -> TinyLlama:
             raise ValueError(f"{case.name}: the linear-attention case describes {tp} config heads, which must "
                              f"differ from its {heads} heads and divide its {heads * width} rows")
         heads, width = tp, heads * width // tp
-    model.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=heads, head_dim=width,
+    kv_heads = heads if geo["attn"] == LINEAR_ATTN else geo["kv_heads"]
+    model.config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=width,
                                    hidden_size=geo["hidden"], model_type="llama",
                                    base_model_tp_plan=tp_plan(geo["attn"]))
     return model

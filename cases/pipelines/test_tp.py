@@ -112,3 +112,15 @@ def test_judge_wants_one_matrix_per_shard_without_per_head_muon():
     whole = _records(case, heads_rule=lambda leaf, shape, hd: None)
     v = tp_verdict.judge(case, whole, half_support=HALF)
     assert v.passed, v.message()
+
+
+def test_gqa_case_drops_the_first_tagged_projection_and_keeps_a_later_one():
+    """The grouped key/value case is what it is for: on each shard q_proj (the first tagged projection
+    DeepSpeed re-tags after sharding) cuts a head and goes whole, k_proj / v_proj hold one whole head."""
+    case = next(c for c in matrix.tp_cases() if c.name.endswith("-autotp-gqa-cut"))
+    geo, tp = geometry(case), case.world_size
+    assert (geo["heads"], geo["kv_heads"], geo["head_dim"]) == (3, 2, 2)
+    for rank in range(tp):
+        rule = {n.split(".")[-2]: tp_verdict.shard_heads(n.split(".")[-2], tp_verdict.shard_of(
+            w, n.split(".")[-2], rank, tp).shape, geo["head_dim"]) for n, w in full_weights(case).items()}
+        assert rule == {"q_proj": None, "k_proj": 1, "v_proj": 1, "o_proj": None}, rule
