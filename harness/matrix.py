@@ -312,9 +312,11 @@ def one_matrix_cases(full: bool = False) -> list[Case]:
 def low_scale_cases(full: bool = False) -> list[Case]:
     """fp16 with a loss scale of 2 (``initial_scale_power: 1``), ZeRO-1 at two ranks: every other fp16 case
     starts at 256 and moves by factors of 2 from there, so code that treats one particular small scale
-    specially (the Muon update's rescale tests the scale against 1.0) was never run near it. 1 case, CI and
+    specially (the Muon update's rescale tests the scale against 1.0, on ZeRO-1/2 without offload and on
+    ZeRO-3's offload path) was never run near it. ZeRO-1 and ZeRO-3 with CPU offload: 2 cases, CI and
     --full."""
-    return [_case(1, "none", "fp16", 2, initial_scale_power=1, suffix="-scale2")]
+    return [_case(1, "none", "fp16", 2, initial_scale_power=1, suffix="-scale2"),
+            _case(3, "cpu", "fp16", 2, initial_scale_power=1, suffix="-scale2")]
 
 
 def low_momentum_cases(full: bool = False) -> list[Case]:

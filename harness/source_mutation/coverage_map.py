@@ -55,7 +55,7 @@ EXTRA_GATE_CASES = (
     "z2-none-fp32-ws2-adamw", "z1-none-fp32-ws2-client-adamw",  # not Muon: no parameter may take Muon's route
     "z1-cpu-fp32-ws2-oneelem",  # one rank holds a single element of a Muon matrix (offload share copy)
     "z1-none-bf16-ws2-oneelem-gad32",  # the same layout on the BF16_Optimizer route (its split-matrix test)
-    "z1-none-fp16-ws2-scale2",  # fp16 at a loss scale of 2 (the Muon rescale's test against 1.0)
+    "z1-none-fp16-ws2-scale2", "z3-cpu-fp16-ws2-scale2",  # fp16 at a loss scale of 2 (the Muon rescale's test)
     "z3-none-fp32-ws2-onematrix",  # one parameter per group (ZeRO-3 reads a group's first parameter)
     "sweep-z3-none-ws3-L1-clip0.05-standard",
     "z1-none-fp32-ws2-autotp-gqa-cut",  # AutoTP: the first tagged projection dropped, a later one kept
