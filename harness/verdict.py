@@ -321,8 +321,17 @@ class Verdict:
         return "\n".join(out)
 
 
+class Uncaptured(ValueError):
+    """A captured quantity that holds no numbers (an object array: a parameter DeepSpeed never filled
+    in). The judge turns it into a failing check with no data, never a harness error."""
+
+
 def _t(a) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(a), dtype=torch.float64)
+    arr = np.asarray(a)
+    if arr.dtype == object:
+        raise Uncaptured(f"a captured quantity holds no numbers (shape {arr.shape}, elements "
+                         f"{sorted({type(x).__name__ for x in arr.ravel()[:8]})})")
+    return torch.as_tensor(arr, dtype=torch.float64)
 
 
 OWN_MODEL = oracles.Allowance(0.0, 0.0, "own master: the model weights are DeepSpeed's fp32 master rounded "
@@ -424,6 +433,17 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
     (``traj`` and ``traj.replicas``) is its own data-parallel run of ``case.dp_size`` ranks on its own
     data, judged against its own oracle; their checks are merged, each labelled with its replica."""
     mode = mode or comparison_mode(case)
+    try:
+        return _judge(case, traj, conventions, mode, keep_maps)
+    except Uncaptured as exc:
+        verdict = Verdict(case, mode)
+        bad = sorted(n for n, a in traj.initial.items() if np.asarray(a).dtype == object)
+        verdict.checks.append(missing(case.name, bad[0] if bad else "<case>", "capture", 0,
+                                      f"{exc}{'; uncaptured initial weights: ' + ', '.join(bad) if bad else ''}"))
+        return verdict
+
+
+def _judge(case: Case, traj: Trajectory, conventions, mode: str, keep_maps: bool) -> Verdict:
     if case.model_parallel == 1:
         return _judge_run(case, traj, conventions, mode, keep_maps)[0]
     verdict, norms = _judge_run(case, traj, conventions, mode, keep_maps, mp_rank=0)

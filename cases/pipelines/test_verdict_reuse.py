@@ -130,3 +130,16 @@ def test_a_second_judge_of_one_run_reuses_its_gradients_except_where_a_model_rep
     other = pool_manager.run(case).result
     judge(case, other)
     assert len(seen) == first + case.dp_size * case.grad_accum * (1 + len(other.steps))
+
+
+def test_an_uncaptured_weight_is_a_failing_check_not_a_harness_error(both):
+    """A parameter DeepSpeed never filled in reaches the judge as an object array (a source mutant of
+    engine._muon_param_groups did this, and the judge raised TypeError: a harness error, not a verdict)."""
+    case, stock, _ = both
+    traj = copy.deepcopy(stock.trajectory)
+    name = sorted(traj.initial)[0]
+    traj.initial[name] = np.array([None] * 3, dtype=object)
+    v = judge(case, traj)
+    assert not v.passed
+    bad = [c for c in v.checks if not c.passed]
+    assert [(c.param, c.quantity) for c in bad] == [(name, "capture")], [(c.param, c.quantity) for c in bad]
