@@ -251,8 +251,8 @@ def non_muon_cases(full: bool = False) -> list[Case]:
     None). Every parameter, matrices included, must take plain AdamW: the oracle says so from the
     configured optimizer, never from DeepSpeed's ``use_muon`` tags, so Muon routing that leaks into a
     non-Muon run (``set_optimizer_flags``, the engine's optimizer choice) diverges or crashes; and "Adam"
-    with ``adam_w_mode: false``, whose weight decay is L2 (added to the gradient), not decoupled. 3 cases,
-    CI and --full."""
+    with ``adam_w_mode: false``, whose weight decay is L2 (added to the gradient), not decoupled; "Adam" at
+    its default and "AdamW" with ``adam_w_mode: false``, both decoupled. 5 cases, CI and --full."""
     c = _case(2, "none", "fp32", 2)
     named = _with_config(c, "-adamw", optimizer={"type": "AdamW", "params": dict(NON_MUON_PARAMS)})
     c = _case(1, "none", "fp32", 2)
@@ -263,7 +263,12 @@ def non_muon_cases(full: bool = False) -> list[Case]:
     # _configure_basic_optimizer; a comparison there mutated to always decouple survived the AdamW cases)
     l2 = _with_config(_case(2, "none", "fp32", 2), "-adam-l2",
                       optimizer={"type": "Adam", "params": dict(NON_MUON_PARAMS, adam_w_mode=False)})
-    return [named, client, l2]
+    # and the other two corners of that rule: "Adam" left at its default decouples, "AdamW" decouples even
+    # with adam_w_mode false (engine.py:2490's "or"; mutated to "and" or ">" they survived the cases above)
+    adam = _with_config(_case(2, "none", "fp32", 2), "-adam", optimizer={"type": "Adam", "params": dict(NON_MUON_PARAMS)})
+    adamw_off = _with_config(_case(1, "none", "fp32", 2), "-adamw-wmodeoff",
+                             optimizer={"type": "AdamW", "params": dict(NON_MUON_PARAMS, adam_w_mode=False)})
+    return [named, client, l2, adam, adamw_off]
 
 
 # A 5-D Muon weight (a Conv3d filter, out x in x kd x kh x kw): muon_update reshapes only 4-D filters
@@ -696,7 +701,7 @@ GROUPS = (
     ("growth", lambda n: n.endswith("-growth")),
     ("refusals", lambda n: n.endswith("-refused")),
     ("tp", lambda n: "-autotp" in n),
-    ("nonmuon", lambda n: n.endswith(("adamw", "adam-l2"))),
+    ("nonmuon", lambda n: n.endswith(("adamw", "adam-l2", "-adam", "-adamw-wmodeoff"))),
 )
 
 

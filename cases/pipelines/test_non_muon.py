@@ -30,6 +30,7 @@ def test_every_parameter_is_adam_in_the_oracle_whatever_deepspeed_would_tag():
         assert any(deepspeed_uses_muon(p.name, p.shape) for p in c.params)  # DeepSpeed's rule would say Muon
         assert not any(p.use_muon for p in sc.params), c.name
         assert sc.adam_lr == NON_MUON_PARAMS["lr"] and sc.adam_w_mode == (not c.name.endswith("-adam-l2"))
+        assert non_muon_optimizer(c)[0] == ("adam" if c.name.endswith("-adam-l2") else "adamw")
         assert sc.betas == tuple(NON_MUON_PARAMS["betas"]) and sc.eps == NON_MUON_PARAMS["eps"]
         assert sc.weight_decay == NON_MUON_PARAMS["weight_decay"]
         assert expected_group_lrs(c, sc) == {"0": NON_MUON_PARAMS["lr"]}
