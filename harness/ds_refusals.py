@@ -54,6 +54,16 @@ def _tp_heads_cut(c, cfg: dict) -> bool:
     return geo["attn"] == tp_case.LINEAR_ATTN and (geo["heads"] * geo["head_dim"] // tp) % geo["head_dim"] != 0
 
 
+def _muon_group_betas(c, cfg: dict) -> set:
+    """The momentum of each user param group holding a Muon matrix (its own, else the config's)."""
+    from oracles.layout import deepspeed_uses_muon
+
+    default = (cfg.get("optimizer") or {}).get("params", {}).get("momentum", 0.95)
+    shapes = {p.name: p.shape for p in c.params}
+    return {g.momentum if g.momentum is not None else default for g in c.groups
+            if any(deepspeed_uses_muon(n, shapes[n]) for n in g.params)}
+
+
 REFUSALS: tuple[DsRefusal, ...] = (
     # reduce_scatter defaults to true (zero config), so the harness's own ZeRO-3 configs turn it off
     # (harness.case.ds_config) and ``harness check`` refuses it (check_config.check_zero).
@@ -82,6 +92,13 @@ REFUSALS: tuple[DsRefusal, ...] = (
               lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) == 2 and p.shape[0] % p.num_heads
                                                 for p in c.params),
               lo="0.19.8"),
+    # ZeRO-3 runs every Muon matrix with one momentum (one beta for the distributed update) and refuses
+    # user groups that set different ones, rather than step some with another group's beta.
+    DsRefusal("z3-muon-group-betas", "ValueError", "All Muon parameter groups must have the same momentum",
+              "stage3.py:_create_fp16_partitions_with_defragmentation",
+              "runtime/zero/stage3.py:927-929 (0.19.8); the same check from 0.18.9",
+              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3 and len(_muon_group_betas(c, cfg)) > 1,
+              lo="0.18.9"),
     # Per-head Muon under AutoTP: every tagged projection's shard cuts a head, so nothing stays per-head
     # after the re-resolution on the shards; DeepSpeed raises rather than train without it.
     DsRefusal("per-head-tp-cut", "ValueError", "every tagged projection is sharded across head boundaries",

@@ -429,13 +429,18 @@ def ds_refusal_cases(full: bool = False) -> list[Case]:
     """Configs DeepSpeed itself must refuse (``harness.ds_refusals``): ZeRO-3 Muon with reduce_scatter
     on (its default, which the other ZeRO-3 cases turn off), and with zero_quantized_gradients (an
     all-to-all group), both refused in the ZeRO-3 optimizer's constructor; and, on ZeRO-1, per-head Muon
-    on a 3-D tensor and on 8 rows in 3 heads, refused at the first step. Each passes only when a rank
-    raises DeepSpeed's own ValueError in the function that must raise it. 4 cases, CI and --full."""
+    on a 3-D tensor and on 8 rows in 3 heads, refused at the first step; and ZeRO-3 with two Muon groups
+    of different momentum, refused at construction. Each passes only when a rank raises DeepSpeed's own
+    ValueError in the function that must raise it. 5 cases, CI and --full."""
     return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused"),
             _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused"),
             _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_3D_PARAM,), suffix="-heads3d-refused"),
             _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_INDIVISIBLE_PARAM,),
-                  suffix="-heads8by3-refused")]
+                  suffix="-heads8by3-refused"),
+            # two Muon groups with momentum 0.9 then 0.95 (the smaller first, so a ">" for "!=" lets it by)
+            _case(3, "none", "fp32", 2, suffix="-betas-refused").replace(groups=(
+                ParamGroup(("layer0.weight", "layer0.bias"), momentum=0.9),
+                ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.95)))]
 
 
 def stage0_cases(full: bool = False) -> list[Case]:

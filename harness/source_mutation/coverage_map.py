@@ -60,7 +60,8 @@ EXTRA_GATE_CASES = (
     "sweep-z3-none-ws3-L1-clip0.05-standard",
     "z1-none-fp32-ws2-autotp-gqa-cut",  # AutoTP: the first tagged projection dropped, a later one kept
     "z1-none-fp32-ws2-overflow",  # fp32 overflow: the invalid-norm test alone must skip the step
-    "z3-cpu-fp32-ws2-groups",  # two Muon param groups under ZeRO-3 (its one-momentum check across groups)  # ZeRO-3's Muon deal with a last round of one matrix at three ranks
+    "z3-cpu-fp32-ws2-groups", "z3-none-bf16-ws2-groups",  # two Muon groups; the latter without offload
+    "z3-none-fp32-ws2-betas-refused",  # ZeRO-3 must refuse Muon groups of different momentum  # two Muon param groups under ZeRO-3 (its one-momentum check across groups)  # ZeRO-3's Muon deal with a last round of one matrix at three ranks
     "z2-none-fp32-ws2-adam-l2", "z2-none-fp32-ws2-adam", "z1-none-fp32-ws2-adamw-wmodeoff",  # "Adam" with adam_w_mode false: L2 weight decay (engine.py picks it from the flag)
 )
 
