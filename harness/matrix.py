@@ -265,7 +265,8 @@ def non_muon_cases(full: bool = False) -> list[Case]:
                       optimizer={"type": "Adam", "params": dict(NON_MUON_PARAMS, adam_w_mode=False)})
     # and the other two corners of that rule: "Adam" left at its default decouples, "AdamW" decouples even
     # with adam_w_mode false (engine.py:2490's "or"; mutated to "and" or ">" they survived the cases above)
-    adam = _with_config(_case(2, "none", "fp32", 2), "-adam", optimizer={"type": "Adam", "params": dict(NON_MUON_PARAMS)})
+    adam = _with_config(_case(2, "none", "fp32", 2), "-adam",
+                        optimizer={"type": "Adam", "params": dict(NON_MUON_PARAMS)})
     adamw_off = _with_config(_case(1, "none", "fp32", 2), "-adamw-wmodeoff",
                              optimizer={"type": "AdamW", "params": dict(NON_MUON_PARAMS, adam_w_mode=False)})
     return [named, client, l2, adam, adamw_off]
@@ -745,7 +746,8 @@ def gate_cases(full: bool = False) -> list[Case]:
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
-             + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full) + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
+             + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full)
+             + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))
     cases += sweep_cases(full)

@@ -304,7 +304,8 @@ class Conventions:
                   "muon_ns_method": (None, "gram", "standard"),
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
-                  "skip_on_nonfinite": ("always", "fp16_only"), "warmup_peak": ("own", "first_group"), "conv_aspect": ("reshaped", "last_two_dims")}
+                  "skip_on_nonfinite": ("always", "fp16_only"), "warmup_peak": ("own", "first_group"),
+                  "conv_aspect": ("reshaped", "last_two_dims")}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Conventions.{name} must be one of {allowed}, got {getattr(self, name)!r}")

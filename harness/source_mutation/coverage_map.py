@@ -57,12 +57,14 @@ EXTRA_GATE_CASES = (
     "z1-none-bf16-ws2-oneelem-gad32",  # the same layout on the BF16_Optimizer route (its split-matrix test)
     "z1-none-fp16-ws2-scale2", "z3-cpu-fp16-ws2-scale2",  # fp16 at a loss scale of 2 (the Muon rescale's test)
     "z3-none-fp32-ws2-onematrix",  # one parameter per group (ZeRO-3 reads a group's first parameter)
-    "sweep-z3-none-ws3-L1-clip0.05-standard",
+    "sweep-z3-none-ws3-L1-clip0.05-standard",  # ZeRO-3's Muon deal with a last round of one matrix at 3 ranks
     "z1-none-fp32-ws2-autotp-gqa-cut",  # AutoTP: the first tagged projection dropped, a later one kept
     "z1-none-fp32-ws2-overflow",  # fp32 overflow: the invalid-norm test alone must skip the step
-    "z3-cpu-fp32-ws2-groups", "z3-none-bf16-ws2-groups",  # two Muon groups; the latter without offload
-    "z3-none-fp32-ws2-betas-refused",  # ZeRO-3 must refuse Muon groups of different momentum  # two Muon param groups under ZeRO-3 (its one-momentum check across groups)  # ZeRO-3's Muon deal with a last round of one matrix at three ranks
-    "z2-none-fp32-ws2-adam-l2", "z2-none-fp32-ws2-adam", "z1-none-fp32-ws2-adamw-wmodeoff",  # "Adam" with adam_w_mode false: L2 weight decay (engine.py picks it from the flag)
+    "z3-cpu-fp32-ws2-groups", "z3-none-bf16-ws2-groups",  # two Muon param groups under ZeRO-3, offload and not
+    "z3-none-fp32-ws2-betas-refused",  # ZeRO-3 must refuse Muon groups of different momentum
+    # the Adam-mode rule's three corners: "Adam" with adam_w_mode false (L2), "Adam" at its default and
+    # "AdamW" with adam_w_mode false (both decoupled; engine.py picks the mode from the name and the flag)
+    "z2-none-fp32-ws2-adam-l2", "z2-none-fp32-ws2-adam", "z1-none-fp32-ws2-adamw-wmodeoff",
 )
 
 
