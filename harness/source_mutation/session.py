@@ -92,7 +92,7 @@ def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalen
         rec = patched.record(hit, where)
     elif not cmap.cases_for(resolved, rel, lines):
         rec = {"status": "not-reached", "where": where, "detail": "no candidate case executes this line"}
-    elif (key := mutant_key(rel, m.operator_name, m.occurrence, m.start_pos)) in equivalent:
+    elif (key := mutant_key_of(w)) in equivalent:
         rec = {"status": "equivalent", "where": where, "detail": "listed in equivalents.txt, not judged: "
                + equivalent[key]}
     elif carried and key in carried:
