@@ -311,18 +311,74 @@ ONE_MATRIX_PARAMS = (ParamShape("layer0.weight", (6, 5)), ParamShape("layer0.bia
 
 
 def one_matrix_cases(full: bool = False) -> list[Case]:
-    """A one-layer model under ZeRO-3 without offload at two ranks (fp32): 1 case, CI and --full."""
-    return [_case(3, "none", "fp32", 2, params=ONE_MATRIX_PARAMS, suffix="-onematrix")]
+    """A one-layer model under ZeRO-3 without offload at two and three ranks (fp32). At three ranks the one
+    matrix is a round of one in ZeRO-3's distributed deal, and rank 2 is past it (``rank < round_count``
+    guards the index; the other ranks only join the all-gather). 2 cases, CI and --full."""
+    return [_case(3, "none", "fp32", ws, params=ONE_MATRIX_PARAMS, suffix="-onematrix") for ws in (2, 3)]
+
+
+# A one-row Muon matrix (a value or reward head, ``Linear(5, 1)``) and its one-element bias at four ranks: some
+# rank holds none of a group. ZeRO-1/2 pad each flat group to a multiple of 2 x W elements (8 here), so rank 3's
+# Muon partition and ranks 1-3's Adam partitions are all padding (``get_flat_partition`` returns zeros for an
+# empty list; nothing else in the gate ever hands it one). ZeRO-3 gives each rank ceil(5/4) = 2 elements, so rank
+# 3's share would start at element 6 of 5 (the offload path narrows the update only for a positive length), and a
+# group of one matrix leaves ranks 1-3 with nothing to orthogonalise in the distributed deal (``rank <
+# round_count``).
+EMPTY_SHARE_PARAMS = (ParamShape("layer0.weight", (1, 5)), ParamShape("layer0.bias", (1,)))
+
+
+def empty_share_cases(full: bool = False) -> list[Case]:
+    """A rank holding none of a group or of a matrix (``EMPTY_SHARE_PARAMS``, fp32, four ranks): ZeRO-1 and
+    ZeRO-3 without offload, ZeRO-2 and ZeRO-3 with CPU offload. 4 cases, CI and --full."""
+    return [_case(st, off, "fp32", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")
+            for st, off in ((1, "none"), (2, "cpu"), (3, "none"), (3, "cpu"))]
+
+
+# Every Muon matrix ending on a partition boundary, as power-of-two layers do: two 2x4 matrices fill the
+# BF16_Optimizer's two partitions of 8 exactly. It decides a matrix is split between ranks from the owner of
+# its last element, ``(end - 1) // partition_size``; taken from ``end`` instead, every matrix here would look
+# split, and no case with the odd-sized test layers ends a matrix on a boundary.
+ALIGNED_PARAMS = (ParamShape("layer0.weight", (2, 4)), ParamShape("layer0.bias", (2,)),
+                  ParamShape("layer1.weight", (2, 4)), ParamShape("layer1.bias", (2,)))
+
+
+def aligned_cases(full: bool = False) -> list[Case]:
+    """The BF16_Optimizer route (bf16, fp32 gradient accumulation, ZeRO-1, two ranks) with every Muon matrix
+    ending on a partition boundary (``ALIGNED_PARAMS``). 1 case, CI and --full."""
+    c = _case(1, "none", "bf16", 2, params=ALIGNED_PARAMS, suffix="-aligned")
+    return [_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"})]
+
+
+# A 4-D Muon weight (a Conv2d filter, out x in x kh x kw) under ZeRO-3 with CPU offload: muon_update reshapes
+# a 4-D update to (out, in*kh*kw) unless the caller says the parameter is an expert's, which then runs
+# Newton-Schulz per leading index. The ZeRO-3 offload path reads that flag with a default of False; the
+# ResNet cases run 4-D filters only without offload.
+CONV2D_PARAM = ParamShape("conv.weight", (4, 2, 3, 3))
+
+
+def conv2d_offload_cases(full: bool = False) -> list[Case]:
+    """A 4-D Muon weight beside the test layers, ZeRO-3 with CPU offload at two ranks (fp32): 1 case, CI
+    and --full."""
+    return [_case(3, "cpu", "fp32", 2, params=tuple(TINY_PARAMS) + (CONV2D_PARAM,), suffix="-conv2d")]
 
 
 def low_scale_cases(full: bool = False) -> list[Case]:
-    """fp16 with a loss scale of 2 (``initial_scale_power: 1``), ZeRO-1 at two ranks: every other fp16 case
-    starts at 256 and moves by factors of 2 from there, so code that treats one particular small scale
-    specially (the Muon update's rescale tests the scale against 1.0, on ZeRO-1/2 without offload and on
-    ZeRO-3's offload path) was never run near it. ZeRO-1 and ZeRO-3 with CPU offload: 2 cases, CI and
+    """fp16 with a loss scale of 2 (``initial_scale_power: 1``) at two ranks: every other fp16 case starts at
+    256 and moves by factors of 2 from there, so code that treats one particular small scale specially (the
+    Muon update's rescale tests the scale against 1.0, on ZeRO-1/2 without offload and on every offload
+    path) was never run near it: ZeRO-1 without offload, ZeRO-2 and ZeRO-3 with CPU offload. And a static
+    scale of 0.5 on ZeRO-1 and ZeRO-3 without offload, ZeRO-2 and ZeRO-3 with CPU offload. 7 cases, CI and
     --full."""
-    return [_case(1, "none", "fp16", 2, initial_scale_power=1, suffix="-scale2"),
-            _case(3, "cpu", "fp16", 2, initial_scale_power=1, suffix="-scale2")]
+    out = [_case(1, "none", "fp16", 2, initial_scale_power=1, suffix="-scale2"),
+           _case(2, "cpu", "fp16", 2, initial_scale_power=1, suffix="-scale2"),
+           _case(3, "cpu", "fp16", 2, initial_scale_power=1, suffix="-scale2")]
+    # A static scale below 1 (``fp16.loss_scale: 0.5``, which DeepSpeed takes as given): the offload paths
+    # divide the gathered gradient by the scale and multiply the update back, and the other paths scale the
+    # update back, only when the scale is not 1.0, a test that scales of at least 1 cannot tell from "above 1".
+    for st, off in ((1, "none"), (2, "cpu"), (3, "none"), (3, "cpu")):
+        c = _case(st, off, "fp16", 2)
+        out.append(_with_config(c, "-static0.5", fp16={**c.config["fp16"], "loss_scale": 0.5}))
+    return out
 
 
 def low_momentum_cases(full: bool = False) -> list[Case]:
@@ -431,17 +487,21 @@ def ds_refusal_cases(full: bool = False) -> list[Case]:
     on (its default, which the other ZeRO-3 cases turn off), and with zero_quantized_gradients (an
     all-to-all group), both refused in the ZeRO-3 optimizer's constructor; and, on ZeRO-1, per-head Muon
     on a 3-D tensor and on 8 rows in 3 heads, refused at the first step; and ZeRO-3 with two Muon groups
-    of different momentum, refused at construction. Each passes only when a rank raises DeepSpeed's own
-    ValueError in the function that must raise it. 5 cases, CI and --full."""
+    of different momentum (rising, and falling), refused at construction. Each passes only when a rank raises
+    DeepSpeed's own ValueError in the function that must raise it. 6 cases, CI and --full."""
     return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused"),
             _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused"),
             _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_3D_PARAM,), suffix="-heads3d-refused"),
             _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_INDIVISIBLE_PARAM,),
                   suffix="-heads8by3-refused"),
-            # two Muon groups with momentum 0.9 then 0.95 (the smaller first, so a ">" for "!=" lets it by)
+            # two Muon groups with momentum 0.9 then 0.95, and 0.95 then 0.9: a test of "!=" mutated to ">"
+            # lets the rise by, one mutated to "<" the fall
             _case(3, "none", "fp32", 2, suffix="-betas-refused").replace(groups=(
                 ParamGroup(("layer0.weight", "layer0.bias"), momentum=0.9),
-                ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.95)))]
+                ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.95))),
+            _case(3, "none", "fp32", 2, suffix="-betas-fall-refused").replace(groups=(
+                ParamGroup(("layer0.weight", "layer0.bias"), momentum=0.95),
+                ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.9)))]
 
 
 def stage0_cases(full: bool = False) -> list[Case]:
@@ -747,6 +807,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
              + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full)
+             + empty_share_cases(full) + aligned_cases(full) + conv2d_offload_cases(full)
              + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))

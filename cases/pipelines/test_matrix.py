@@ -119,9 +119,50 @@ def test_one_parameter_per_group(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.empty_share_cases))
+def test_rank_holding_none(case, column, pool_manager, seed, request):
+    """Some rank holds no element of a group (ZeRO-1/2: its partition is all padding) or of a Muon matrix
+    (ZeRO-3: its share starts at or past the matrix's end), as the layout oracle places them."""
+    from harness import verdict
+    from oracles.layout import param_slices, rank_segments
+
+    layout = verdict.layout_for(case, verdict.step_config(case))
+    if case.stage == 3:
+        held = {s.rank for p in case.params if p.uses_muon for s in param_slices(layout, p.name)}
+        assert held != set(range(case.dp_size)), held
+    else:
+        empty = [(r, g) for r in range(case.dp_size) for g in range(len(layout.group_numel))
+                 if not any(s.group == g and s.kind == "param" for s in rank_segments(layout, r))]
+        assert empty, "every rank holds data in every group"
+    run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.aligned_cases))
+def test_matrices_on_partition_boundaries(case, column, pool_manager, seed, request):
+    """Every Muon matrix ends exactly where a rank's partition ends, and none is split between ranks."""
+    from harness import verdict
+    from oracles.layout import param_slices, placement
+
+    layout = verdict.layout_for(case, verdict.step_config(case))
+    for p in (p for p in case.params if p.uses_muon):
+        end = placement(layout, p.name).offset + p.numel
+        assert end % layout.partition_size[placement(layout, p.name).group] == 0, p.name
+        assert len(param_slices(layout, p.name)) == 1, p.name
+    run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.conv2d_offload_cases))
+def test_conv2d_weight_offloaded(case, column, pool_manager, seed, request):
+    """A 4-D Muon weight on ZeRO-3's offload path: reshaped to (out, in*kh*kw) for Newton-Schulz."""
+    assert case.stage == 3 and case.offload == "cpu" and any(len(p.shape) == 4 for p in case.params)
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.low_scale_cases))
-def test_loss_scale_two(case, column, pool_manager, seed, request):
-    assert case.config["fp16"]["initial_scale_power"] == 1
+def test_low_loss_scale(case, column, pool_manager, seed, request):
+    """A dynamic scale starting at 2, or a static scale of 0.5."""
+    fp16 = case.config["fp16"]
+    assert fp16.get("loss_scale", 0) == 0.5 if case.name.endswith("-static0.5") else fp16["initial_scale_power"] == 1
     run_case(case, column, pool_manager, seed, request)
 
 
