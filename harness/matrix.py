@@ -328,10 +328,14 @@ EMPTY_SHARE_PARAMS = (ParamShape("layer0.weight", (1, 5)), ParamShape("layer0.bi
 
 
 def empty_share_cases(full: bool = False) -> list[Case]:
-    """A rank holding none of a group or of a matrix (``EMPTY_SHARE_PARAMS``, fp32, four ranks): ZeRO-1 and
-    ZeRO-3 without offload, ZeRO-2 and ZeRO-3 with CPU offload. 4 cases, CI and --full."""
-    return [_case(st, off, "fp32", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")
-            for st, off in ((1, "none"), (2, "cpu"), (3, "none"), (3, "cpu"))]
+    """A rank holding none of a group or of a matrix (``EMPTY_SHARE_PARAMS``, four ranks): ZeRO-1 and ZeRO-3
+    without offload, ZeRO-2 and ZeRO-3 with CPU offload, in fp32; and ZeRO-1 in fp16, where the one-row
+    matrix's update, a single singular value Newton-Schulz leaves near 0.7, gives the Muon group a norm
+    below 1 that the norm's loss-scale rescale must scale all the same (``torch.where(norm >= 0, ...)``).
+    5 cases, CI and --full."""
+    out = [_case(st, off, "fp32", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")
+           for st, off in ((1, "none"), (2, "cpu"), (3, "none"), (3, "cpu"))]
+    return out + [_case(1, "none", "fp16", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")]
 
 
 # Every Muon matrix ending on a partition boundary, as power-of-two layers do: two 2x4 matrices fill the
@@ -349,17 +353,18 @@ def aligned_cases(full: bool = False) -> list[Case]:
     return [_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"})]
 
 
-# A 4-D Muon weight (a Conv2d filter, out x in x kh x kw) under ZeRO-3 with CPU offload: muon_update reshapes
-# a 4-D update to (out, in*kh*kw) unless the caller says the parameter is an expert's, which then runs
-# Newton-Schulz per leading index. The ZeRO-3 offload path reads that flag with a default of False; the
-# ResNet cases run 4-D filters only without offload.
+# A 4-D Muon weight (a Conv2d filter, out x in x kh x kw) with CPU offload: muon_update reshapes a 4-D update
+# to (out, in*kh*kw) unless the caller says the parameter is an expert's, which then runs Newton-Schulz per
+# leading index. Both offload paths read that flag with a default of False; the ResNet cases run 4-D
+# filters only without offload.
 CONV2D_PARAM = ParamShape("conv.weight", (4, 2, 3, 3))
 
 
 def conv2d_offload_cases(full: bool = False) -> list[Case]:
-    """A 4-D Muon weight beside the test layers, ZeRO-3 with CPU offload at two ranks (fp32): 1 case, CI
-    and --full."""
-    return [_case(3, "cpu", "fp32", 2, params=tuple(TINY_PARAMS) + (CONV2D_PARAM,), suffix="-conv2d")]
+    """A 4-D Muon weight beside the test layers, ZeRO-2 and ZeRO-3 with CPU offload at two ranks (fp32): 2
+    cases, CI and --full."""
+    return [_case(st, "cpu", "fp32", 2, params=tuple(TINY_PARAMS) + (CONV2D_PARAM,), suffix="-conv2d")
+            for st in (2, 3)]
 
 
 def low_scale_cases(full: bool = False) -> list[Case]:

@@ -153,8 +153,8 @@ def test_matrices_on_partition_boundaries(case, column, pool_manager, seed, requ
 
 @pytest.mark.parametrize("case,column", suite(matrix.conv2d_offload_cases))
 def test_conv2d_weight_offloaded(case, column, pool_manager, seed, request):
-    """A 4-D Muon weight on ZeRO-3's offload path: reshaped to (out, in*kh*kw) for Newton-Schulz."""
-    assert case.stage == 3 and case.offload == "cpu" and any(len(p.shape) == 4 for p in case.params)
+    """A 4-D Muon weight on an offload path: reshaped to (out, in*kh*kw) for Newton-Schulz."""
+    assert case.offload == "cpu" and any(len(p.shape) == 4 for p in case.params)
     run_case(case, column, pool_manager, seed, request)
 
 

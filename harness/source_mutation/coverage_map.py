@@ -65,10 +65,10 @@ EXTRA_GATE_CASES = (
     "z3-none-fp32-ws2-betas-fall-refused",  # ... falling as well as rising (a "<" for "!=" refuses only rises)
     # some rank holds none of a group (ZeRO-1/2: all padding) or of a matrix (ZeRO-3: its share starts past it)
     "z1-none-fp32-ws4-emptyshare", "z2-cpu-fp32-ws4-emptyshare", "z3-none-fp32-ws4-emptyshare",
-    "z3-cpu-fp32-ws4-emptyshare",
+    "z3-cpu-fp32-ws4-emptyshare", "z1-none-fp16-ws4-emptyshare",  # ... and an fp16 Muon group norm below 1
     "z3-none-fp32-ws3-onematrix",  # a round of one matrix at three ranks: rank 2 has none to orthogonalise
     "z1-none-bf16-ws2-aligned-gad32",  # BF16_Optimizer: every Muon matrix ends on a partition boundary
-    "z3-cpu-fp32-ws2-conv2d",  # a 4-D Muon weight on ZeRO-3's offload path (the expert-group default)
+    "z2-cpu-fp32-ws2-conv2d", "z3-cpu-fp32-ws2-conv2d",  # a 4-D Muon weight on the offload paths (expert default)
     "z2-cpu-fp16-ws2-scale2",  # the ZeRO-1/2 offload path's rescale at a scale of 2
     # a static loss scale of 0.5: every "scale != 1.0" test of the Muon rescale, against "scale > 1.0"
     "z1-none-fp16-ws2-static0.5", "z2-cpu-fp16-ws2-static0.5", "z3-none-fp16-ws2-static0.5",
