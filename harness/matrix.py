@@ -370,8 +370,9 @@ def conv2d_offload_cases(full: bool = False) -> list[Case]:
 def low_scale_cases(full: bool = False) -> list[Case]:
     """fp16 with a loss scale of 2 (``initial_scale_power: 1``) at two ranks: every other fp16 case starts at
     256 and moves by factors of 2 from there, so code that treats one particular small scale specially (the
-    Muon update's rescale tests the scale against 1.0 on every path) was never run near it: ZeRO-1 and ZeRO-3 without offload, ZeRO-2 and ZeRO-3 with CPU offload. And a
-    static scale of 0.5 on the same four. 8 cases, CI and --full."""
+    Muon update's rescale tests the scale against 1.0 on every path) was never run near it: ZeRO-1 and ZeRO-3
+    without offload, ZeRO-2 and ZeRO-3 with CPU offload. And a static scale of 0.5 on the same four. 8 cases,
+    CI and --full."""
     out = [_case(1, "none", "fp16", 2, initial_scale_power=1, suffix="-scale2"),
            _case(2, "cpu", "fp16", 2, initial_scale_power=1, suffix="-scale2"),
            _case(3, "none", "fp16", 2, initial_scale_power=1, suffix="-scale2"),
