@@ -55,10 +55,15 @@ def _tp_heads_cut(c, cfg: dict) -> bool:
 
 
 def _muon_group_betas(c, cfg: dict) -> set:
-    """The momentum of each user param group holding a Muon matrix (its own, else the config's)."""
+    """The momentum of each user param group holding a Muon matrix (its own, else the config's). A release
+    that flattens the user's groups (DSM-104, 0.19.2-0.19.6) drops their momentum for the config's: one beta,
+    nothing to refuse (measured: both betas-refused cases then crash in the deal as DSM-102 says)."""
+    from harness.historical_bugs import groups_flattened
     from oracles.layout import deepspeed_uses_muon
 
     default = (cfg.get("optimizer") or {}).get("params", {}).get("momentum", 0.95)
+    if groups_flattened():
+        return {default}
     shapes = {p.name: p.shape for p in c.params}
     return {g.momentum if g.momentum is not None else default for g in c.groups
             if any(deepspeed_uses_muon(n, shapes[n]) for n in g.params)}

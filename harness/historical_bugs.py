@@ -55,12 +55,12 @@ def _z3_dist_muon_mixed_shapes(c: Case) -> bool:
     (DSM-110) never reaches the all-gather."""
     if c.stage != 3 or c.world_size < 2 or _z3_muon_skipped(c):
         return False
-    if c.groups and _groups_flattened():
+    if c.groups and groups_flattened():
         c = c.replace(groups=())  # DSM-104: the release merges the user's groups into one Muon group
     return any(len(set(r)) > 1 for r in _z3_rounds(c))
 
 
-def _groups_flattened() -> bool:
+def groups_flattened() -> bool:
     """Whether the release judged (as measured) flattens user param groups into one Muon and one Adam group
     (DSM-104): the ZeRO-3 deal then runs over all the Muon matrices together (measured: 0.19.6
     z3-none-bf16-ws2-groups and z3-cpu-fp32-ws2-groups crash as DSM-102 says)."""
