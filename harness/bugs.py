@@ -291,8 +291,10 @@ def _z3_momentum_tail_past_end(c: Case) -> bool:
     """ZeRO-3 without offload writes a rank's momentum share with ``buffer[:n - r q]`` (stage3.py:1798-1801):
     a rank whose share starts past the end of a Muon matrix (``r q > n`` with ``r q - n < q``) raises. With
     ``q = ceil(n / W)`` the first rank past the end is ``ceil(n / q)``; it exists and starts strictly past
-    ``n`` exactly when ``n % q != 0`` and ``ceil(n / q) < W``. Only a step that is not skipped runs Muon."""
-    if c.stage != 3 or c.offload != "none" or c.dp_size < 2:
+    ``n`` exactly when ``n % q != 0`` and ``ceil(n / q) < W``. Only a step that is not skipped runs Muon. Releases
+    that run Muon in the reduce (0.19.0-0.19.7) write the momentum back the same way with offload too
+    (measured: z3-cpu-fp32-ws4-emptyshare, 0.19.0-0.19.7, in ``_apply_distributed_muon_update``)."""
+    if c.stage != 3 or c.dp_size < 2 or (c.offload != "none" and not historical_bugs.muon_in_z3_reduce()):
         return False
     W = c.dp_size
     for p in c.params:
@@ -524,7 +526,10 @@ BUGS: tuple[Bug, ...] = (
         crash_also=(("RuntimeError", "doesn't match the broadcast shape", "_muon_update_sub_group"),
                     # before 0.19.8 ZeRO-3 copies the 2-D update back into the 4-D gradient in the reduce
                     # (0.18.9 resnet-z3-none-fp32-ws2-standard; harness.historical_bugs)
-                    ("RuntimeError", "doesn't match the broadcast shape", "_apply_distributed_muon_update")),
+                    ("RuntimeError", "doesn't match the broadcast shape", "_apply_distributed_muon_update"),
+                    # 0.19.0-0.19.6 with optimizer offload: a 3x3 filter's update against its gradient in the
+                    # reduce (z3-cpu-fp32-ws2-conv2d: "size of tensor a (3) must match ... b (18)")
+                    ("RuntimeError", "must match the size of tensor", "_apply_distributed_muon_update")),
         where="original_muon.py muon_update (:223-235)",
         fix="muon-conv-kernels",
         reproducer="pipeline_case(2, 'none', 'fp32', 1, params=(ParamShape('conv.weight', (4, 2, 3, 3)), "
@@ -615,6 +620,8 @@ BUGS: tuple[Bug, ...] = (
         fix="z3-momentum-tail-past-end",
         reproducer="pipeline_case(3, 'none', 'fp32', 4, params=(ParamShape('w.weight', (1, 5)),))",
         crash=("RuntimeError", "The expanded size of the tensor", "_muon_update_sub_group"),
+        # 0.19.0-0.19.7: the same slice in the reduce's Muon update (z3-none/cpu-fp32-ws4-emptyshare)
+        crash_also=(("RuntimeError", "The expanded size of the tensor", "_apply_distributed_muon_update"),),
     ),
     Bug(
         id="DSM-018",

@@ -69,6 +69,16 @@ def groups_flattened() -> bool:
     return bool(versions.AFFECTED.get("DSM-104", {}).get(versions.judged_as() or "", False))
 
 
+def muon_in_z3_reduce() -> bool:
+    """Whether the release judged runs ZeRO-3's Muon inside the gradient reduce (``_apply_distributed_muon_update``,
+    0.19.0-0.19.7), with and without optimizer offload alike; 0.19.8 runs it once per step after accumulation,
+    and its offload path in a function of its own (``_apply_muon_updates_cpu_offload``)."""
+    from harness import versions
+
+    rel = versions.judged_as()
+    return rel is not None and versions.in_range(rel, "0.19.0", "0.19.8")
+
+
 def _z12_group_with_two_muon(c: Case) -> bool:
     """ZeRO-1/2 without offload, a param group with two or more Muon matrices (the staging reset only
     loses the momentum of a matrix that is not the last one a rank updates in its group)."""

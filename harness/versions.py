@@ -460,6 +460,14 @@ for _rel, _row in _SLICE.items():
     for _bug, _present in _row.items():
         AFFECTED[_bug][_rel] = _present
 
+# Session 10, the cases added for the source-mutation survivors, measured by name on every release
+# (measure_release --slice gate --names ... --exclude-absent): DSM-017's crash in the reduce's Muon update,
+# offload or not (z3-none/cpu-fp32-ws4-emptyshare, 0.19.0-0.19.7), and DSM-012's on a 3x3 filter with
+# offload (z3-cpu-fp32-ws2-conv2d, 0.19.0-0.19.6; 0.19.7 raised it in muon_update as already recorded).
+for _rel in ("0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7"):
+    AFFECTED["DSM-017"][_rel] = True
+    AFFECTED["DSM-012"][_rel] = True
+
 # Releases a gate run was made on (so a bug without a measurement there is reported, not silently
 # ignored): release -> the slice that was run (README "DeepSpeed versions").
 MEASURED: dict[str, str] = {
