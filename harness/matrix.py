@@ -331,11 +331,16 @@ def empty_share_cases(full: bool = False) -> list[Case]:
     """A rank holding none of a group or of a matrix (``EMPTY_SHARE_PARAMS``, four ranks): ZeRO-1 and ZeRO-3
     without offload, ZeRO-2 and ZeRO-3 with CPU offload, in fp32; and ZeRO-1 in fp16, where the one-row
     matrix's update, a single singular value Newton-Schulz leaves near 0.7, gives the Muon group a norm
-    below 1 that the norm's loss-scale rescale must scale all the same (``torch.where(norm >= 0, ...)``).
-    5 cases, CI and --full."""
+    below 1 that the norm's loss-scale rescale must scale all the same (``torch.where(norm >= 0, ...)``);
+    and the BF16_Optimizer route at two ranks. 6 cases, CI and --full."""
     out = [_case(st, off, "fp32", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")
            for st, off in ((1, "none"), (2, "cpu"), (3, "none"), (3, "cpu"))]
-    return out + [_case(1, "none", "fp16", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")]
+    out.append(_case(1, "none", "fp16", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare"))
+    # The BF16_Optimizer route at two ranks: the one matrix split 4 + 1, its last element alone on rank 1
+    # at a partition start (``(end - 1) % partition_size == 0``), and rank 1's Adam partition all padding.
+    c = _case(1, "none", "bf16", 2, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")
+    out.append(_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"}))
+    return out
 
 
 # Every Muon matrix ending on a partition boundary, as power-of-two layers do: two 2x4 matrices fill the
@@ -346,11 +351,21 @@ ALIGNED_PARAMS = (ParamShape("layer0.weight", (2, 4)), ParamShape("layer0.bias",
                   ParamShape("layer1.weight", (2, 4)), ParamShape("layer1.bias", (2,)))
 
 
+# A matrix spanning three ranks behind a small one (BF16_Optimizer at W=3: 4 + 45 elements, partitions of 18):
+# rank 1 receives two pieces of the large matrix, the first from rank 0 starting mid-partition (flat 4), so
+# the receive offsets must advance by each piece's length; the test layers' first matrix starts at 0, where
+# no arithmetic on the offsets shows.
+SPANNING_PARAMS = (ParamShape("layer0.weight", (5, 9)), ParamShape("layer0.bias", (5,)),
+                   ParamShape("layer1.weight", (2, 2)), ParamShape("layer1.bias", (2,)))  # flat: layer1, layer0
+
+
 def aligned_cases(full: bool = False) -> list[Case]:
-    """The BF16_Optimizer route (bf16, fp32 gradient accumulation, ZeRO-1, two ranks) with every Muon matrix
-    ending on a partition boundary (``ALIGNED_PARAMS``). 1 case, CI and --full."""
+    """The BF16_Optimizer route (bf16, fp32 gradient accumulation, ZeRO-1) with every Muon matrix ending on a
+    partition boundary (``ALIGNED_PARAMS``, two ranks), and with a matrix spanning three ranks behind a small
+    one (``SPANNING_PARAMS``). 2 cases, CI and --full."""
     c = _case(1, "none", "bf16", 2, params=ALIGNED_PARAMS, suffix="-aligned")
-    return [_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"})]
+    s = _case(1, "none", "bf16", 3, params=SPANNING_PARAMS, suffix="-spanning")
+    return [_with_config(x, "-gad32", data_types={"grad_accum_dtype": "fp32"}) for x in (c, s)]
 
 
 # A 4-D Muon weight (a Conv2d filter, out x in x kh x kw) with CPU offload: muon_update reshapes a 4-D update
@@ -713,10 +728,27 @@ def knob_cases(full: bool = False) -> list[Case]:
 GATHER_CAPS = {(1, 2): (96, 128), 3: (96, 400)}
 
 
+# Two small Muon matrices that share a gather batch and a rank ahead of a large one (ZeRO-1/2 at W=2: 6 + 6 +
+# 40 elements, partitions of 26): with GATHER_CAPS a batch holds 12 elements, so layer0 and layer1 form one
+# batch that rank 0 packs alone, layer1 behind layer0 (packed offset 6), in 3 chunks of 4. The chunk loops
+# skip a slice that a chunk does not reach and place each piece by its offset in the packed buffer; with one
+# matrix per batch, as the test layers give, no slice ever sat behind another across chunks.
+GATHER_PACK_PARAMS = (ParamShape("layer0.weight", (2, 3)), ParamShape("layer0.bias", (2,)),
+                      ParamShape("layer1.weight", (2, 3)), ParamShape("layer1.bias", (2,)),
+                      ParamShape("layer2.weight", (4, 10)), ParamShape("layer2.bias", (4,)))
+# A cache cap of 0 bytes: no gather buffer is ever kept, and the eviction loop must stop on an empty cache.
+NO_CACHE_CAPS = {(1, 2): (96, 0), 3: (96, 0)}
+# A scratch budget of 16 bytes, below one element per rank and buffer ((W + 1) x 2 buffers x 4 bytes = 24 at
+# W=2): the chunk size floors at one element (``max(1, ...)``), 26 chunks a batch.
+ONE_ELEMENT_CAPS = (16, 128)
+
+
 def gather_cases(full: bool = False) -> list[Case]:
     """Chunked all-gathers and the gather-buffer cache on ZeRO-1/2 (offload, where DeepSpeed chunks) and
     ZeRO-3 (none, cpu): CI 4 cases at W 2-3; ``--full``: x dtype x ws 2-3 (and ZeRO-1/2 without
-    offload, whose cache is unused)."""
+    offload, whose cache is unused). Then, CI and --full: two matrices packed behind each other in one
+    batch (``GATHER_PACK_PARAMS``, ZeRO-1 offload), a cache cap of 0 on ZeRO-1 offload and ZeRO-3, and a
+    budget below one element per rank (ZeRO-2 offload)."""
     combos = [(1, "cpu", "fp32", 2), (2, "cpu", "bf16", 3), (3, "none", "fp16", 2), (3, "cpu", "fp32", 3)]
     if full:
         combos = [(st, off, dt, ws) for st in STAGES for off in ("none", "cpu") for dt in DTYPES for ws in (2, 3)]
@@ -725,6 +757,12 @@ def gather_cases(full: bool = False) -> list[Case]:
         caps = GATHER_CAPS[3] if st == 3 else GATHER_CAPS[(1, 2)]
         c = _case(st, off, dt, ws, grad_accum=1 + i % 2, suffix="-gather")
         out.append(c.replace(allgather_caps=caps))
+    out.append(_case(1, "cpu", "fp32", 2, params=GATHER_PACK_PARAMS, suffix="-gather-pack").replace(
+        allgather_caps=GATHER_CAPS[(1, 2)]))
+    for st, off in ((1, "cpu"), (3, "none")):
+        c = _case(st, off, "fp32", 2, suffix="-gather-nocache")
+        out.append(c.replace(allgather_caps=NO_CACHE_CAPS[3] if st == 3 else NO_CACHE_CAPS[(1, 2)]))
+    out.append(_case(2, "cpu", "fp32", 2, suffix="-gather-oneelem").replace(allgather_caps=ONE_ELEMENT_CAPS))
     return out
 
 

@@ -69,6 +69,12 @@ EXTRA_GATE_CASES = (
     "z3-none-fp32-ws3-onematrix",  # a round of one matrix at three ranks: rank 2 has none to orthogonalise
     "z1-none-bf16-ws2-aligned-gad32",  # BF16_Optimizer: every Muon matrix ends on a partition boundary
     "z2-cpu-fp32-ws2-conv2d", "z3-cpu-fp32-ws2-conv2d",  # a 4-D Muon weight on the offload paths (expert default)
+    "z1-none-bf16-ws2-emptyshare-gad32",  # BF16_Optimizer: a split matrix whose last element starts a partition
+    "z1-none-bf16-ws3-spanning-gad32",  # BF16_Optimizer: a matrix over three ranks behind a small one (receive offsets)
+    "z1-cpu-fp32-ws2-gather-pack",  # two matrices packed behind each other in one chunked gather batch
+    "z1-cpu-fp32-ws2-gather-nocache", "z3-none-fp32-ws2-gather-nocache",  # a gather-cache cap of 0 bytes
+    "z2-cpu-fp32-ws2-gather-oneelem",  # a gather budget below one element per rank: one-element chunks
+    "z3-cpu-fp32-ws2-inmem",  # ZeRO-3 offload with the Muon momentum kept in memory
     "z2-cpu-fp16-ws2-scale2", "z3-none-fp16-ws2-scale2",  # the rescale's test at a scale of 2, two more paths
     # a static loss scale of 0.5: every "scale != 1.0" test of the Muon rescale, against "scale > 1.0"
     "z1-none-fp16-ws2-static0.5", "z2-cpu-fp16-ws2-static0.5", "z3-none-fp16-ws2-static0.5",
