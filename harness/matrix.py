@@ -351,18 +351,18 @@ ALIGNED_PARAMS = (ParamShape("layer0.weight", (2, 4)), ParamShape("layer0.bias",
                   ParamShape("layer1.weight", (2, 4)), ParamShape("layer1.bias", (2,)))
 
 
-# A matrix spanning three ranks behind a small one (BF16_Optimizer at W=3: 4 + 45 elements, partitions of 18):
-# rank 1 receives two pieces of the large matrix, the first from rank 0 starting mid-partition (flat 4), so
-# the receive offsets must advance by each piece's length; the test layers' first matrix starts at 0, where
-# no arithmetic on the offsets shows.
+# A matrix spanning three ranks (BF16_Optimizer at W=3: 45 + 4 elements, partitions of 18): rank 0 receives two
+# pieces of it, from rank 1 (flat 18-36) and rank 2 (36-45), and must place the second by the first's length.
+# The test layers split each matrix over two ranks at most, so no rank received more than one piece whose
+# offset arithmetic could go wrong (a piece starting at flat 0 hides it).
 SPANNING_PARAMS = (ParamShape("layer0.weight", (5, 9)), ParamShape("layer0.bias", (5,)),
-                   ParamShape("layer1.weight", (2, 2)), ParamShape("layer1.bias", (2,)))  # flat: layer1, layer0
+                   ParamShape("layer1.weight", (2, 2)), ParamShape("layer1.bias", (2,)))
 
 
 def aligned_cases(full: bool = False) -> list[Case]:
     """The BF16_Optimizer route (bf16, fp32 gradient accumulation, ZeRO-1) with every Muon matrix ending on a
-    partition boundary (``ALIGNED_PARAMS``, two ranks), and with a matrix spanning three ranks behind a small
-    one (``SPANNING_PARAMS``). 2 cases, CI and --full."""
+    partition boundary (``ALIGNED_PARAMS``, two ranks), and with a matrix spanning three ranks
+    (``SPANNING_PARAMS``). 2 cases, CI and --full."""
     c = _case(1, "none", "bf16", 2, params=ALIGNED_PARAMS, suffix="-aligned")
     s = _case(1, "none", "bf16", 3, params=SPANNING_PARAMS, suffix="-spanning")
     return [_with_config(x, "-gad32", data_types={"grad_accum_dtype": "fp32"}) for x in (c, s)]

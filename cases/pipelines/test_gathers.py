@@ -19,6 +19,21 @@ def test_gathers(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+def test_pack_case_puts_two_matrices_behind_each_other_on_one_rank():
+    """The -gather-pack layout: two Muon matrices that fit one batch (budget // 8 elements) sit wholly on
+    one rank, so that rank packs the second behind the first."""
+    from harness import verdict
+    from oracles.layout import param_slices
+
+    case = next(c for c in matrix.gather_cases() if c.name.endswith("-gather-pack"))
+    layout = verdict.layout_for(case, verdict.step_config(case))
+    budget = case.allgather_caps[0] // 8
+    small = [p for p in case.params if p.uses_muon and p.numel <= budget // 2]
+    owners = [{s.rank for s in param_slices(layout, p.name)} for p in small]
+    assert len(small) == 2 and sum(p.numel for p in small) <= budget
+    assert owners[0] == owners[1] and len(owners[0]) == 1, owners
+
+
 class _Opt:
     def __init__(self):
         self._muon_allgather_max_buffer_bytes = 1 << 26

@@ -70,7 +70,7 @@ EXTRA_GATE_CASES = (
     "z1-none-bf16-ws2-aligned-gad32",  # BF16_Optimizer: every Muon matrix ends on a partition boundary
     "z2-cpu-fp32-ws2-conv2d", "z3-cpu-fp32-ws2-conv2d",  # a 4-D Muon weight on the offload paths (expert default)
     "z1-none-bf16-ws2-emptyshare-gad32",  # BF16_Optimizer: a split matrix whose last element starts a partition
-    "z1-none-bf16-ws3-spanning-gad32",  # BF16_Optimizer: a matrix over three ranks behind a small one (receive offsets)
+    "z1-none-bf16-ws3-spanning-gad32",  # BF16_Optimizer: a matrix over three ranks (two pieces received)
     "z1-cpu-fp32-ws2-gather-pack",  # two matrices packed behind each other in one chunked gather batch
     "z1-cpu-fp32-ws2-gather-nocache", "z3-none-fp32-ws2-gather-nocache",  # a gather-cache cap of 0 bytes
     "z2-cpu-fp32-ws2-gather-oneelem",  # a gather budget below one element per rank: one-element chunks
