@@ -331,11 +331,14 @@ def empty_share_cases(full: bool = False) -> list[Case]:
     """A rank holding none of a group or of a matrix (``EMPTY_SHARE_PARAMS``, four ranks): ZeRO-1 and ZeRO-3
     without offload, ZeRO-2 and ZeRO-3 with CPU offload, in fp32; and ZeRO-1 in fp16, where the one-row
     matrix's update, a single singular value Newton-Schulz leaves near 0.7, gives the Muon group a norm
-    below 1 that the norm's loss-scale rescale must scale all the same (``torch.where(norm >= 0, ...)``);
-    and the BF16_Optimizer route at two ranks. 6 cases, CI and --full."""
+    below 1 that the norm's loss-scale rescale must scale all the same (``torch.where(norm >= 0, ...)``), and
+    ZeRO-3 in fp16 at two ranks for that norm; and the BF16_Optimizer route at two ranks. 7 cases, CI and
+    --full."""
     out = [_case(st, off, "fp32", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")
            for st, off in ((1, "none"), (2, "cpu"), (3, "none"), (3, "cpu"))]
     out.append(_case(1, "none", "fp16", 4, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare"))
+    # the same norm below 1 on ZeRO-3 (two ranks: at four, DSM-017 crashes the step first)
+    out.append(_case(3, "none", "fp16", 2, params=EMPTY_SHARE_PARAMS, suffix="-onerow"))
     # The BF16_Optimizer route at two ranks: the one matrix split 4 + 1, its last element alone on rank 1
     # at a partition start (``(end - 1) % partition_size == 0``), and rank 1's Adam partition all padding.
     c = _case(1, "none", "bf16", 2, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")

@@ -122,12 +122,15 @@ def test_one_parameter_per_group(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.empty_share_cases))
 def test_rank_holding_none(case, column, pool_manager, seed, request):
     """Some rank holds no element of a group (ZeRO-1/2: its partition is all padding) or of a Muon matrix
-    (ZeRO-3: its share starts at or past the matrix's end), as the layout oracle places them."""
+    (ZeRO-3: its share starts at or past the matrix's end), as the layout oracle places them (-onerow: the
+    one-row matrix alone, for its Muon group norm below 1)."""
     from harness import verdict
     from oracles.layout import param_slices, rank_segments
 
     layout = verdict.layout_for(case, verdict.step_config(case))
-    if case.stage == 3:
+    if case.name.endswith("-onerow"):
+        assert [p.shape for p in case.params if p.uses_muon] == [(1, 5)]  # one singular value: norm ~0.7
+    elif case.stage == 3:
         held = {s.rank for p in case.params if p.uses_muon for s in param_slices(layout, p.name)}
         assert held != set(range(case.dp_size)), held
     else:

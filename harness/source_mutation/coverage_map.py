@@ -66,6 +66,7 @@ EXTRA_GATE_CASES = (
     # some rank holds none of a group (ZeRO-1/2: all padding) or of a matrix (ZeRO-3: its share starts past it)
     "z1-none-fp32-ws4-emptyshare", "z2-cpu-fp32-ws4-emptyshare", "z3-none-fp32-ws4-emptyshare",
     "z3-cpu-fp32-ws4-emptyshare", "z1-none-fp16-ws4-emptyshare",  # ... and an fp16 Muon group norm below 1
+    "z3-none-fp16-ws2-onerow",  # the fp16 Muon norm below 1 on ZeRO-3
     "z3-none-fp32-ws3-onematrix",  # a round of one matrix at three ranks: rank 2 has none to orthogonalise
     "z1-none-bf16-ws2-aligned-gad32",  # BF16_Optimizer: every Muon matrix ends on a partition boundary
     "z2-cpu-fp32-ws2-conv2d", "z3-cpu-fp32-ws2-conv2d",  # a 4-D Muon weight on the offload paths (expert default)
