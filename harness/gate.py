@@ -143,6 +143,19 @@ def _judge_tp(c: Case, column: str, manager: Launcher) -> Outcome:
 
 
 def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
+    """``_evaluate``'s decision, with a failure on stock that an intermittent bug of the installed release
+    could explain naming that bug (``historical_bugs.INTERMITTENT``); the status stays what it was."""
+    from harness import historical_bugs, versions
+
+    o = _evaluate(case, column, manager)
+    if o.status in ("failed", "error") and column == "stock":
+        notes = historical_bugs.intermittent_notes(o.case, versions.installed().release)
+        if notes:
+            o = replace(o, message=o.message + "\n" + "\n".join(notes))
+    return o
+
+
+def _evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     """Run one case on one column and decide its status.
 
     A case a registered bug triggers is judged twice: (a) against the intended oracle, where it must
