@@ -384,11 +384,12 @@ def grad_store_dtype(case: Case) -> str:
 
 
 def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: str,
-                   magnitudes=None) -> oracles.Allowance:
+                   magnitudes=None, grad_units: float = 1.0) -> oracles.Allowance:
     """The allowance of the averaged gradient of parameter ``name`` (``grads[rank][micro][name]``: the
     float64 per-micro gradients), from that parameter's own addends (``oracles.tolerance``, "grad").
     ``magnitudes`` (same layout): the cancellation-free scale of each addend where the model can give
-    it (``harness.model.gradient_magnitudes``); the backward's rounding is relative to that scale."""
+    it (``harness.model.gradient_magnitudes``); the backward's rounding is relative to that scale.
+    ``grad_units``: the scale DeepSpeed's stored gradient carries (``ParamStep.grad_scale``)."""
     spec = sc.spec(name)
     grad_store = grad_store_dtype(case)
     term = oracles.grad_term_scale(g[name] for per_rank in (magnitudes or grads) for g in per_rank)
@@ -399,7 +400,7 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
                            # of the term scale, doubled for the two terms of a matrix loss.
                            grad_term_scale=term, backward_term_err=8.0 * oracles.unit_roundoff(case.dtype),
                            ns_method=next(sc.hyper(p) for p in sc.params if p.name == name).get(
-                               "ns_method", sc.ns_method))
+                               "ns_method", sc.ns_method), grad_units=grad_units)
     return a.grad
 
 
@@ -604,7 +605,7 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         # Judge DeepSpeed's gradient against the float64 one (only on steps it was finite).
         for n in spec:
             if n in forced and bool(torch.isfinite(true_G[n]).all()):
-                a = grad_allowance(case, sc, n, grads, mode, mags)
+                a = grad_allowance(case, sc, n, grads, mode, mags, float(rec.params[n].grad_scale))
                 add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a if mo is None else mo.grad_allowance(n, a))
 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).

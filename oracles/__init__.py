@@ -30,7 +30,8 @@ from .step import step as oracle_step  # the function; ``oracles.step`` stays th
 from .tolerance import (MODES, UNIT_ROUNDOFF, Allowance, Allowances, Check, Divergence, allowances, compare,
                         grad_term_scale,
                         normalised_sigma_lo, ns_gains, perturbed_sigma_lo,
-                        ns_relative_error, own_master_allowance, own_norm_allowance, unit_roundoff)
+                        ns_relative_error, own_master_allowance, own_norm_allowance, subnormal_half_spacing,
+                        unit_roundoff)
 
 import types as _types
 

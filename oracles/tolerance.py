@@ -41,7 +41,10 @@ Unit round-offs ``u``: fp64 2^-53, fp32 2^-24, fp16 2^-11, bf16 2^-8. ``W`` rank
   gradients are exact and DeepSpeed's come from a backward in the model dtype, each addend carries that
   backward's own rounding, at most ``backward_term_err`` of the term scale (``harness.verdict``: four
   rounded intermediates per loss term, two terms: ``8 u_lp``); an average of ``n`` such addends carries
-  no more than one of them, so it enters ``atol`` once, not ``n + 1`` times.
+  no more than one of them, so it enters ``atol`` once, not ``n + 1`` times. Below the smallest normal
+  a rounding is off by up to half the subnormal spacing, not ``u`` of the value: ``atol`` adds
+  ``(n + 1)`` of those, in true units (divided by the loss scale where the gradient is stored scaled).
+  Only fp16 reaches it (2^-25 under 6.1e-5: a gradient of 1e-9 times a scale of 256).
 * momentum: each step adds ``(1-beta)`` times the gradient error and two lerp roundings ``2 u_m``;
   older errors decay by ``beta``: ``rtol = ((1-beta) rtol_g rho + 2 u_m) (1-beta^T)/(1-beta)`` where
   ``rho = max|G| / max|M|`` (default ``1/(1-beta)``, the first-step worst case).
@@ -119,6 +122,18 @@ def unit_roundoff(dtype) -> float:
         return UNIT_ROUNDOFF[key]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}") from None
+
+
+# Half the spacing of the subnormals (the smallest subnormal over two): the absolute error of one rounding
+# below the smallest normal, where ``u`` times the value no longer bounds it. fp16's 2^-25 (values under
+# 6.1e-5) is what an fp16 gradient far below one reaches times a small loss scale; the others are far
+# below anything a step holds.
+SUBNORMAL_HALF_SPACING = {"fp64": 2.0 ** -1075, "fp32": 2.0 ** -150, "fp16": 2.0 ** -25, "bf16": 2.0 ** -134}
+
+
+def subnormal_half_spacing(dtype) -> float:
+    unit_roundoff(dtype)  # the same dtype check
+    return SUBNORMAL_HALF_SPACING[_ALIASES.get(dtype, dtype)]
 
 
 @dataclass(frozen=True)
@@ -450,7 +465,8 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
                adam_betas: tuple[float, float] = (0.9, 0.95), grad_term_scale: Optional[float] = None,
                grad_to_momentum: Optional[float] = None, weight_scale: float = 0.0,
                step_to_weight: float = 1.0, backward_rel_err: float = 0.0, backward_term_err: float = 0.0,
-               clipping_active: bool = True, use_muon: Optional[bool] = None) -> Allowances:
+               clipping_active: bool = True, use_muon: Optional[bool] = None,
+               grad_units: float = 1.0) -> Allowances:
     """The allowance per quantity for one Muon parameter of ``shape`` (see the module docstring).
 
     ``use_muon``: which update the parameter's weights take, for the master and model allowances:
@@ -459,7 +475,9 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
 
     ``grad_dtype``/``momentum_dtype`` default to the model dtype (DeepSpeed's non-offload storage);
     pass ``"fp32"`` for the offload paths. ``sigma_lo``: :func:`normalised_sigma_lo` of the NS input
-    (0 = rank-deficient, the worst case).
+    (0 = rank-deficient, the worst case). ``grad_units``: the factor the stored gradient carries (the loss
+    scale where DeepSpeed keeps it scaled, else 1): each of the ``n + 1`` roundings of a subnormal is off
+    by up to half the subnormal spacing in those units, which ``u`` times the value does not bound.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
@@ -476,10 +494,13 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
     # -- grad
     rtol_g = (n + 1) * u_g + backward_rel_err
     atol_g = ((n + 1) * u_g + backward_term_err) * grad_term_scale if grad_term_scale else 0.0
-    grad = Allowance(atol_g, rtol_g, f"(W*GAS+1) u_g = ({n}+1)*{u_g:.3g}"
+    sub_g = (n + 1) * subnormal_half_spacing(grad_dtype or model_dtype) / grad_units
+    grad = Allowance(atol_g + sub_g, rtol_g, f"(W*GAS+1) u_g = ({n}+1)*{u_g:.3g}"
                      + (f" + backward {backward_rel_err:.3g}" if backward_rel_err else "")
                      + (f"; atol ((W*GAS+1) u_g + {backward_term_err:.3g}) * term {grad_term_scale:.3g}"
-                        if grad_term_scale else ""))
+                        if grad_term_scale else "")
+                     + (f" + subnormals (W*GAS+1) {subnormal_half_spacing(grad_dtype or model_dtype):.3g}"
+                        f" / {grad_units:g}" if sub_g > 1e-30 else ""))
 
     # -- momentum
     rho = (1.0 / (1.0 - beta)) if grad_to_momentum is None else grad_to_momentum

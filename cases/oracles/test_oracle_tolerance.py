@@ -286,3 +286,25 @@ def test_the_all_finite_comparison_gives_the_general_ones_numbers_bit_for_bit(da
     assert fast[3] == general[3]
     for x, y in zip(fast[:3], general[:3]):
         assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+
+
+def test_fp16_subnormal_rounding_is_in_the_grad_allowance_and_a_missing_rank_is_not():
+    """An fp16 gradient stored below the smallest normal rounds to within half the subnormal spacing (2^-25 in
+    the stored units), not u times the value: n + 1 such roundings, divided by the loss scale the gradient
+    carries. fp32 and the relative term are untouched, and an error the size of a missing rank's share still
+    exceeds the allowance at these magnitudes."""
+    import torch
+
+    from oracles import allowances, subnormal_half_spacing
+
+    S, n = 256.0, 2
+    g16 = allowances("exact", model_dtype="fp16", world_size=n, grad_units=S).grad
+    g32 = allowances("exact", model_dtype="fp32", world_size=n, grad_units=S).grad
+    assert g16.atol == (n + 1) * 2.0 ** -25 / S and g32.atol < 1e-40
+    assert subnormal_half_spacing("fp16") == float(torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps) / 2
+    # a true-unit gradient of 1e-8, stored times 256 as an fp16 subnormal: its rounding is inside ...
+    G = torch.full((64,), 1e-8, dtype=torch.float64)
+    stored = (G * S).to(torch.float16).to(torch.float64) / S
+    assert ((stored - G).abs() <= g16.atol + g16.rtol * G.abs()).all()
+    # ... and half of it missing (one rank of two) is not
+    assert ((G / 2 - G).abs() > g16.atol + g16.rtol * G.abs()).all()
