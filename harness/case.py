@@ -64,6 +64,11 @@ class ParamGroup:
     DeepSpeed splits each group into a Muon and an Adam half; a group's ``lr`` and ``weight_decay``
     reach both halves, ``momentum`` and ``ns_method`` only the Muon half (``engine.py
     _muon_param_groups``). ``use_muon`` is passed through as a group key, as a user would write it.
+
+    ``loose``: the parameters are passed as bare tensors beside the dicts, not as a group. DeepSpeed
+    collects them, wherever they stand in the list, into one group of the config's settings placed after
+    the dict groups (``engine.py`` ``_muon_param_groups``), so a loose group sets nothing and comes last
+    in ``Case.groups`` (DeepSpeed's order); the harness hands its tensors over first.
     """
 
     params: tuple[str, ...]
@@ -72,9 +77,11 @@ class ParamGroup:
     weight_decay: float | None = None
     ns_method: str | None = None
     use_muon: bool | None = None
+    loose: bool = False
 
     def options(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "params" and v is not None}
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in ("params", "loose") and v is not None}
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,11 @@ class Case:
             for g in self.groups:
                 if g.ns_method not in (None, "gram", "standard"):
                     raise ValueError(f"case {self.name!r}: group ns_method {g.ns_method!r} is not gram/standard")
+            loose = [i for i, g in enumerate(self.groups) if g.loose]
+            if loose and (loose != [len(self.groups) - 1] or self.groups[-1].options()):
+                raise ValueError(f"case {self.name!r}: a loose group (bare tensors) must be the only one, the last, "
+                                 "and set nothing: DeepSpeed puts the bare tensors in one group of the config's "
+                                 "settings after the dict groups")
 
     def _check_model_parallel(self) -> None:
         mp = self.model_parallel

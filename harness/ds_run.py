@@ -354,11 +354,13 @@ def client_optimizer(case: Case, model_params):
 
 def model_parameters(case: Case, model):
     """What the case hands ``deepspeed.initialize`` as ``model_parameters``: the user's param groups
-    (``case.groups``, each a dict of its parameters and its own settings) or ``model.parameters()``."""
+    (``case.groups``, each a dict of its parameters and its own settings, a loose group's parameters as bare
+    tensors ahead of them) or ``model.parameters()``."""
     if not case.groups:
         return model.parameters()
     named = dict(model.named_parameters())
-    return [{"params": [named[n] for n in g.params], **g.options()} for g in case.groups]
+    loose = [named[n] for g in case.groups if g.loose for n in g.params]  # first: DeepSpeed must move them last
+    return loose + [{"params": [named[n] for n in g.params], **g.options()} for g in case.groups if not g.loose]
 
 
 def _model_hooks(case: Case):

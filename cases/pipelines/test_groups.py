@@ -32,6 +32,10 @@ def test_dsm006_stock_fails_patched_passes(pool_manager):
     ((ParamGroup(("layer0.weight", "layer0.bias")), ParamGroup(("layer0.weight", "layer1.weight", "layer1.bias"))),
      "listed twice"),
     ((ParamGroup(("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias"), ns_method="cubic"),), "ns_method"),
+    ((ParamGroup(("layer0.weight", "layer0.bias"), loose=True), ParamGroup(("layer1.weight", "layer1.bias"))),
+     "loose group"),
+    ((ParamGroup(("layer0.weight", "layer0.bias")), ParamGroup(("layer1.weight", "layer1.bias"), lr=0.1, loose=True)),
+     "loose group"),
 ])
 def test_bad_groups_refused_before_any_rank(groups, why):
     c = pipeline_case(1, "none", "fp32", 1)
@@ -44,3 +48,22 @@ def test_groups_round_trip_json():
     from harness.case import Case
 
     assert Case.from_json(c.to_json()) == c
+
+
+def test_a_loose_group_goes_to_deepspeed_as_bare_tensors_ahead_of_the_dicts():
+    """DeepSpeed moves bare tensors after the dict groups itself; the harness puts them first so that it must."""
+    import torch
+
+    from harness.ds_run import model_parameters
+
+    c = pipeline_case(1, "none", "fp32", 2)
+    c = c.replace(groups=(ParamGroup(("layer0.weight", "layer0.bias"), lr=0.03),
+                          ParamGroup(("layer1.weight", "layer1.bias"), loose=True)))
+    model = torch.nn.Module()
+    for p in c.params:
+        model.register_parameter(p.name.replace(".", "_"), torch.nn.Parameter(torch.zeros(p.shape)))
+    named = {p.name: getattr(model, p.name.replace(".", "_")) for p in c.params}
+    model.named_parameters = lambda: iter(named.items())
+    got = model_parameters(c, model)
+    assert [x is named["layer1.weight"] or x is named["layer1.bias"] for x in got[:2]] == [True, True]
+    assert got[2] == {"params": [named["layer0.weight"], named["layer0.bias"]], "lr": 0.03} and len(got) == 3

@@ -77,6 +77,7 @@ EXTRA_GATE_CASES = (
     "z2-cpu-fp32-ws2-gather-oneelem",  # a gather budget below one element per rank: one-element chunks
     "z3-cpu-fp32-ws2-inmem",  # ZeRO-3 offload with the Muon momentum kept in memory
     "z1-none-fp16-ws2-subnormal",  # fp16 gradients stored as subnormals (judged with the subnormal term)
+    "z1-none-fp32-ws2-groups-loose",  # bare tensors beside a group dict: DeepSpeed's loose group
     "z2-cpu-fp16-ws2-scale2", "z3-none-fp16-ws2-scale2",  # the rescale's test at a scale of 2, two more paths
     # a static loss scale of 0.5: every "scale != 1.0" test of the Muon rescale, against "scale > 1.0"
     "z1-none-fp16-ws2-static0.5", "z2-cpu-fp16-ws2-static0.5", "z3-none-fp16-ws2-static0.5",
