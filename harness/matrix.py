@@ -575,8 +575,8 @@ def user_groups(stage: int, offload: str) -> tuple[ParamGroup, ...]:
 def groups_cases(full: bool = False) -> list[Case]:
     """Several user param groups (``Case.groups``) with per-group lr / momentum / weight_decay /
     ns_method, weight decay on: every stage x offload none/cpu at W=2 in CI (dtype cycling); ``--full``
-    adds every dtype and world size. Then a group passed as bare tensors (``ParamGroup.loose``) on ZeRO-1 and
-    ZeRO-3, CI and --full."""
+    adds every dtype and world size. Then a group passed as bare tensors (``ParamGroup.loose``) on ZeRO-1, CI
+    and --full."""
     out = []
     combos = [(0, "none")] + [(st, off) for st in STAGES for off in ("none", "cpu")]
     for i, (st, off) in enumerate(combos):
@@ -587,11 +587,12 @@ def groups_cases(full: bool = False) -> list[Case]:
             out.append(c.replace(groups=user_groups(st, off)))
     # The second group's parameters passed as bare tensors, ahead of the first group's dict: DeepSpeed must
     # still give them the config's settings, in a group after the dict (a test of "loose or not groups"
-    # mutated to "and", or to "not loose", dropped them and survived every case above). ZeRO-1 and ZeRO-3, fp32.
-    for st in (1, 3):
-        first, second = user_groups(st, "none")
-        c = _case(st, "none", "fp32", 2, weight_decay=GROUP_WD, suffix="-groups-loose")
-        out.append(c.replace(groups=(first, dataclasses.replace(second, loose=True))))
+    # mutated to "and", or to "not loose", dropped them and survived every case above). ZeRO-1, fp32: the
+    # grouping is the engine's, the same for every stage (a ZeRO-3 twin only re-shows DSM-006, and on 0.19.7
+    # not at all: there the gram/standard difference is inside exact mode's allowance).
+    first, second = user_groups(1, "none")
+    c = _case(1, "none", "fp32", 2, weight_decay=GROUP_WD, suffix="-groups-loose")
+    out.append(c.replace(groups=(first, dataclasses.replace(second, loose=True))))
     return out
 
 
