@@ -363,13 +363,21 @@ SPANNING_PARAMS = (ParamShape("layer0.weight", (5, 9)), ParamShape("layer0.bias"
                    ParamShape("layer1.weight", (2, 2)), ParamShape("layer1.bias", (2,)))
 
 
+# One 3x3 Muon matrix, the whole Muon group (a group of one matrix, as an adapter's): 9 elements padded to 12,
+# partitions of 6, the matrix split 6 + 3. Its split test is then the only one in the group: no other matrix
+# can make ``any(...)`` True for it, and 8 (its last index) and 6 share no bit.
+ONE_SQUARE_PARAMS = (ParamShape("layer0.weight", (3, 3)), ParamShape("layer0.bias", (3,)))
+
+
 def aligned_cases(full: bool = False) -> list[Case]:
     """The BF16_Optimizer route (bf16, fp32 gradient accumulation, ZeRO-1) with every Muon matrix ending on a
-    partition boundary (``ALIGNED_PARAMS``, two ranks), and with a matrix spanning three ranks
-    (``SPANNING_PARAMS``). 2 cases, CI and --full."""
+    partition boundary (``ALIGNED_PARAMS``, two ranks), with a matrix spanning three ranks
+    (``SPANNING_PARAMS``), and with one split matrix alone in its group (``ONE_SQUARE_PARAMS``, two ranks).
+    3 cases, CI and --full."""
     c = _case(1, "none", "bf16", 2, params=ALIGNED_PARAMS, suffix="-aligned")
     s = _case(1, "none", "bf16", 3, params=SPANNING_PARAMS, suffix="-spanning")
-    return [_with_config(x, "-gad32", data_types={"grad_accum_dtype": "fp32"}) for x in (c, s)]
+    o = _case(1, "none", "bf16", 2, params=ONE_SQUARE_PARAMS, suffix="-onesquare")
+    return [_with_config(x, "-gad32", data_types={"grad_accum_dtype": "fp32"}) for x in (c, s, o)]
 
 
 # A 4-D Muon weight (a Conv2d filter, out x in x kh x kw) with CPU offload: muon_update reshapes a 4-D update
@@ -535,6 +543,16 @@ def ds_refusal_cases(full: bool = False) -> list[Case]:
             _case(3, "none", "fp32", 2, suffix="-betas-fall-refused").replace(groups=(
                 ParamGroup(("layer0.weight", "layer0.bias"), momentum=0.95),
                 ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.9)))]
+
+
+def equal_betas_cases(full: bool = False) -> list[Case]:
+    """ZeRO-3 with two Muon groups that each set the same momentum (0.9, the config's 0.95 aside): DeepSpeed
+    must accept them and step both with 0.9. The two values reach the ranks as two float objects (the case
+    travels as JSON), so a test of the betas by identity instead of equality refuses them. 1 case, CI and
+    --full."""
+    return [_case(3, "none", "fp32", 2, suffix="-betas-equal").replace(groups=(
+        ParamGroup(("layer0.weight", "layer0.bias"), momentum=0.9),
+        ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.9)))]
 
 
 def stage0_cases(full: bool = False) -> list[Case]:
@@ -872,7 +890,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
              + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full)
-             + empty_share_cases(full) + aligned_cases(full) + conv2d_offload_cases(full)
+             + empty_share_cases(full) + aligned_cases(full) + conv2d_offload_cases(full) + equal_betas_cases(full)
              + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))

@@ -143,7 +143,7 @@ def test_rank_holding_none(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.aligned_cases))
 def test_bf16_optimizer_exchange_layouts(case, column, pool_manager, seed, request):
     """-aligned: every Muon matrix ends exactly where a rank's partition ends, none split between ranks.
-    -spanning: a matrix over three ranks, so one rank receives two pieces of it."""
+    -spanning: a matrix over three ranks, so one rank receives two pieces of it. -onesquare: one matrix, split."""
     from harness import verdict
     from oracles.layout import param_slices, placement
 
@@ -154,8 +154,19 @@ def test_bf16_optimizer_exchange_layouts(case, column, pool_manager, seed, reque
             end = placement(layout, p.name).offset + p.numel
             assert end % layout.partition_size[placement(layout, p.name).group] == 0, p.name
             assert len(param_slices(layout, p.name)) == 1, p.name
-    else:
+    elif "-spanning" in case.name:
         assert any(len(param_slices(layout, p.name)) == 3 for p in muon)
+    else:
+        assert len(muon) == 1 and len(param_slices(layout, muon[0].name)) == 2
+    run_case(case, column, pool_manager, seed, request)
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.equal_betas_cases))
+def test_zero3_accepts_equal_group_betas(case, column, pool_manager, seed, request):
+    """Two Muon groups setting the same momentum: accepted (not one of harness.ds_refusals), stepped with it."""
+    from harness import ds_refusals
+
+    assert {g.momentum for g in case.groups} == {0.9} and ds_refusals.expected(case) == []
     run_case(case, column, pool_manager, seed, request)
 
 

@@ -78,6 +78,11 @@ EXTRA_GATE_CASES = (
     "z3-cpu-fp32-ws2-inmem",  # ZeRO-3 offload with the Muon momentum kept in memory
     "z1-none-fp16-ws2-subnormal",  # fp16 gradients stored as subnormals (judged with the subnormal term)
     "z1-none-fp32-ws2-groups-loose",  # bare tensors beside a group dict: DeepSpeed's loose group
+    "z3-none-fp32-ws2-betas-equal",  # two Muon groups setting the same momentum: accepted (equality, not identity)
+    "z1-none-bf16-ws2-onesquare-gad32",  # BF16_Optimizer: one split matrix alone in its group
+    # gate cases that kill survivors once they are candidates: Muon after an Adam group on ZeRO-2 offload, an
+    # overflow on ZeRO-1 offload (its CPU buffers reset) and on ZeRO-3 (the scale updated once a step)
+    "z2-cpu-fp16-ws2-groups", "z1-cpu-fp16-ws2-overflow", "z3-none-fp16-ws2-overflow",
     "z2-cpu-fp16-ws2-scale2", "z3-none-fp16-ws2-scale2",  # the rescale's test at a scale of 2, two more paths
     # a static loss scale of 0.5: every "scale != 1.0" test of the Muon rescale, against "scale > 1.0"
     "z1-none-fp16-ws2-static0.5", "z2-cpu-fp16-ws2-static0.5", "z3-none-fp16-ws2-static0.5",
