@@ -71,6 +71,30 @@ def test_case_selection_cheapest_first_signature_and_unreached():
     assert cm.cases_for(res, "f.py", [18]) == []  # not reached
 
 
+def test_a_continuation_line_takes_the_cases_of_its_whole_statement_head():
+    import ast
+    import textwrap
+
+    src = textwrap.dedent("""
+        def fn(cache, total, cap):
+            while (cache
+                   and total > cap):
+                cache.pop()
+            return [x
+                    for x in cache]
+    """)
+    fn = ast.parse(src).body[0]
+    heads = scope._multiline_heads(fn)
+    assert heads == ((3, 4), (6, 7))  # the while's condition, the return's expression; not the body
+    e = scope.Scoped("f.py", "fn")
+    res = [scope.Resolved(e, first=2, last=7, body_first=3, lines=frozenset(range(2, 8)), heads=heads)]
+    cm = CoverageMap(lines={"f.py": {3: ["empty-cache"], 4: ["full-cache"], 5: ["full-cache"]}},
+                     cases={"empty-cache": CaseInfo("empty-cache", 1.0, "passed", 2, "{}"),
+                            "full-cache": CaseInfo("full-cache", 2.0, "passed", 2, "{}")})
+    assert cm.cases_for(res, "f.py", [4]) == ["empty-cache", "full-cache"]  # line 4 short-circuited there
+    assert cm.cases_for(res, "f.py", [5]) == ["full-cache"]  # a body line: its own cases only
+
+
 def test_equivalents_name_scoped_mutants_with_a_reason():
     resolved = scope.resolve(DS)
     pat = re.compile(r"^(?P<file>[\w/.]+\.py):(?P<line>\d+):\d+ core/\w+#\d+$")

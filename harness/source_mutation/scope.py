@@ -130,6 +130,10 @@ class Resolved:
     last: int
     body_first: int  # the first line of the body: lines first..body_first-1 are the signature
     lines: frozenset[int]  # the lines whose mutants are in scope
+    # (first, last) lines of each statement head inside the body that spans several lines (a condition or
+    # call continued over lines): line coverage marks only the lines it evaluated, so a test whose second
+    # operand short-circuited leaves its continuation line unexecuted although a mutant there matters
+    heads: tuple[tuple[int, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -188,8 +192,23 @@ def resolve_file(ds_root: Path, rel: str, entries) -> list[Resolved]:
         else:
             raise ScopeError(f"{e.qualname}: unknown part {e.part!r}")
         # never a docstring or a comment-only line: no mutation operator applies there anyway
-        out.append(Resolved(e, fn.lineno, last, body_first, frozenset(sel)))
+        out.append(Resolved(e, fn.lineno, last, body_first, frozenset(sel), _multiline_heads(fn)))
     return out
+
+
+def _multiline_heads(fn) -> tuple[tuple[int, int], ...]:
+    """The statements of ``fn``'s body whose head (a simple statement whole; a compound one up to its
+    body) spans several lines."""
+    out = []
+    for node in ast.walk(fn):
+        if node is fn or not isinstance(node, ast.stmt):
+            continue
+        body = getattr(node, "body", None)
+        end = body[0].lineno - 1 if isinstance(body, list) and body and isinstance(body[0], ast.stmt) else (
+            node.end_lineno or node.lineno)
+        if end > node.lineno:
+            out.append((node.lineno, end))
+    return tuple(sorted(out))
 
 
 def resolve(ds_root: Path, scope=SCOPE) -> list[Resolved]:

@@ -7,7 +7,11 @@ runs only against the cases that executed its line, cheapest first; a mutant on 
 executed is "not reached" (a coverage gap), never "survived".
 
 A mutation on a function's signature (a default argument value) runs at import, not during a case,
-so line coverage never sees it: it is reached by every case that executed the function's body.
+so line coverage never sees it: it is reached by every case that executed the function's body. A
+mutation on a continuation line of a statement head (``while (a\n and b):``, a call over lines) is
+reached by every case that executed any line of that head: a case whose ``a`` short-circuited never ran
+line 2, yet ``and`` -> ``or`` there changes what it does (session 10: ``stage_1_and_2.py:1998`` survived
+the one case it needed, which never executed that line).
 
 Standard library only (the engine's virtual environment reads the map to mark unreached mutants).
 """
@@ -57,6 +61,10 @@ class CoverageMap:
         for line in lines:
             hit.update(file_lines.get(line, ()))
             fn = next((r for r in resolved if r.entry.file == rel and r.first <= line <= r.last), None)
+            for first, last in (fn.heads if fn is not None else ()):
+                if first <= line <= last:  # a continuation line: the cases that ran any line of the head
+                    for head_line in range(first, last + 1):
+                        hit.update(file_lines.get(head_line, ()))
             if fn is not None and line < fn.body_first:
                 for body_line in range(fn.body_first, fn.last + 1):
                     hit.update(file_lines.get(body_line, ()))
