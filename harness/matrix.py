@@ -387,11 +387,18 @@ def aligned_cases(full: bool = False) -> list[Case]:
 CONV2D_PARAM = ParamShape("conv.weight", (4, 2, 3, 3))
 
 
+# A Muon group with no alignment padding (72 + 28 = 100 elements, a multiple of 2W at W=2): ZeRO-1/2 then build
+# its partition on the unpadded path (``_get_flat_partition_unpadded``), which calls muon_update on its own.
+CONV2D_UNPADDED_PARAMS = (CONV2D_PARAM, ParamShape("conv.bias", (4,)),
+                          ParamShape("layer1.weight", (7, 4)), ParamShape("layer1.bias", (7,)))
+
+
 def conv2d_offload_cases(full: bool = False) -> list[Case]:
-    """A 4-D Muon weight beside the test layers, ZeRO-2 and ZeRO-3 with CPU offload at two ranks (fp32): 2
-    cases, CI and --full."""
-    return [_case(st, "cpu", "fp32", 2, params=tuple(TINY_PARAMS) + (CONV2D_PARAM,), suffix="-conv2d")
-            for st in (2, 3)]
+    """A 4-D Muon weight beside the test layers, ZeRO-2 and ZeRO-3 with CPU offload at two ranks (fp32); and
+    ZeRO-1 without offload, its Muon group unpadded (``CONV2D_UNPADDED_PARAMS``). 3 cases, CI and --full."""
+    out = [_case(st, "cpu", "fp32", 2, params=tuple(TINY_PARAMS) + (CONV2D_PARAM,), suffix="-conv2d")
+           for st in (2, 3)]
+    return out + [_case(1, "none", "fp32", 2, params=CONV2D_UNPADDED_PARAMS, suffix="-conv2d-unpadded")]
 
 
 def low_scale_cases(full: bool = False) -> list[Case]:
@@ -410,6 +417,21 @@ def low_scale_cases(full: bool = False) -> list[Case]:
     for st, off in ((1, "none"), (2, "cpu"), (3, "none"), (3, "cpu")):
         c = _case(st, off, "fp16", 2)
         out.append(_with_config(c, "-static0.5", fp16={**c.config["fp16"], "loss_scale": 0.5}))
+    return out
+
+
+def aux_l2_cases(full: bool = False) -> list[Case]:
+    """Muon with ``adam_w_mode: false`` (ZeRO-1 and ZeRO-2 offload at two ranks, fp32, weight decay 0.05): the
+    auxiliary Adam decays by L2, added to the gradient, not decoupled. The engine hands that mode to the
+    Adam it builds for MuonWithAuxAdam as a keyword (FusedAdam ``adam_w_mode``, the CPU Adam ``adamw_mode``);
+    every other Muon case leaves the mode at its default, where a lost keyword changes nothing. 2 cases,
+    CI and --full."""
+    out = []
+    for st, off in ((1, "none"), (2, "cpu")):
+        c = _case(st, off, "fp32", 2)
+        opt = json.loads(json.dumps(c.config["optimizer"]))
+        opt["params"].update(adam_w_mode=False, weight_decay=0.05)
+        out.append(_with_config(c, "-auxl2", optimizer=opt))
     return out
 
 
@@ -593,8 +615,8 @@ def user_groups(stage: int, offload: str) -> tuple[ParamGroup, ...]:
 def groups_cases(full: bool = False) -> list[Case]:
     """Several user param groups (``Case.groups``) with per-group lr / momentum / weight_decay /
     ns_method, weight decay on: every stage x offload none/cpu at W=2 in CI (dtype cycling); ``--full``
-    adds every dtype and world size. Then a group passed as bare tensors (``ParamGroup.loose``) on ZeRO-1, CI
-    and --full."""
+    adds every dtype and world size. Then a group passed as bare tensors (``ParamGroup.loose``) on ZeRO-1, and
+    the two groups on the BF16_Optimizer route, CI and --full."""
     out = []
     combos = [(0, "none")] + [(st, off) for st in STAGES for off in ("none", "cpu")]
     for i, (st, off) in enumerate(combos):
@@ -611,6 +633,10 @@ def groups_cases(full: bool = False) -> list[Case]:
     first, second = user_groups(1, "none")
     c = _case(1, "none", "fp32", 2, weight_decay=GROUP_WD, suffix="-groups-loose")
     out.append(c.replace(groups=(first, dataclasses.replace(second, loose=True))))
+    # The BF16_Optimizer route with two groups: its Muon step walks the optimizer groups and must not stop at
+    # the first Adam half (a "continue" there mutated to "break" skipped the second Muon group unseen).
+    c = _case(1, "none", "bf16", 2, weight_decay=GROUP_WD, suffix="-groups").replace(groups=user_groups(1, "none"))
+    out.append(_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"}))
     return out
 
 
@@ -891,6 +917,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
              + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full)
              + empty_share_cases(full) + aligned_cases(full) + conv2d_offload_cases(full) + equal_betas_cases(full)
+             + aux_l2_cases(full)
              + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))

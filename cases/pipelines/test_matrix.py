@@ -161,6 +161,14 @@ def test_bf16_optimizer_exchange_layouts(case, column, pool_manager, seed, reque
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.aux_l2_cases))
+def test_muon_aux_adam_l2(case, column, pool_manager, seed, request):
+    """Muon's auxiliary Adam with adam_w_mode false: L2 weight decay (a non-zero decay, so the mode shows)."""
+    params = case.config["optimizer"]["params"]
+    assert params["adam_w_mode"] is False and params["weight_decay"] > 0
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.equal_betas_cases))
 def test_zero3_accepts_equal_group_betas(case, column, pool_manager, seed, request):
     """Two Muon groups setting the same momentum: accepted (not one of harness.ds_refusals), stepped with it."""
