@@ -180,8 +180,18 @@ def test_zero3_accepts_equal_group_betas(case, column, pool_manager, seed, reque
 
 @pytest.mark.parametrize("case,column", suite(matrix.conv2d_offload_cases))
 def test_conv2d_weight_offloaded(case, column, pool_manager, seed, request):
-    """A 4-D Muon weight on an offload path: reshaped to (out, in*kh*kw) for Newton-Schulz."""
-    assert case.offload == "cpu" and any(len(p.shape) == 4 for p in case.params)
+    """A 4-D Muon weight on an offload path, or in a ZeRO-1 Muon group without padding (the unpadded partition
+    path): reshaped to (out, in*kh*kw) for Newton-Schulz."""
+    assert any(len(p.shape) == 4 for p in case.params)
+    if case.name.endswith("-unpadded"):
+        from harness import verdict
+        from oracles.layout import placement
+
+        layout = verdict.layout_for(case, verdict.step_config(case))
+        g = placement(layout, "conv.weight").group
+        assert layout.group_data_end[g] == layout.group_numel[g]  # no padding in the Muon group
+    else:
+        assert case.offload == "cpu"
     run_case(case, column, pool_manager, seed, request)
 
 
