@@ -516,7 +516,8 @@ BUGS: tuple[Bug, ...] = (
         title="4-D (conv) parameters crash muon_update",
         symptom="muon_update reshapes a 4-D update to 2-D for Newton-Schulz, then torch.where broadcasts it "
                 "against the 4-D gradient: RuntimeError at the first step, on every ZeRO path.",
-        trigger=lambda c: any(len(p.shape) == 4 and _is_muon(p) for p in c.params),
+        trigger=lambda c: (any(len(p.shape) == 4 and _is_muon(p) for p in c.params)
+                           and (c.stage == 3 or not historical_bugs.muon_update_returns_2d_for_4d())),
         quantities=frozenset({"crash"}),
         crash=("RuntimeError", "must match the size of tensor", "muon_update"),
         # A 1x1 conv (k x c x 1 x 1): the 2-D update (k, c) broadcasts against the 4-D gradient instead of

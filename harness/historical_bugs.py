@@ -79,6 +79,18 @@ def muon_in_z3_reduce() -> bool:
     return rel is not None and versions.in_range(rel, "0.19.0", "0.19.8")
 
 
+def muon_update_returns_2d_for_4d() -> bool:
+    """Whether the release judged hands a 4-D (conv) Muon update back as the 2-D matrix it orthogonalised
+    (0.18.9-0.19.6; 0.19.7 added the ``torch.where`` against the 4-D gradient that raises, DSM-012's crash in
+    ``muon_update``). ZeRO-1/2 flatten that 2-D update into the partition unharmed (measured, session 10:
+    ``z1-none-fp32-ws2-conv2d-unpadded`` matches the oracle on 0.19.3-0.19.6); ZeRO-3's reduce copies it into
+    the 4-D gradient and raises there (``_apply_distributed_muon_update``)."""
+    from harness import versions
+
+    rel = versions.judged_as()
+    return rel is not None and versions.in_range(rel, "0.18.9", "0.19.7")
+
+
 def _z12_group_with_two_muon(c: Case) -> bool:
     """ZeRO-1/2 without offload, a param group with two or more Muon matrices (the staging reset only
     loses the momentum of a matrix that is not the last one a rank updates in its group)."""
