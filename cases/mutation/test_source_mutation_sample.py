@@ -30,6 +30,25 @@ def _run(extra, tmp_path):
                           cwd=buildenv.PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+def _copy_free_or_fail():
+    """The CLI waits for the machine's one private copy of DeepSpeed (``workspace.lock_copy``): beside a
+    whole-scope run that is hours, and the test would only time out. Say so at once instead."""
+    import fcntl
+
+    from harness.source_mutation import workspace
+
+    lock = workspace.state_dir() / "copy.lock"
+    if not lock.exists():
+        return
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pytest.fail(f"another source-mutation run holds {lock} (python -m harness mutate on this machine): "
+                        "the CI sample edits the same private copy of DeepSpeed and cannot run beside it")
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _keys(text: str, prefix: str) -> list[str]:
     line = next(ln for ln in text.splitlines() if ln.startswith(prefix))
     return [re.sub(r"=\w[\w-]*$", "", k.strip()) for k in line[len(prefix):].split(";") if k.strip()]
@@ -38,6 +57,7 @@ def _keys(text: str, prefix: str) -> list[str]:
 @pytest.mark.skipif(engine_executable() is None, reason="Cosmic Ray not installed: bash scripts/run.sh makes "
                                                         ".venv-mutation")
 def test_ci_sample_is_deterministic_and_every_reached_mutant_is_killed(tmp_path):
+    _copy_free_or_fail()
     report = tmp_path / "mutation-ci.html"
     r = _run(["--fresh", "--report", str(report)], tmp_path)
     out = r.stdout + r.stderr
