@@ -122,12 +122,22 @@ def swapped_muon_matrix_not_first(case: Case) -> bool:
     """A ZeRO-3 swapped Muon sub-group in which a matrix whose own per-rank partition reaches the swap
     threshold does not come first (DeepSpeed orders the group by ``p.size()``, descending): where DSM-021
     (0.19.8) and DSM-123 (0.19.4-0.19.7) show."""
+    return _swapped_big_param_not_first(case, "muon")
+
+
+def swapped_adam_param_not_first(case: Case) -> bool:
+    """The same in a swapped Adam sub-group (model order): a parameter whose own per-rank partition reaches
+    the swap threshold behind smaller ones (an embedding-sized vector after the biases): DSM-022."""
+    return _swapped_big_param_not_first(case, "adam")
+
+
+def _swapped_big_param_not_first(case: Case, group: str) -> bool:
     if case.stage != 3 or case.offload != "nvme":
         return False
     by_name = {p.name: p for p in case.params}
     threshold = min_swap_bytes(case)
     for sub in predict_swapped_subgroups(case):
-        if sub["group"] != "muon" or not sub["swapped"]:
+        if sub["group"] != group or not sub["swapped"]:
             continue
         for name in sub["params"][1:]:
             if FP32_BYTES * math.ceil(by_name[name].numel / case.dp_size) >= threshold:

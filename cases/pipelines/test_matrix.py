@@ -169,6 +169,16 @@ def test_muon_aux_adam_l2(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.big_adam_nvme_cases))
+def test_swapped_adam_subgroup(case, column, pool_manager, seed, request):
+    """An Adam parameter big enough to be swapped, behind the test layers' biases (DSM-022 on stock)."""
+    from harness import nvme
+
+    assert nvme.swapped_adam_param_not_first(case)
+    o = run_case(case, column, pool_manager, seed, request)
+    assert o.swapped_bytes and o.swapped_bytes > 0
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.equal_betas_cases))
 def test_zero3_accepts_equal_group_betas(case, column, pool_manager, seed, request):
     """Two Muon groups setting the same momentum: accepted (not one of harness.ds_refusals), stepped with it."""
