@@ -73,10 +73,7 @@ def muon_in_z3_reduce() -> bool:
     """Whether the release judged runs ZeRO-3's Muon inside the gradient reduce (``_apply_distributed_muon_update``,
     0.19.0-0.19.7), with and without optimizer offload alike; 0.19.8 runs it once per step after accumulation,
     and its offload path in a function of its own (``_apply_muon_updates_cpu_offload``)."""
-    from harness import versions
-
-    rel = versions.judged_as()
-    return rel is not None and versions.in_range(rel, "0.19.0", "0.19.8")
+    return _judged_release_in("0.19.0", "0.19.8")
 
 
 def muon_update_returns_2d_for_4d() -> bool:
@@ -85,10 +82,15 @@ def muon_update_returns_2d_for_4d() -> bool:
     ``muon_update``). ZeRO-1/2 flatten that 2-D update into the partition unharmed (measured, session 10:
     ``z1-none-fp32-ws2-conv2d-unpadded`` matches the oracle on 0.19.3-0.19.6); ZeRO-3's reduce copies it into
     the 4-D gradient and raises there (``_apply_distributed_muon_update``)."""
+    return _judged_release_in("0.18.9", "0.19.7")
+
+
+def _judged_release_in(lo: str, hi: str) -> bool:
+    """Whether the release judged (a measured one; never an unseen release) is in ``[lo, hi)``."""
     from harness import versions
 
     rel = versions.judged_as()
-    return rel is not None and versions.in_range(rel, "0.18.9", "0.19.7")
+    return rel is not None and versions.in_range(rel, lo, hi)
 
 
 def _z12_group_with_two_muon(c: Case) -> bool:
