@@ -314,7 +314,7 @@ def one_element_share_cases(full: bool = False) -> list[Case]:
     off-by-one there takes this matrix as whole. 3 cases, CI and --full."""
     out = [_case(st, "cpu", "fp32", 2, params=ONE_ELEMENT_SHARE_PARAMS, suffix="-oneelem") for st in (1, 2)]
     bf16 = _case(1, "none", "bf16", 2, params=ONE_ELEMENT_SHARE_PARAMS, suffix="-oneelem")
-    return out + [_with_config(bf16, "-gad32", data_types={"grad_accum_dtype": "fp32"})]
+    return out + [_gad32(bf16)]
 
 
 # One linear layer: one Muon matrix and one Adam vector, so each of DeepSpeed's param groups holds a single
@@ -355,7 +355,7 @@ def empty_share_cases(full: bool = False) -> list[Case]:
     # The BF16_Optimizer route at two ranks: the one matrix split 4 + 1, its last element alone on rank 1
     # at a partition start (``(end - 1) % partition_size == 0``), and rank 1's Adam partition all padding.
     c = _case(1, "none", "bf16", 2, params=EMPTY_SHARE_PARAMS, suffix="-emptyshare")
-    out.append(_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"}))
+    out.append(_gad32(c))
     return out
 
 
@@ -389,7 +389,7 @@ def aligned_cases(full: bool = False) -> list[Case]:
     c = _case(1, "none", "bf16", 2, params=ALIGNED_PARAMS, suffix="-aligned")
     s = _case(1, "none", "bf16", 3, params=SPANNING_PARAMS, suffix="-spanning")
     o = _case(1, "none", "bf16", 2, params=ONE_SQUARE_PARAMS, suffix="-onesquare")
-    return [_with_config(x, "-gad32", data_types={"grad_accum_dtype": "fp32"}) for x in (c, s, o)]
+    return [_gad32(x) for x in (c, s, o)]
 
 
 # A 4-D Muon weight (a Conv2d filter, out x in x kh x kw) with CPU offload: muon_update reshapes a 4-D update
@@ -648,7 +648,7 @@ def groups_cases(full: bool = False) -> list[Case]:
     # The BF16_Optimizer route with two groups: its Muon step walks the optimizer groups and must not stop at
     # the first Adam half (a "continue" there mutated to "break" skipped the second Muon group unseen).
     c = _case(1, "none", "bf16", 2, weight_decay=GROUP_WD, suffix="-groups").replace(groups=user_groups(1, "none"))
-    out.append(_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"}))
+    out.append(_gad32(c))
     return out
 
 
@@ -703,6 +703,11 @@ def _with_config(c: Case, suffix: str, **top) -> Case:
     return c.replace(name=c.name + suffix, ds_config=canonical_json({**c.config, **top}))
 
 
+def _gad32(c: Case) -> Case:
+    """``c`` with fp32 gradient accumulation: on a bf16 ZeRO-1 case without offload, the BF16_Optimizer route."""
+    return _with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"})
+
+
 def bf16opt_cases(full: bool = False) -> list[Case]:
     """The BF16_Optimizer route (bf16 + data_types.grad_accum_dtype fp32 + ZeRO-1 without offload;
     stage 0 refuses the mix with NotImplementedError, engine.py _do_optimizer_sanity_check) at ws 1-3
@@ -713,7 +718,7 @@ def bf16opt_cases(full: bool = False) -> list[Case]:
     for ws in WORLD_SIZES:
         for ga, cl in (knobs[ws - 1:ws] if not full else knobs):
             c = _case(1, "none", "bf16", ws, grad_accum=ga, clip=cl)
-            out.append(_with_config(c, "-gad32", data_types={"grad_accum_dtype": "fp32"}))
+            out.append(_gad32(c))
     for i, (st, off) in enumerate(itertools.product(STAGES, ("none", "cpu"))):
         for dt in (("bf16", "fp16") if full else (("bf16", "fp16")[i % 2],)):
             c = _case(st, off, dt, 2)
