@@ -37,6 +37,7 @@ Step numbering: optimizer steps count from 1 (``StepRecord.step``, ``Overflow.st
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -446,6 +447,44 @@ def _assemble(traj: Trajectory, case: Case, gathered: list) -> None:
             rec.buffers = [g[1][i]["buffers"] for g in gathered]
 
 
+def _read_pre_step(engine, case: Case, named: dict, swap, piece_rank: int | None) -> tuple[dict, dict]:
+    """(group lrs, Adam gradients) as they stand before the boundary step, which steps the scheduler;
+    ``piece_rank``: this rank's pieces without a collective (coalesced capture), None: gathered."""
+    grads = (capture.read_adam_grads(engine, case, named, swap, piece_rank) if piece_rank is not None
+             else capture.capture_adam_grads(engine, case, named, swap))
+    return capture.group_lrs(engine), grads
+
+
+def _step_reading_at_optimizer_entry(engine, read):
+    """``engine.step()`` with ``read()`` taken as the engine hands over to its optimizer.
+
+    Unmanaged accumulation reduces (stage 0/1) or finalizes (stage 2/3, the offload copy) inside
+    ``engine.step()``, so before the call the accumulated gradient is not where DeepSpeed keeps it;
+    at the optimizer's ``step`` it is, and the loss scale, clipping and the scheduler have not yet acted:
+    the point the managed window reads before its boundary ``engine.step()``."""
+    opt = engine.optimizer
+    own = opt.__dict__.get("step")
+    original = opt.step
+    taken = []
+
+    def step(*args, **kwargs):
+        if not taken:
+            taken.append(read())
+        return original(*args, **kwargs)
+
+    opt.step = step
+    try:
+        engine.step()
+    finally:
+        if own is None:
+            del opt.step
+        else:
+            opt.step = own
+    if not taken:
+        raise RuntimeError("engine.step() never called its optimizer's step: nothing was read for this step")
+    return taken[0]
+
+
 def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mode: str) -> Trajectory | None:
     import torch.distributed as tdist
 
@@ -526,6 +565,9 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                 if not coalesced and case.model:
                     traj.initial_buffers = initial_buffers
             gas = engine.gradient_accumulation_steps()
+            # Unmanaged accumulation (matrix.unmanaged_cases): every step() call is an update, so the
+            # client calls it once, at the end of the window; managed, DeepSpeed counts the calls.
+            step_every_micro = case.config.get("managed_gradient_accumulation", True)
             watch = stack.enter_context(_gather_watch(case, engine))
             step = 1
             while step <= case.steps:
@@ -545,13 +587,17 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                     losses.append(float(loss.detach().float()))
                     engine.backward(loss)
                     loss = None  # its grad_fn graph reaches the parameters, and through them the engine
-                    if micro == gas - 1:
-                        lrs = capture.group_lrs(engine)  # before the boundary step (which steps the scheduler)
-                        if coalesced:
-                            adam = capture.read_adam_grads(engine, case, named, swap, piece_rank)
-                        else:
-                            adam = capture.capture_adam_grads(engine, case, named, swap)
-                    engine.step()
+                    if micro < gas - 1:
+                        if step_every_micro:
+                            engine.step()
+                        continue
+                    read_pre_step = functools.partial(_read_pre_step, engine, case, named, swap,
+                                                      piece_rank if coalesced else None)
+                    if step_every_micro:
+                        lrs, adam = read_pre_step()
+                        engine.step()
+                    else:
+                        lrs, adam = _step_reading_at_optimizer_entry(engine, read_pre_step)
                 pre = capture.PreStep(loss_scale=S, adam_grads=adam, group_lr=lrs)
                 if coalesced:
                     pending.append(capture.read_step(engine, case, step, piece_rank, named=named,

@@ -224,11 +224,18 @@ def defaults_cases(full: bool = False) -> list[Case]:
     ranks (fp32): every setting then comes from MuonWithAuxAdam's own defaults (Muon lr 0.02, momentum
     0.95, weight decay 0, gram Newton-Schulz; Adam lr 3e-4, betas (0.9, 0.95), eps 1e-10), which every
     other case overrides from its config (docs/deepspeed-0.19.8.md, section 2). The oracle reads the
-    same documented defaults (``harness.verdict.step_config``). 2 cases, CI and --full."""
+    same documented defaults (``harness.verdict.step_config``). 3 cases, CI and --full.
+
+    ``-defaults-torchadam`` names nothing but ``torch_adam``: the auxiliary Adam is then
+    ``torch.optim.AdamW``, which applies a group's weight decay whatever its sign, where the CPU Adam
+    kernels (DeepSpeedCPUAdam, and FusedAdam as built for the CPU) apply it only when positive. So
+    only there does a wrong default weight decay for the Adam half (negative, say) show."""
     out = []
     for st in (1, 3):
         c = _case(st, "none", "fp32", 2)
         out.append(_with_config(c, "-defaults", optimizer={"type": "Muon", "params": {}}))
+    c = _case(1, "none", "fp32", 2)
+    out.append(_with_config(c, "-defaults-torchadam", optimizer={"type": "Muon", "params": {"torch_adam": True}}))
     return out
 
 
@@ -609,6 +616,21 @@ def stage0_cases(full: bool = False) -> list[Case]:
     return out
 
 
+def unmanaged_cases(full: bool = False) -> list[Case]:
+    """``managed_gradient_accumulation: false`` (0.19.4 on): the client owns the accumulation boundary,
+    so the rank calls ``engine.step()`` once per window instead of after every micro-batch
+    (``harness.ds_run``), and each call applies an update. The mathematics is the managed window's
+    (every backward still divides by the configured accumulation steps), so the oracle is the same; what
+    differs is DeepSpeed's code: stage 0/1 reduce inside ``step()``, stage 2/3 finalize there
+    (``finalize_gradient_accumulation_boundary``, with its own CPU-offload copy). Accumulation 2 on
+    every stage, offload none and cpu, the dtypes cycling. CI and --full: 7 cases."""
+    out = []
+    for i, (st, off) in enumerate([(0, "none")] + list(itertools.product(STAGES, ("none", "cpu")))):
+        c = _case(st, off, DTYPES[i % len(DTYPES)], 2, grad_accum=2)
+        out.append(_with_config(c, "-unmanaged", managed_gradient_accumulation=False))
+    return out
+
+
 GROUP_WD = 0.05  # the config's weight decay in the param-group cases: non-zero on every stage and offload
 
 
@@ -928,7 +950,8 @@ def model_cases(full: bool = False) -> list[Case]:
 
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full) + stage0_cases(full) + groups_cases(full) + schedule_cases(full)
+             + growth_cases(full) + stage0_cases(full) + unmanaged_cases(full) + groups_cases(full)
+             + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)

@@ -251,6 +251,13 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("compute-grad-norm-key", None, "0.19.7",
             "this release has no zero_optimization.compute_grad_norm option (its DeepSpeedZeroConfig rejects the key)",
             lambda c, cfg: "compute_grad_norm" in _zero(cfg)),
+    # managed_gradient_accumulation (runtime/constants.py, engine.py) arrived in 0.19.4; an older engine ignores
+    # the key and keeps counting micro-steps, so the once-a-window step() of an unmanaged case would never
+    # reach its boundary (matrix.unmanaged_cases).
+    Refusal("unmanaged-gradient-accumulation", None, "0.19.4",
+            "this release has no managed_gradient_accumulation option (the client-owned accumulation "
+            "boundary arrived in 0.19.4)",
+            lambda c, cfg: cfg.get("managed_gradient_accumulation", True) is False),
     Refusal("gram-newton-schulz", None, "0.19.0",
             "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
             lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg, default_ns_method("0.18.9"))),

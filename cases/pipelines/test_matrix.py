@@ -77,10 +77,19 @@ def test_tall_heads(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.unmanaged_cases))
+def test_unmanaged_accumulation(case, column, pool_manager, seed, request):
+    """managed_gradient_accumulation false: the client's one step() per window must apply the same
+    update as the managed window (DeepSpeed reduces or finalizes inside that step())."""
+    assert case.config["managed_gradient_accumulation"] is False and case.grad_accum > 1
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.defaults_cases))
 def test_optimizer_defaults(case, column, pool_manager, seed, request):
-    """No optimizer params: the step must follow MuonWithAuxAdam's documented defaults."""
-    assert case.config["optimizer"]["params"] == {}
+    """No optimizer params (or only the choice of torch's AdamW as the auxiliary Adam): the step must
+    follow MuonWithAuxAdam's documented defaults."""
+    assert set(case.config["optimizer"]["params"]) <= {"torch_adam"}
     run_case(case, column, pool_manager, seed, request)
 
 

@@ -39,6 +39,11 @@ EXTRA_GATE_CASES = (
     "z3-none-fp32-ws3-manysmall",  # square Muon matrices (3x3) under gram Newton-Schulz
     "z1-none-fp32-ws2-tallheads",  # per-head blocks taller than wide: transposed and back
     "z1-none-fp32-ws2-defaults",  # no optimizer params: MuonWithAuxAdam's own defaults (momentum 0.95, ...)
+    # managed_gradient_accumulation false: the reduction (stage 0/1) or finalize (2/3, offload) inside step()
+    "z0-none-fp32-ws2-ga2-unmanaged", "z1-none-fp16-ws2-ga2-unmanaged", "z1-cpu-bf16-ws2-ga2-unmanaged",
+    "z2-none-fp32-ws2-ga2-unmanaged", "z2-cpu-fp16-ws2-ga2-unmanaged", "z3-none-bf16-ws2-ga2-unmanaged",
+    "z3-cpu-fp32-ws2-ga2-unmanaged",
+    "z1-none-fp32-ws2-defaults-torchadam",  # ... with torch's AdamW as the auxiliary Adam (any weight decay applies)
     "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
     "z0-none-fp32-ws2-conv3d",  # a 5-D Muon weight: only 4-D filters are reshaped to a matrix
     "z1-none-fp32-ws2-mom0.3",  # momentum below 0.5: 1 - beta and 1 % beta differ
