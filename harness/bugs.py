@@ -727,6 +727,38 @@ BUGS: tuple[Bug, ...] = (
         fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-bigadam",
     ),
+    Bug(
+        id="DSM-023",
+        title="ZeRO-3, and ZeRO-1/2 with CPU offload: a parameter with no gradient in a step is stepped on "
+              "the previous step's gradient buffer",
+        symptom="A parameter the forward leaves out of one step (a skipped layer, an expert no token chose) "
+                "must step on a zero gradient, as stage 0 (MuonWithAuxAdam fills zeros) and ZeRO-1/2 "
+                "without offload do. Here it steps on whatever its gradient buffer still holds: an Adam "
+                "parameter on the previous step's gradient again, bit for bit; a Muon matrix on the previous "
+                "step's update (Newton-Schulz wrote it over the gradient), which Muon then folds into its "
+                "momentum and orthogonalises a second time. The reported norm is taken over them. Measured "
+                "(z1-cpu-fp32-ws2-skiplayer, a layer unused at step 2): the bias's gradient 0.488 where it "
+                "is 0, the norm 3.62 against 3.73; the same on ZeRO-2 offload, ZeRO-3 with and without "
+                "offload, and with managed_gradient_accumulation false. Found in session 11 by the cases "
+                "written for the source-mutation survivors of the unused-parameter branches.",
+        trigger=lambda c: (any(k > 1 for _, k in c.unused)
+                           and ((c.stage == 3 and c.offload in ("none", "cpu"))
+                                or (c.stage in (1, 2) and c.offload == "cpu"))),
+        quantities=frozenset({"grad", "global_norm"}),
+        # fp32/bf16: the buffers hold true units. fp16 (what a loss-scaled buffer holds) is not derived.
+        # The norm: ZeRO-3 without offload counts the stale gradient; the offload paths leave an unused Adam
+        # parameter's term out (its norm is recorded only by its own reduction) and count a Muon matrix's new
+        # update, as for any matrix (measured: 3.6218 = the norm without the bias's term, to 7 digits).
+        model=lambda c: ({"stale_unused_grads": "norm-counts" if c.offload == "none" else "norm-drops-adam"}
+                         if c.dtype != "fp16" else None),
+        where="stage_1_and_2.py: with offload the fp32 CPU gradient partition of a parameter is written only by "
+              "its own reduction (the copy in the reduce path, :2160-2175, or the unmanaged finalize, :1094-1108, "
+              "which skips a parameter not in _offload_accumulated_param_ids); nothing zeroes it for a parameter "
+              "without a gradient. stage3.py: the same for the gradient partition, into which the Muon update "
+              "is written (_apply_muon_to_accumulated_grads)",
+        fix="unused-param-zero-grad",
+        reproducer="python -m harness gate --only skiplayer",
+    ),
 )
 
 

@@ -135,6 +135,11 @@ class Case:
     # case's own world size). Another world size needs DeepSpeed's universal checkpoint, which cannot
     # convert a Muon checkpoint in 0.19.8 (DSM-018): refused before any rank starts.
     resume_world_size: int | None = None
+    # (parameter, step): the parameter takes no part in the loss at that step, on any rank and micro-batch
+    # (a layer a real model skips: a conditional branch, an expert no token chose). Its gradient is then
+    # None on every rank; DeepSpeed steps it on a zero gradient on every path (its momentum decays, Adam's
+    # moments too, weight decay applies), which the oracle reads as a zero gradient (harness.model).
+    unused: tuple[tuple[str, int], ...] = ()
 
     @property
     def dp_size(self) -> int:
@@ -154,6 +159,8 @@ class Case:
         return self.config.get("scheduler")
 
     def __post_init__(self):
+        if self.unused:
+            self._check_unused()
         if self.model_parallel != 1:
             self._check_model_parallel()
         if self.resume_world_size is not None and self.resume_world_size != self.world_size:
@@ -193,6 +200,21 @@ class Case:
                 raise ValueError(f"case {self.name!r}: a loose group (bare tensors) must be the only one, the last, "
                                  "and set nothing: DeepSpeed puts the bare tensors in one group of the config's "
                                  "settings after the dict groups")
+
+    def _check_unused(self) -> None:
+        names = {p.name for p in self.params}
+        bad = [u for u in self.unused if len(u) != 2 or u[0] not in names or isinstance(u[1], bool)
+               or not isinstance(u[1], int) or not 1 <= u[1] <= self.steps]
+        if bad:
+            raise ValueError(f"case {self.name!r}: unused {bad}: each entry is (a parameter of the case, a step "
+                             f"from 1 to {self.steps})")
+        if self.model:
+            raise ValueError(f"case {self.name!r}: unused needs the synthetic model (a real module's forward "
+                             "decides for itself which parameters it uses)")
+        for step in {u[1] for u in self.unused}:
+            if names <= {n for n, s in self.unused if s == step}:
+                raise ValueError(f"case {self.name!r}: every parameter unused at step {step}: no loss to "
+                                 "differentiate")
 
     def _check_model_parallel(self) -> None:
         mp = self.model_parallel
@@ -261,6 +283,8 @@ class Case:
             # absent, not null: every case without one keeps the JSON (reproducers, the mutation run's
             # stored coverage and baselines) it had before the field existed
             del d["client_optimizer"]
+        if not d["unused"]:
+            del d["unused"]  # the same for cases without unused parameters
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -292,6 +316,7 @@ class Case:
         d["overflows"] = tuple(Overflow(**o) for o in d.get("overflows", ()))
         d["groups"] = tuple(ParamGroup(**dict(g, params=tuple(g["params"]))) for g in d.get("groups", ()))
         d["ds_config"] = canonical_json(d["ds_config"])
+        d["unused"] = tuple((str(u[0]), u[1]) for u in d.get("unused", ()))
         if d.get("allgather_caps") is not None:
             d["allgather_caps"] = tuple(int(x) for x in d["allgather_caps"])
         return cls(**d)

@@ -388,15 +388,25 @@ SPANNING_PARAMS = (ParamShape("layer0.weight", (5, 9)), ParamShape("layer0.bias"
 ONE_SQUARE_PARAMS = (ParamShape("layer0.weight", (3, 3)), ParamShape("layer0.bias", (3,)))
 
 
+# BF16_Optimizer at W=3 with a 3x1 column then a 2x5 matrix (13 elements padded to 18, partitions of 6): the second
+# spans flat 3-13, ranks 0 to 2, and is the only split one. Its first index 3 and its last partition 12 // 6 = 2
+# happen to agree under a bitwise 3 & 6 = 2: a layout where the split test's floor divisions are all that tells
+# a split matrix apart (the test layers' and the cases above all differ there too).
+BITSPLIT_PARAMS = (ParamShape("layer0.weight", (3, 1)), ParamShape("layer0.bias", (3,)),
+                   ParamShape("layer1.weight", (2, 5)), ParamShape("layer1.bias", (2,)))
+
+
 def aligned_cases(full: bool = False) -> list[Case]:
     """The BF16_Optimizer route (bf16, fp32 gradient accumulation, ZeRO-1) with every Muon matrix ending on a
     partition boundary (``ALIGNED_PARAMS``, two ranks), with a matrix spanning three ranks
-    (``SPANNING_PARAMS``), and with one split matrix alone in its group (``ONE_SQUARE_PARAMS``, two ranks).
-    3 cases, CI and --full."""
+    (``SPANNING_PARAMS``), with one split matrix alone in its group (``ONE_SQUARE_PARAMS``, two ranks), and
+    with a split matrix only the floor divisions of the split test tell apart (``BITSPLIT_PARAMS``, three
+    ranks). 4 cases, CI and --full."""
     c = _case(1, "none", "bf16", 2, params=ALIGNED_PARAMS, suffix="-aligned")
     s = _case(1, "none", "bf16", 3, params=SPANNING_PARAMS, suffix="-spanning")
     o = _case(1, "none", "bf16", 2, params=ONE_SQUARE_PARAMS, suffix="-onesquare")
-    return [_gad32(x) for x in (c, s, o)]
+    b = _case(1, "none", "bf16", 3, params=BITSPLIT_PARAMS, suffix="-bitsplit")
+    return [_gad32(x) for x in (c, s, o, b)]
 
 
 # A 4-D Muon weight (a Conv2d filter, out x in x kh x kw) with CPU offload: muon_update reshapes a 4-D update
@@ -629,6 +639,26 @@ def unmanaged_cases(full: bool = False) -> list[Case]:
         c = _case(st, off, DTYPES[i % len(DTYPES)], 2, grad_accum=2)
         out.append(_with_config(c, "-unmanaged", managed_gradient_accumulation=False))
     return out
+
+
+# A layer the forward skips at step 2 (used at steps 1 and 3): its Muon matrix and its Adam bias.
+SKIPPED_LAYER = (("layer1.weight", 2), ("layer1.bias", 2))
+
+
+def unused_cases(full: bool = False) -> list[Case]:
+    """A layer left out of the loss at step 2 (``Case.unused``), as a conditional branch or an unchosen
+    expert is: its gradient is None on every rank, and DeepSpeed steps it on a zero gradient (stage 0:
+    ``MuonWithAuxAdam.step`` fills zeros; ZeRO: the flat gradient partition holds zeros), so Muon's
+    momentum decays and still moves the weight, and Adam's moments decay and its step count advances.
+    Stage 0 and every ZeRO stage with offload none and cpu (fp32), and managed_gradient_accumulation
+    false on the offload paths, where ``step()`` finalizes only the parameters reduced in the window."""
+    out = [_case(0, "none", "fp32", 2).replace(unused=SKIPPED_LAYER)]
+    for st, off in itertools.product(STAGES, ("none", "cpu")):
+        out.append(_case(st, off, "fp32", 2).replace(unused=SKIPPED_LAYER))
+    for st in (1, 2):
+        c = _case(st, "cpu", "fp32", 2, grad_accum=2).replace(unused=SKIPPED_LAYER)
+        out.append(_with_config(c, "-unmanaged", managed_gradient_accumulation=False))
+    return [c.replace(name=c.name + "-skiplayer") for c in out]
 
 
 GROUP_WD = 0.05  # the config's weight decay in the param-group cases: non-zero on every stage and offload
@@ -950,7 +980,8 @@ def model_cases(full: bool = False) -> list[Case]:
 
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
-             + growth_cases(full) + stage0_cases(full) + unmanaged_cases(full) + groups_cases(full)
+             + growth_cases(full) + stage0_cases(full) + unmanaged_cases(full) + unused_cases(full)
+             + groups_cases(full)
              + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)
              + knob_cases(full) + gather_cases(full) + dpgroup_cases(full) + model_cases(full)

@@ -116,7 +116,10 @@ def batch_data(case, rank: int, step: int, micro: int, dtype: torch.dtype | None
     poison = [o.value for o in case.overflows if o.step == step and o.rank == rank and o.micro == micro]
     B = case.batch
     out = {}
+    skipped = {name for name, s in case.unused if s == step}
     for p in case.params:
+        if p.name in skipped:
+            continue  # no term in this step's loss (Case.unused): the forward leaves the parameter out
         g = _generator(case.seed, 0xDA7A, rank, step, micro, _name_key(p.name))
         if len(p.shape) >= 2:
             r, c = matrix_view(p.shape)
@@ -200,6 +203,8 @@ class Node(torch.nn.Module):
     def forward(self, batch: dict):
         total = None
         for local in self._own:
+            if self._full[local] not in batch:  # unused at this step (Case.unused)
+                continue
             t = term_loss(getattr(self, local), batch[self._full[local]])
             total = t if total is None else total + t
         for child in self.children():
@@ -277,6 +282,9 @@ def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: 
     out = {}
     for p in case.params:
         w = params_f64[p.name].to(torch.float64)
+        if p.name not in data:  # unused at this step: DeepSpeed's zero gradient
+            out[p.name] = torch.zeros_like(w)
+            continue
         d = data[p.name]
         if len(p.shape) >= 2:
             r, c = matrix_view(p.shape)
@@ -303,6 +311,9 @@ def gradient_magnitudes(params_f64: dict[str, torch.Tensor], case, rank: int, st
     out = {}
     for p in case.params:
         w = params_f64[p.name].to(torch.float64).abs()
+        if p.name not in data:
+            out[p.name] = torch.zeros_like(w)
+            continue
         d = {k: v.abs() for k, v in data[p.name].items()}
         if len(p.shape) >= 2:
             r, c = matrix_view(p.shape)
@@ -329,13 +340,15 @@ def backward_overflows(lp_weights: dict[str, torch.Tensor], case, rank: int, ste
     leaves = {p.name: lp_weights[p.name].to(dtype).clone().requires_grad_(True) for p in case.params}
     total = None
     for p in case.params:
+        if p.name not in data:
+            continue
         t = term_loss(leaves[p.name], data[p.name])
         total = t if total is None else total + t
     scaled = (total / case.grad_accum) * scale
     if not bool(torch.isfinite(scaled)):
         return True
     scaled.backward()
-    return any(not bool(torch.isfinite(leaves[n].grad).all()) for n in leaves)
+    return any(not bool(torch.isfinite(leaves[n].grad).all()) for n in data)
 
 
 def local_loss(params_f64: dict[str, torch.Tensor], case, rank: int, step: int, micro: int) -> float:
@@ -343,6 +356,8 @@ def local_loss(params_f64: dict[str, torch.Tensor], case, rank: int, step: int, 
     data = batch_data(case, rank, step, micro)
     total = 0.0
     for p in case.params:
+        if p.name not in data:
+            continue
         d = {k: v.to(torch.float64) for k, v in data[p.name].items()}
         total += float(term_loss(params_f64[p.name].to(torch.float64), d))
     return total

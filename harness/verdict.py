@@ -484,6 +484,23 @@ class _SharedGradients:
         return cls._latest[1]
 
 
+def stale_gradients(case: Case, step: int, prev, spec: dict) -> dict[str, torch.Tensor]:
+    """DSM-023's model: the gradient each parameter unused at ``step`` is stepped on, in true units, from
+    the previous step's record ``prev``: what its buffer held when that step ended (an Adam parameter's
+    gradient; a Muon matrix's update, which the step wrote over its gradient). Bit for bit what DeepSpeed
+    captured there: the buffer is read again, not recomputed."""
+    out = {}
+    for name, k in case.unused:
+        if k != step:
+            continue
+        ps = prev.params[name]
+        held = ps.update if spec[name].use_muon else ps.grad
+        if held is None:
+            continue  # nothing captured to predict from: the gradient check then holds it to zero and fails
+        out[name] = _t(held) / (1.0 if spec[name].use_muon else float(ps.grad_scale))
+    return out
+
+
 def _shared(entries: dict | None, key: tuple, fn, *args):
     if entries is None:
         return fn(*args)
@@ -527,6 +544,7 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         verdict.checks.append(compare_arrays(label, param, quantity, step, actual, expected, allowance,
                                              view if param in spec else None, keep_map=keep_maps))
 
+    prev = None  # the previous step's record (DSM-023's model reads what it left in the buffers)
     for rec in traj.steps:
         s = rec.step
         lp = _lp_weights(case, traj, s)
@@ -559,6 +577,8 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         true_G = oracles.accumulate(grads, sc)
         if conv.adam_grads_lost:  # DSM-019's model: what the Adam half receives is zero
             true_G = {n: (g if spec[n].use_muon else torch.zeros_like(g)) for n, g in true_G.items()}
+        if conv.stale_unused_grads and prev is not None:
+            true_G.update(stale_gradients(case, s, prev, spec))
 
         # DeepSpeed's own averaged gradient, in true units, where it captured one (teacher forcing).
         forced = {}
@@ -612,7 +632,11 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         sc_s = step_config(case, state.step_count - state.skipped_steps, conv) if case.schedule else sc
         # ... and the replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input.
         # A model-parallel replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv, ns_mode=ns_mode, forced_clip_coef=k_ds,
+        conv_s = conv
+        if conv.stale_unused_grads == "norm-drops-adam":  # DSM-023's model on the offload paths
+            conv_s = replace(conv, norm_excluded=frozenset(n for n, k in case.unused
+                                                           if k == s and not spec[n].use_muon))
+        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv_s, ns_mode=ns_mode, forced_clip_coef=k_ds,
                                               shared_norm=None if norm_of is None else norm_of.get(s),
                                               norm_directions=None if rank_split else own_updates)
         oracle_norms[s] = None if orec.skipped else orec.global_norm
@@ -733,6 +757,7 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         moms = {n: _t(ps.momentum) / (1.0 if scaled_momentum else float(ps.momentum_scale))
                 for n, ps in rec.params.items() if spec[n].use_muon and ps.momentum is not None}
         state = replace(new_state, master={**new_state.master, **masters}, momentum={**new_state.momentum, **moms})
+        prev = rec
     non_muon = non_muon_optimizer(case)
     if non_muon:
         # Under another optimizer no parameter is Muon's: DeepSpeed's ``use_muon`` tags (read on rank 0

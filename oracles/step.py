@@ -290,6 +290,18 @@ class Conventions:
     # Accident of ZeRO-2 + bf16 + grad_accum_dtype fp32 at one data-parallel rank (DSM-019): every
     # non-Muon parameter's gradient is lost before the step, so the auxiliary Adam reads zeros.
     adam_grads_lost: bool = False
+    # Accident of ZeRO-3 and of ZeRO-1/2 with optimizer offload (DSM-023): a parameter that gets no
+    # gradient in a step (``Case.unused``) is stepped on what its gradient buffer still holds from the
+    # step before, where the intended gradient is zero: the auxiliary Adam's parameter on that step's
+    # gradient, a Muon matrix on that step's update (written over its gradient). The previous step is
+    # the caller's record: ``step`` itself does not read this field (the verdict does). Its values say what
+    # the reported norm counts of such a parameter: "norm-counts" (ZeRO-3 without offload: the stale
+    # gradient, like any other) or "norm-drops-adam" (the offload paths: an Adam parameter's term is missing,
+    # a Muon matrix's is its new update as usual). None: the intended zero gradient.
+    stale_unused_grads: Optional[str] = None
+    # Parameters whose term the global norm leaves out at this step (set per step by the caller, e.g. from
+    # ``stale_unused_grads``); the step itself still uses their gradients.
+    norm_excluded: frozenset = frozenset()
     fresh_after: Optional[int] = None
     fresh_params: tuple = ()
     # Accident of ZeRO-3 without offload (DSM-006, ``stage3.py`` ``_create_fp16_partitions_with_
@@ -305,7 +317,8 @@ class Conventions:
                   "clip_norm_source": ("muon_update", "gradient"), "momentum_units": ("true", "scaled"),
                   "momentum_dtype": ("float64", "fp32", "model"), "grad_dtype": ("float64", "fp32", "model"),
                   "skip_on_nonfinite": ("always", "fp16_only"), "warmup_peak": ("own", "first_group"),
-                  "conv_aspect": ("reshaped", "last_two_dims")}
+                  "conv_aspect": ("reshaped", "last_two_dims"),
+                  "stale_unused_grads": (None, "norm-counts", "norm-drops-adam")}
         for name, allowed in checks.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Conventions.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -581,6 +594,7 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
 
     muon_specs = [p for p in cfg.params if p.use_muon]
     adam_specs = [p for p in cfg.params if not p.use_muon]
+    normed_adam = [p for p in adam_specs if p.name not in conv.norm_excluded]
     c = cfg.gradient_clipping
 
     # -- 3. textbook clipping happens before Muon (clip_norm_source="gradient") -------------------
@@ -649,10 +663,10 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     unscaled = 1.0 / S if conv.muon_update_unscaled else 1.0
     own = None
     if conv.clip_norm_source == "muon_update":
-        norm = global_norm([directions[p.name] * unscaled for p in muon_specs] + [Gs[p.name] for p in adam_specs])
+        norm = global_norm([directions[p.name] * unscaled for p in muon_specs] + [Gs[p.name] for p in normed_adam])
         if norm_directions is not None and all(p.name in norm_directions for p in muon_specs):
             own = global_norm([norm_directions[p.name].to(torch.float64) * unscaled for p in muon_specs]
-                              + [Gs[p.name] for p in adam_specs])
+                              + [Gs[p.name] for p in normed_adam])
         if shared_norm is not None:
             norm, own = shared_norm, None
     elif shared_norm is None:

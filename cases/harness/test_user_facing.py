@@ -100,6 +100,24 @@ def test_from_json_round_trips():
     assert Case.from_json(c.to_json()) == c
 
 
+def test_unused_parameters_round_trip_and_leave_other_cases_json_alone():
+    c = pipeline_case(3, "cpu", "bf16", 2)
+    assert "unused" not in json.loads(c.to_json())  # stored coverage and baselines keep their keys
+    u = c.replace(unused=(("layer1.bias", 2),))
+    assert Case.from_json(u.to_json()) == u
+
+
+@pytest.mark.parametrize("unused, says", [
+    ((("nope", 2),), "a parameter of the case"),
+    ((("layer1.bias", 3),), "a step from 1 to 2"),  # pipeline_case runs 2 steps
+    ((("layer1.bias", 0),), "a step from 1 to 2"),
+    (tuple((p, 2) for p in ("layer0.weight", "layer0.bias", "layer1.weight", "layer1.bias")), "no loss"),
+])
+def test_unused_parameters_are_checked_before_any_rank_starts(unused, says):
+    with pytest.raises(ValueError, match=says):
+        pipeline_case(1, "none", "fp32", 2).replace(unused=unused)
+
+
 @pytest.mark.parametrize("change, says", [({"world_size": 0}, "world_size 0"),
                                           ({"params": None}, "missing field(s) params")])
 def test_run_with_a_bad_case_exits_2_without_a_traceback(change, says):

@@ -207,9 +207,23 @@ def test_fresh_engine_state_replaces_only_the_unrestored_parameters():
         raise AssertionError("part of Adam restarting accepted")
 
 
+def test_norm_excluded_drops_exactly_those_terms_and_steps_them_all_the_same():
+    """DSM-023's norm on the offload paths: an excluded Adam parameter's term leaves the norm, by the
+    Pythagorean rule, and nothing else of the step changes."""
+    cfg = StepConfig(SPECS, model_dtype="fp32")
+    st = initial_state(cfg, _weights())
+    _, full = oracle_step(st, _grads(), cfg)
+    _, part = oracle_step(st, _grads(), cfg, Conventions(norm_excluded=frozenset({"b"})))
+    b = float(_grads()[0][0]["b"].norm())
+    assert abs(part.global_norm ** 2 - (full.global_norm ** 2 - b ** 2)) < 1e-12 * full.global_norm ** 2
+    assert part.global_norm < full.global_norm
+    for n in ("w", "b"):
+        assert torch.equal(part.params[n].master, full.params[n].master)
+
+
 def test_switch_values_are_checked():
     for bad in ({"reported_norm": "x"}, {"scaled_update_dtype": "fp32"}, {"padded_tail_momentum_dtype": "fp32"},
-                {"update_store_dtype": "fp32"}, {"reported_norm": "scaled"}):
+                {"update_store_dtype": "fp32"}, {"reported_norm": "scaled"}, {"stale_unused_grads": True}):
         try:
             Conventions(**bad)
         except ValueError as e:

@@ -85,6 +85,14 @@ def test_unmanaged_accumulation(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.unused_cases))
+def test_layer_left_out_of_a_step(case, column, pool_manager, seed, request):
+    """A layer without a gradient at step 2 steps on zero (its momentum decaying), on every stage; stock
+    ZeRO-3 and ZeRO-1/2 offload step it on the previous step's buffer instead (DSM-023, modelled)."""
+    assert case.unused and all(k > 1 for _, k in case.unused)
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.defaults_cases))
 def test_optimizer_defaults(case, column, pool_manager, seed, request):
     """No optimizer params (or only the choice of torch's AdamW as the auxiliary Adam): the step must

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from harness.patched_runtime._registry import Fix, Target, active
 from harness.patched_runtime.muon import T_MUON_UPDATE
+from harness.patched_runtime.stale import clear_gradient_stores, fixes as stale_fixes
 from harness.patched_runtime.units import UNITS, sync_z3
 from harness.patched_runtime.z3 import T_SUBGROUP
 from harness.patched_runtime.z12 import GET_FLAT_PARTITION
@@ -56,6 +57,12 @@ def make_step(sync):
     def make(orig):
 
         def step(self, closure=None):
+            try:
+                return deferred(self, closure)
+            finally:
+                clear_gradient_stores(self)  # DSM-023's fix (harness.patched_runtime.stale), when active
+
+        def deferred(self, closure):
             if sync is not None:
                 sync(self)
             if not active(GROWTH) or _DEFER in self.__dict__:
@@ -94,4 +101,4 @@ FIXES = (
         notes="Also runs Muon on the true-unit gradient (divides gradient and momentum by S around muon_update and "
               "multiplies the momentum back, exactly): Newton-Schulz normalises by ||X|| + 1e-7, so S*U and U "
               "round differently in the last fp32 bit, which 16-bit Newton-Schulz then amplifies."),
-)
+) + stale_fixes((T_Z12_STEP, T_Z3_STEP))  # the step wrappers are these targets'; the fix is stale.py's

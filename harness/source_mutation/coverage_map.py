@@ -43,6 +43,11 @@ EXTRA_GATE_CASES = (
     "z0-none-fp32-ws2-ga2-unmanaged", "z1-none-fp16-ws2-ga2-unmanaged", "z1-cpu-bf16-ws2-ga2-unmanaged",
     "z2-none-fp32-ws2-ga2-unmanaged", "z2-cpu-fp16-ws2-ga2-unmanaged", "z3-none-bf16-ws2-ga2-unmanaged",
     "z3-cpu-fp32-ws2-ga2-unmanaged",
+    # a layer left out of step 2 (Case.unused): zero gradients at stage 0 and ZeRO-1/2, DSM-023 elsewhere
+    "z0-none-fp32-ws2-skiplayer", "z1-none-fp32-ws2-skiplayer", "z1-cpu-fp32-ws2-skiplayer",
+    "z2-none-fp32-ws2-skiplayer", "z2-cpu-fp32-ws2-skiplayer", "z3-none-fp32-ws2-skiplayer",
+    "z3-cpu-fp32-ws2-skiplayer", "z1-cpu-fp32-ws2-ga2-unmanaged-skiplayer", "z2-cpu-fp32-ws2-ga2-unmanaged-skiplayer",
+    "z1-none-bf16-ws3-bitsplit-gad32",  # BF16_Optimizer: a split matrix only the split test's floor divisions find
     "z1-none-fp32-ws2-defaults-torchadam",  # ... with torch's AdamW as the auxiliary Adam (any weight decay applies)
     "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
     "z0-none-fp32-ws2-conv3d",  # a 5-D Muon weight: only 4-D filters are reshaped to a matrix
