@@ -22,7 +22,7 @@ from harness.scenarios import pipeline_case
 from harness.verdict import bug_model, judge
 
 MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009",
-            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019", "DSM-020"}
+            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019", "DSM-020", "DSM-023"}
 
 
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():
@@ -54,8 +54,9 @@ def test_bug_models_compose_into_valid_conventions(case):
 
 
 STOCK_CASES = ["z2-none-bf16-ws1", "z3-none-bf16-ws2-ga2-clip0.05", "z3-cpu-bf16-ws2-heads",
-               "z1-none-fp16-ws2-overflow", "z1-cpu-fp16-ws2-growth", "z3-none-bf16-ws2-comm32", "z0-none-fp16-ws2",
-               "z0-none-bf16-ws2-ga2-standard", "z1-none-bf16-ws2-ga2-clip0.05-gad32", "z3-none-fp32-ws2-resume-inmem"]
+               "z1-cpu-fp32-ws2-skiplayer", "z1-none-fp16-ws2-overflow", "z1-cpu-fp16-ws2-growth",
+               "z3-none-bf16-ws2-comm32", "z0-none-fp16-ws2", "z0-none-bf16-ws2-ga2-standard",
+               "z1-none-bf16-ws2-ga2-clip0.05-gad32", "z3-none-fp32-ws2-resume-inmem"]
 
 
 def _gate_case(name):
@@ -193,3 +194,18 @@ def test_dsm021_a_swapped_matrix_sorted_after_others_gets_a_misplaced_gradient(p
     # The fix (nvme-grad-offset-io) makes the same case match the intended oracle, gradient included.
     fixed = evaluate(case, "patched", pool_manager)
     assert fixed.status == "passed" and fixed.strength == "full", fixed.message
+
+
+def test_stale_buffer_model_fails_where_deepspeed_steps_unused_parameters_on_zero(pool_manager, seed):
+    """DSM-023: ZeRO-1 without offload gives a layer left out of a step a zero gradient (as intended);
+    the stale-buffer model judging that trajectory must fail exactly on the gradients it claims stale.
+    (Its norm rule leaves out a term that is zero here, so the norm agrees either way.)"""
+    from harness.matrix import gate_cases
+
+    case = next(c for c in gate_cases() if c.name == "z1-none-fp32-ws2-skiplayer").replace(seed=seed)
+    assert "DSM-023" not in {b.id for b in bugs_for(case)}
+    traj = pool_manager.run(case).result
+    wrong = judge(case, traj, conventions=bug_model({"stale_unused_grads": "norm-drops-adam"}))
+    assert not wrong.passed
+    assert {(f.param, f.quantity) for f in wrong.failures} == {("layer1.weight", "grad"),
+                                                             ("layer1.bias", "grad")}, wrong.message()
