@@ -650,14 +650,16 @@ def unused_cases(full: bool = False) -> list[Case]:
     expert is: its gradient is None on every rank, and DeepSpeed steps it on a zero gradient (stage 0:
     ``MuonWithAuxAdam.step`` fills zeros; ZeRO: the flat gradient partition holds zeros), so Muon's
     momentum decays and still moves the weight, and Adam's moments decay and its step count advances.
-    Stage 0 and every ZeRO stage with offload none and cpu (fp32), and managed_gradient_accumulation
-    false on the offload paths, where ``step()`` finalizes only the parameters reduced in the window."""
+    Stage 0 and every ZeRO stage with offload none and cpu (fp32), managed_gradient_accumulation false on
+    the offload paths, where ``step()`` finalizes only the parameters reduced in the window, and ZeRO-3 NVMe
+    (the layer in the swapped sub-group, beside the big matrix). 10 cases, CI and --full."""
     out = [_case(0, "none", "fp32", 2).replace(unused=SKIPPED_LAYER)]
     for st, off in itertools.product(STAGES, ("none", "cpu")):
         out.append(_case(st, off, "fp32", 2).replace(unused=SKIPPED_LAYER))
     for st in (1, 2):
         c = _case(st, "cpu", "fp32", 2, grad_accum=2).replace(unused=SKIPPED_LAYER)
         out.append(_with_config(c, "-unmanaged", managed_gradient_accumulation=False))
+    out.append(_case(3, "nvme", "fp32", 2).replace(unused=SKIPPED_LAYER))  # the skipped layer in the swapped sub-group
     return [c.replace(name=c.name + "-skiplayer") for c in out]
 
 

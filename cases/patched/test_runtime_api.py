@@ -153,3 +153,16 @@ def test_a_function_is_read_back_once_and_a_replacement_is_hashed_on_its_own(mon
         return x - 1
 
     assert _registry.source_hash(f) != first and len(reads) == 2
+
+
+def test_a_fix_that_covers_part_of_a_bug_leaves_it_expected_elsewhere():
+    """DSM-023's fix leaves ZeRO-3 NVMe as stock runs it (harness/patched_runtime/stale.py says why):
+    the patched column still expects the bug there, and only there."""
+    from harness import matrix
+
+    by_name = {c.name: c for c in matrix.unused_cases()}
+    nvme, cpu = by_name["z3-nvme-part-fp32-ws2-skiplayer"], by_name["z3-cpu-fp32-ws2-skiplayer"]
+    for c in (nvme, cpu):
+        assert "DSM-023" in {b.id for b in bugs.bugs_for(c)}
+    assert "DSM-023" in {b.id for b in bugs.bugs_for(nvme, patched=True)}
+    assert "DSM-023" not in {b.id for b in bugs.bugs_for(cpu, patched=True)}

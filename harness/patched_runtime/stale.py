@@ -8,7 +8,15 @@ keeps last step's content, and ZeRO-3 and the Muon offload paths also write the 
 the next step reads that as this step's gradient. Stage 0 and ZeRO-1/2 without offload build their flat
 gradient from zeros. The fix zeroes those buffers once a step is over (on every exit of ``step``, a
 skipped step's too), so the next window starts from zeros as theirs does; a parameter that does get a
-gradient overwrites its part as before. NVMe-swapped gradients are not covered (not measured).
+gradient overwrites its part as before.
+
+Not covered: ZeRO-3 with NVMe. There a swapped sub-group's small gradients (below the swap size) are
+kept beside the swap files only until the sub-group's next swap-in, and the step's second swap-in (after
+Muon's write-back) reads them from the pooled swap buffer, which still holds them; a parameter without a
+gradient in the next window is then read from that buffer too (measured: the Muon matrix steps on the
+previous update). Zeroing the gaps at a swap-in would wipe the write-back the second swap-in relies on,
+and zeroing the pool costs its whole size every step; so the fix leaves an NVMe run as stock runs it, and
+DSM-023 stays expected there on the patched column (``Bug.fix_covers``).
 """
 from __future__ import annotations
 
@@ -19,8 +27,8 @@ STALE = "unused-param-zero-grad"
 
 def clear_gradient_stores(opt) -> None:
     """Zero what the next window's reductions overwrite, for the parameters that get no gradient."""
-    if not active(STALE):
-        return
+    if not active(STALE) or getattr(opt, "optimizer_swapper", None) is not None:
+        return  # NVMe: not covered (module docstring); the step stays stock's, which DSM-023's model describes
     flat = getattr(opt, "grad_partitions_flat_buffer", None)  # ZeRO-3
     if flat is not None:
         flat.zero_()
@@ -39,8 +47,8 @@ def fixes(step_targets) -> tuple:
                 symptom="A parameter that gets no gradient in a step (a skipped layer, an unchosen expert) steps on "
                         "what its gradient buffer held from the step before (Adam: that gradient; Muon: that update), "
                         "instead of zero.",
-                trigger="ZeRO-3 (offload none or cpu), or ZeRO-1/2 with CPU offload, and a parameter unused in a step "
-                        "after one in which it was used",
+                trigger="ZeRO-3 (offload none or cpu; NVMe is not covered), or ZeRO-1/2 with CPU offload, and a "
+                        "parameter unused in a step after one in which it was used",
                 targets=tuple(step_targets),
                 notes="Zeroes ZeRO-3's gradient partition buffer and the offload paths' fp32 gradient partitions "
                       "after each step(), so the next window's copies start from zeros."),)

@@ -47,6 +47,7 @@ EXTRA_GATE_CASES = (
     "z0-none-fp32-ws2-skiplayer", "z1-none-fp32-ws2-skiplayer", "z1-cpu-fp32-ws2-skiplayer",
     "z2-none-fp32-ws2-skiplayer", "z2-cpu-fp32-ws2-skiplayer", "z3-none-fp32-ws2-skiplayer",
     "z3-cpu-fp32-ws2-skiplayer", "z1-cpu-fp32-ws2-ga2-unmanaged-skiplayer", "z2-cpu-fp32-ws2-ga2-unmanaged-skiplayer",
+    "z3-nvme-part-fp32-ws2-skiplayer",
     "z1-none-bf16-ws3-bitsplit-gad32",  # BF16_Optimizer: a split matrix only the split test's floor divisions find
     "z1-none-fp32-ws2-defaults-torchadam",  # ... with torch's AdamW as the auxiliary Adam (any weight decay applies)
     "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
