@@ -140,6 +140,10 @@ class Case:
     # None on every rank; DeepSpeed steps it on a zero gradient on every path (its momentum decays, Adam's
     # moments too, weight decay applies), which the oracle reads as a zero gradient (harness.model).
     unused: tuple[tuple[str, int], ...] = ()
+    # FusedAdam's construction fails on the ranks, as where its op cannot be built (no compiler): DeepSpeed
+    # then steps Muon's auxiliary Adam inline (muon_optimizer.py, its fallback). Needs Muon without
+    # offload (offload uses DeepSpeedCPUAdam) and without torch_adam (torch's AdamW needs no build).
+    fused_adam_fails: bool = False
 
     @property
     def dp_size(self) -> int:
@@ -161,6 +165,13 @@ class Case:
     def __post_init__(self):
         if self.unused:
             self._check_unused()
+        if self.fused_adam_fails:
+            opt = self.config.get("optimizer", {})
+            if (not self.runs_muon or self.offload != "none" or opt.get("params", {}).get("torch_adam")
+                    or self.client_optimizer is not None):
+                raise ValueError(f"case {self.name!r}: fused_adam_fails needs Muon without optimizer offload and "
+                                 "without torch_adam: only there does DeepSpeed build FusedAdam for Muon's auxiliary "
+                                 "Adam and fall back to its inline Adam when that fails")
         if self.model_parallel != 1:
             self._check_model_parallel()
         if self.resume_world_size is not None and self.resume_world_size != self.world_size:
@@ -285,6 +296,8 @@ class Case:
             del d["client_optimizer"]
         if not d["unused"]:
             del d["unused"]  # the same for cases without unused parameters
+        if not d["fused_adam_fails"]:
+            del d["fused_adam_fails"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod

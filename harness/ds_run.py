@@ -295,9 +295,10 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
     if ds_tags_heads and not case.model:
         model.config = head_config(case)
     optimizer = client_optimizer(case, model_params)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=None if optimizer else model_params,
-                                           optimizer=optimizer, config=cfg, lr_scheduler=client_scheduler(case),
-                                           mpu=mpu)
+    with _fused_adam_failing(case.fused_adam_fails):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=None if optimizer else model_params,
+                                               optimizer=optimizer, config=cfg, lr_scheduler=client_scheduler(case),
+                                               mpu=mpu)
     named = dict(engine.module.named_parameters())
     for ps in case.params:
         if ps.num_heads and not ds_tags_heads:
@@ -308,6 +309,27 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
             p.muon_num_heads = ps.num_heads
             p.muon_head_dim = ps.shape[0] // ps.num_heads
     return engine, named
+
+
+@contextlib.contextmanager
+def _fused_adam_failing(on: bool):
+    """``Case.fused_adam_fails``: FusedAdam's constructor raises the RuntimeError an op that cannot be
+    built raises, for the length of ``deepspeed.initialize`` only (the rank is reused by later cases)."""
+    if not on:
+        yield
+        return
+    from deepspeed.ops.adam.fused_adam import FusedAdam
+
+    original = FusedAdam.__dict__["__init__"]
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("fused_adam op could not be built (harness: Case.fused_adam_fails)")
+
+    FusedAdam.__init__ = fail
+    try:
+        yield
+    finally:
+        FusedAdam.__init__ = original
 
 
 QUERY_LEAVES = ("q_proj",)  # the leaf names a Hugging Face config's head counts describe

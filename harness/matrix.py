@@ -641,6 +641,21 @@ def unmanaged_cases(full: bool = False) -> list[Case]:
     return out
 
 
+def inline_adam_cases(full: bool = False) -> list[Case]:
+    """Muon's auxiliary Adam stepped inline (``Case.fused_adam_fails``: FusedAdam cannot be built, as on a
+    machine without a compiler, and DeepSpeed falls back to ``MuonWithAuxAdam``'s own Adam): stage 0 and
+    ZeRO-1/2/3 without offload, the dtypes cycling, accumulation 2 on one, and L2 decay on another. The
+    oracle is the same AdamW (docs/deepspeed-0.19.8.md, section 2). 5 cases, CI and --full."""
+    out = [_case(0, "none", "fp32", 2), _case(1, "none", "bf16", 2, grad_accum=2), _case(2, "none", "fp16", 2)]
+    for mode, c in (("-wd", _case(3, "none", "fp32", 2)), ("-l2", _case(1, "none", "fp32", 2))):
+        opt = json.loads(json.dumps(c.config["optimizer"]))
+        opt["params"]["weight_decay"] = 0.05  # decoupled, and (adam_w_mode false) added to the gradient
+        if mode == "-l2":
+            opt["params"]["adam_w_mode"] = False
+        out.append(_with_config(c, mode, optimizer=opt))
+    return [c.replace(name=c.name + "-inlineadam", fused_adam_fails=True) for c in out]
+
+
 # A layer the forward skips at step 2 (used at steps 1 and 3): its Muon matrix and its Adam bias.
 SKIPPED_LAYER = (("layer1.weight", 2), ("layer1.bias", 2))
 
@@ -983,6 +998,7 @@ def model_cases(full: bool = False) -> list[Case]:
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + unmanaged_cases(full) + unused_cases(full)
+             + inline_adam_cases(full)
              + groups_cases(full)
              + schedule_cases(full)
              + bf16opt_cases(full) + compiled_cases(full) + resume_cases(full) + subgroup_cases(full)

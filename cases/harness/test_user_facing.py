@@ -107,6 +107,20 @@ def test_unused_parameters_round_trip_and_leave_other_cases_json_alone():
     assert Case.from_json(u.to_json()) == u
 
 
+@pytest.mark.parametrize("change", [{"offload": "cpu"}, {"client": True}])
+def test_fused_adam_fails_needs_a_path_that_builds_fused_adam(change):
+    if "offload" in change:
+        c = pipeline_case(1, "cpu", "fp32", 2)
+    else:
+        from harness.matrix import non_muon_cases
+
+        c = next(x for x in non_muon_cases() if x.client_optimizer is not None)
+    with pytest.raises(ValueError, match="fused_adam_fails needs Muon without optimizer offload"):
+        c.replace(fused_adam_fails=True)
+    ok = pipeline_case(1, "none", "fp32", 2).replace(fused_adam_fails=True)
+    assert Case.from_json(ok.to_json()) == ok and "fused_adam_fails" not in json.loads(c.to_json())
+
+
 @pytest.mark.parametrize("unused, says", [
     ((("nope", 2),), "a parameter of the case"),
     ((("layer1.bias", 3),), "a step from 1 to 2"),  # pipeline_case runs 2 steps

@@ -85,6 +85,14 @@ def test_unmanaged_accumulation(case, column, pool_manager, seed, request):
     run_case(case, column, pool_manager, seed, request)
 
 
+@pytest.mark.parametrize("case,column", suite(matrix.inline_adam_cases))
+def test_inline_adam_fallback(case, column, pool_manager, seed, request):
+    """FusedAdam cannot be built: DeepSpeed's fallback steps Muon's auxiliary Adam inline, which must be
+    the same AdamW (decoupled, or L2 where adam_w_mode is false)."""
+    assert case.fused_adam_fails and case.offload == "none"
+    run_case(case, column, pool_manager, seed, request)
+
+
 @pytest.mark.parametrize("case,column", suite(matrix.unused_cases))
 def test_layer_left_out_of_a_step(case, column, pool_manager, seed, request):
     """A layer without a gradient at step 2 steps on zero (its momentum decaying), on every stage; stock
