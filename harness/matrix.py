@@ -845,14 +845,18 @@ KNOBS = {
     "nocontig": {"contiguous_gradients": False},
     "overlap": {"overlap_comm": True},
     "buckets": {"reduce_bucket_size": 16, "allgather_bucket_size": 16},
+    # every parameter but a group's last padded to 16 bytes: ZeRO-1/2 then build a Muon partition on the padded
+    # path of get_flat_partition (the other cases' groups have no such padding and take the unpadded one)
+    "align": {"parameter_alignment": True},
 }
 
 
 def knob_cases(full: bool = False) -> list[Case]:
     """``contiguous_gradients`` off, ``overlap_comm`` on, a ``reduce_bucket_size`` small enough for one
-    bucket per parameter, on ZeRO-1/2/3; and ``data_types.grad_accum_dtype: fp32`` with ZeRO-2 bf16.
-    CI: each knob on each stage at W=2 with offload and dtype cycling (9), the ZeRO-2 bf16 fp32
-    accumulation with and without offload (2); ``--full``: knob x stage x offload x dtype x ws 1-3."""
+    bucket per parameter, ``parameter_alignment`` on ZeRO-1/2/3; and ``data_types.grad_accum_dtype: fp32``
+    with ZeRO-2 bf16. CI: each knob on each stage at W=2 with offload and dtype cycling (12), alignment on
+    ZeRO-1 fp32 without offload (1), the ZeRO-2 bf16 fp32 accumulation with and without offload (2);
+    ``--full``: knob x stage x offload x dtype x ws 1-3."""
     out = []
     i = 0
     for key, zero in KNOBS.items():
@@ -863,6 +867,8 @@ def knob_cases(full: bool = False) -> list[Case]:
                 c = _case(st, off, dt, ws, grad_accum=1 + (i // 2) % 2, extra_zero=zero, suffix=f"-knob-{key}")
                 out.append(c)
             i += 1
+    if not full:  # the padded get_flat_partition without offload in fp32 too (the cycle gives it fp16 only)
+        out.append(_case(1, "none", "fp32", 2, extra_zero=KNOBS["align"], suffix="-knob-align"))
     for off in ("none", "cpu"):
         for ws in (WORLD_SIZES if full else (2,)):
             c = _case(2, off, "bf16", ws, suffix="-knob-gad32")
