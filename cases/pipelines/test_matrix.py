@@ -168,7 +168,8 @@ def test_rank_holding_none(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.aligned_cases))
 def test_bf16_optimizer_exchange_layouts(case, column, pool_manager, seed, request):
     """-aligned: every Muon matrix ends exactly where a rank's partition ends, none split between ranks.
-    -spanning: a matrix over three ranks, so one rank receives two pieces of it. -onesquare: one matrix, split."""
+    -spanning: a matrix over three ranks, so one rank receives two pieces of it. -onesquare: one matrix, split.
+    -bitsplit: a split matrix that only the split test's floor divisions tell apart from an unsplit one."""
     from harness import verdict
     from oracles.layout import param_slices, placement
 
@@ -181,6 +182,13 @@ def test_bf16_optimizer_exchange_layouts(case, column, pool_manager, seed, reque
             assert len(param_slices(layout, p.name)) == 1, p.name
     elif "-spanning" in case.name:
         assert any(len(param_slices(layout, p.name)) == 3 for p in muon)
+    elif "-bitsplit" in case.name:
+        # the split test's floor divisions alone find the split one: start // P != (end - 1) // P, while
+        # start & P == (end - 1) // P for every Muon matrix
+        P = layout.partition_size[placement(layout, muon[0].name).group]
+        spans = [(placement(layout, p.name).offset, placement(layout, p.name).offset + p.numel) for p in muon]
+        assert [s // P != (e - 1) // P for s, e in spans] == [False, True]
+        assert all((s & P) == (e - 1) // P for s, e in spans)
     else:
         assert len(muon) == 1 and len(param_slices(layout, muon[0].name)) == 2
     run_case(case, column, pool_manager, seed, request)
