@@ -46,6 +46,8 @@ BUILTIN: dict[str, str] = {
     "resnet": "harness.models.resnet:resnet",  # ResNet style conv net: 4-D kernels, BatchNorm buffers
     # mixture-of-experts LM block: 3-D expert weights, embed/lm_head, groups (plain torch)
     "moe": "harness.models.moe:moe",
+    # ... with its experts tagged is_expert_group, as DeepSpeed's grouped experts (AutoEP) tag theirs
+    "moe-ep": "harness.models.moe:moe_ep",
 }
 NEEDS_TRANSFORMERS = ("gpt2", "llama")
 

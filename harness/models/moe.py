@@ -77,6 +77,19 @@ def moe(seed: int) -> ModelSpec:
     return ModelSpec(module, batch, param_groups=default_groups(module))
 
 
+def moe_ep(seed: int) -> ModelSpec:
+    """The same model with its expert weights tagged ``is_expert_group``, as DeepSpeed's own grouped experts
+    tag theirs (``deepspeed/moe/ep_experts.py``, ``GroupedExperts``): ``muon_update`` then runs Newton-Schulz
+    per expert through its expert branch (``original_muon.py:219-222``) instead of its general one. For a
+    3-D weight both compute each expert's orthogonalised matrix with its own aspect scale, so the oracle is
+    the same; what the tag changes is which of DeepSpeed's code runs (ZeRO-3 without offload does not pass
+    the tag to ``muon_update``: docs/deepspeed-0.19.8.md, section 13)."""
+    spec = moe(seed)
+    for p in (spec.module.block.experts.w_in, spec.module.block.experts.w_out):
+        p.is_expert_group = True
+    return spec
+
+
 def default_groups(module: nn.Module, weight_decay: float = 0.1, adam_lr: float = 2e-3) -> tuple[ParamGroup, ...]:
     """Matrices (>= 2 dims, no "embed"/"lm_head" in the name: the Muon half) with ``weight_decay``,
     the rest without decay and at ``adam_lr``. The split follows the tagging rule so that each
