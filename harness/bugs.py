@@ -731,6 +731,32 @@ BUGS: tuple[Bug, ...] = (
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-bigadam",
     ),
     Bug(
+        id="DSM-024",
+        title="ZeRO-3 NVMe, pipelined swapper prefetching: a swapped Adam parameter that is not first in its "
+              "sub-group steps on a gradient it was never given",
+        symptom="DSM-022's read with a second swapped sub-group on the pipelined swapper, as every real model "
+                "on NVMe has: while one sub-group steps the swapper prefetches the next one's state, and the Adam "
+                "parameter behind smaller ones in its sub-group (an embedding after the biases) then steps on "
+                "neither its gradient nor DSM-022's wrong one. Measured "
+                "(z3-nvme-pipe-fp32-ws1-bigadam: a swapped Muon matrix beside the Adam sub-group): every element "
+                "of the 262144-element vector unchanged after the first step, and moved by Adam's step size with "
+                "the wrong sign on part of it after the next; with the Adam sub-group swapped alone (nothing "
+                "prefetched) the same case shows DSM-022 only, its weights following the gradient read. Found "
+                "in session 11 by the case written for the pipelined swapper's prefetch, which no case had run.",
+        trigger=lambda c: c.dtype in ("fp32", "fp16") and nvme.prefetches_swapped_adam(c)
+        and nvme.swapped_adam_param_not_first(c),
+        # Not modelled: measured, the first step reads zeros (no move) and later ones a gradient that is neither
+        # zero nor the one the capture reads (the move has Adam's size, its sign differs by element), which is
+        # the pooled buffer's content and not derived. Excused by quantity, with DSM-022 for the gradient.
+        quantities=frozenset({"master", "model"}),
+        where="the same reads as DSM-021 (a swapped gradient read into a view of a locked buffer at a nonzero "
+              "offset moves nothing on this CPU build); with a prefetched sub-group the region Adam reads holds "
+              "zeros rather than the staged gradient the capture sees (pipelined_optimizer_swapper.py "
+              "swap_in_optimizer_state, its asynchronous swap-in)",
+        fix="nvme-grad-offset-io",
+        reproducer="python -m harness gate --only z3-nvme-pipe-fp32-ws1-bigadam",
+    ),
+    Bug(
         id="DSM-023",
         title="ZeRO-3, and ZeRO-1/2 with CPU offload: a parameter with no gradient in a step is stepped on "
               "the previous step's gradient buffer",

@@ -94,9 +94,20 @@ BIG_ADAM_PARAM = ParamShape("big.bias", (262144,))
 
 
 def big_adam_nvme_cases(full: bool = False) -> list[Case]:
-    """ZeRO-3 with the optimizer on NVMe (partitioned swapper, fp32, one rank) and a swapped Adam sub-group
-    (``BIG_ADAM_PARAM``) beside the test layers. 1 case, CI and --full."""
-    return [_case(3, "nvme", "fp32", 1, params=tuple(TINY_PARAMS) + (BIG_ADAM_PARAM,), suffix="-bigadam")]
+    """ZeRO-3 with the optimizer on NVMe (fp32, one rank) and a swapped Adam sub-group (``BIG_ADAM_PARAM``)
+    beside the test layers, on the partitioned swapper; and on the pipelined swapper beside the swapped Muon
+    matrix too, so that two sub-groups are swapped and the swapper prefetches the next one's state while the
+    first steps (``pipelined_optimizer_swapper.py`` ``swap_in_optimizer_state``'s asynchronous swap-in; with
+    one swapped sub-group, as every other NVMe case has, nothing is ever prefetched), as in a real model,
+    where every sub-group is swapped. 2 cases, CI and --full."""
+    pipe = _case(3, "nvme", "fp32", 1, swapper="pipelined", params=nvme_params(1) + (BIG_ADAM_PARAM,),
+                 suffix="-bigadam")
+    zero = json.loads(json.dumps(pipe.config["zero_optimization"]))
+    # a prefetch holds a second sub-group's three tensors beside the first's: DeepSpeed's default 4 buffers
+    # run out ("try increasing 'buffer_count'", its own assertion), so give it the 8 it asks for
+    zero["offload_optimizer"]["buffer_count"] = 8
+    return [_case(3, "nvme", "fp32", 1, params=tuple(TINY_PARAMS) + (BIG_ADAM_PARAM,), suffix="-bigadam"),
+            _with_config(pipe, "", zero_optimization=zero)]
 
 
 def inmem_cases(full: bool = False) -> list[Case]:

@@ -328,7 +328,7 @@ def z3_distributed_muon(version: str | None = None) -> bool:
 # absent from a bug's row was not measured for it; the bug then excuses nothing there.
 # 0.19.8: the release the registry was built on (every bug confirmed there, harness/bugs.py).
 _ALL_0198 = {"0.19.8": True}
-AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in range(1, 24)}
+AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in range(1, 25)}
 # 0.19.7, measured with MUON_HARNESS_MEASURE=1 on the slices in MEASURED: xfailed carrying the id (True) or
 # xpassed (False). Bugs not listed: not measured.
 # DSM-012: the whole CI gate on 0.19.7 (session 5): resnet-z0-none-fp32-ws2-standard raised its exact crash

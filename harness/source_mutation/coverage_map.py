@@ -103,6 +103,7 @@ EXTRA_GATE_CASES = (
     "z1-none-fp32-ws2-conv2d-unpadded",  # a 4-D weight in a Muon group without padding (the unpadded path)
     "z1-none-bf16-ws2-groups-gad32",  # two user groups on the BF16_Optimizer route
     "z3-nvme-part-fp32-ws1-bigadam",  # a swapped Adam sub-group: three tensors (and DSM-022)
+    "z3-nvme-pipe-fp32-ws1-bigadam",  # two swapped sub-groups on the pipelined swapper: its prefetch (DSM-024)
     "z2-cpu-fp16-ws2-scale2", "z3-none-fp16-ws2-scale2",  # the rescale's test at a scale of 2, two more paths
     # a static loss scale of 0.5: every "scale != 1.0" test of the Muon rescale, against "scale > 1.0"
     "z1-none-fp16-ws2-static0.5", "z2-cpu-fp16-ws2-static0.5", "z3-none-fp16-ws2-static0.5",
