@@ -613,13 +613,15 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                         if step_every_micro:
                             engine.step()
                         continue
-                    read_pre_step = functools.partial(_read_pre_step, engine, case, named, swap,
-                                                      piece_rank if coalesced else None)
+                    # (no local may keep the engine or the model past the case: the end-of-case count of
+                    # live engines and models would see them)
+                    piece = piece_rank if coalesced else None
                     if step_every_micro:
-                        lrs, adam = read_pre_step()
+                        lrs, adam = _read_pre_step(engine, case, named, swap, piece)
                         engine.step()
                     else:
-                        lrs, adam = _step_reading_at_optimizer_entry(engine, read_pre_step)
+                        lrs, adam = _step_reading_at_optimizer_entry(
+                            engine, functools.partial(_read_pre_step, engine, case, named, swap, piece))
                 pre = capture.PreStep(loss_scale=S, adam_grads=adam, group_lr=lrs)
                 if coalesced:
                     pending.append(capture.read_step(engine, case, step, piece_rank, named=named,
