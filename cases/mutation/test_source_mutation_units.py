@@ -98,11 +98,25 @@ def test_a_continuation_line_takes_the_cases_of_its_whole_statement_head():
 def test_equivalents_name_scoped_mutants_with_a_reason():
     resolved = scope.resolve(DS)
     pat = re.compile(r"^(?P<file>[\w/.]+\.py):(?P<line>\d+):\d+ core/\w+#\d+$")
-    for key, reason in equivalents.load().items():
+    for key, reason in equivalents.load("patched").items():
         m = pat.match(key)
         assert m, f"malformed key {key!r}"
         assert scope.owner(resolved, m["file"], int(m["line"])) is not None, f"{key} is out of scope"
         assert len(reason) > 10
+
+
+def test_patched_only_equivalents_stay_judged_on_stock(tmp_path, monkeypatch):
+    """A mutant listed for the patched column alone is not equivalent on stock (where a case may kill
+    it), and a key listed in both files is refused."""
+    stock, both = equivalents.load("stock"), equivalents.load("patched")
+    only = set(both) - set(stock)
+    assert only == set(equivalents.read(equivalents.PATCHED_FILE)) and only
+    f = tmp_path / "p.txt"
+    key = next(iter(stock))
+    f.write_text(f"{key} | listed twice, which the loader refuses\n")
+    monkeypatch.setattr(equivalents, "PATCHED_FILE", f)
+    with pytest.raises(ValueError, match="already equivalent on both columns"):
+        equivalents.load("patched")
 
 
 def _dump_line(rel, op, occ, line, status, **rec):

@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     if dump.returncode:
         print(dump.stderr, file=sys.stderr)
         return 1
-    mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load())
+    mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load(args.column))
     if not args.no_ledger:
         wrote = ledger.append(ledger_file, {m.key: m.record for m in mutants}, _commit())
         print(f"ledger: {wrote} new judged result(s) -> {ledger_file.relative_to(buildenv.PROJECT_ROOT)}", flush=True)

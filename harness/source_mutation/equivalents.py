@@ -10,9 +10,25 @@ from __future__ import annotations
 from pathlib import Path
 
 EQUIVALENTS_FILE = Path(__file__).with_name("equivalents.txt")
+# Equivalent only with the patched runtime applied (a fix takes the mutated code off every path, e.g. no fp16
+# tensor reaches it): listed apart, so that the stock column still judges them.
+PATCHED_FILE = Path(__file__).with_name("equivalents-patched.txt")
 
 
-def load(path: Path = EQUIVALENTS_FILE) -> dict[str, str]:
+def load(column: str = "stock") -> dict[str, str]:
+    """The equivalents of a column: ``equivalents.txt``, and on the patched column ``equivalents-patched.txt``
+    too (a key may not be in both)."""
+    out = read(EQUIVALENTS_FILE)
+    if column == "patched":
+        extra = read(PATCHED_FILE)
+        both = sorted(set(out) & set(extra))
+        if both:
+            raise ValueError(f"{PATCHED_FILE.name}: already equivalent on both columns: {both}")
+        out.update(extra)
+    return out
+
+
+def read(path: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for n, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.strip()

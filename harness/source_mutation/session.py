@@ -126,7 +126,7 @@ def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, see
     if sample is not None and sample < len(items):
         items = sorted(random.Random(seed).sample(items, sample), key=lambda t: t[0])
     marked: dict[str, int] = {}
-    listed = {} if judge_equivalents else equivalents.load()
+    listed = {} if judge_equivalents else equivalents.load("patched" if replaced else "stock")
     carried = ledger.load(ledger_path) if ledger_path else {}
     with use_db(str(session), WorkDB.Mode.create) as db:
         db.clear()
@@ -154,7 +154,8 @@ def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str],
 
     resolved = scope.resolve(ds_root)
     cmap = CoverageMap.load(cmap_path)
-    equivalent = equivalents.load()  # a listed equivalent is not retried: nothing can kill it
+    # a listed equivalent is not retried: nothing can kill it
+    equivalent = equivalents.load("patched" if replaced else "stock")
     again, unreached = [], 0
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item, result in list(db.completed_work_items):
