@@ -521,9 +521,13 @@ SQUARE_CONV3D_PARAM = ParamShape("conv.weight", (4, 1, 3, 3, 3))
 
 def square_cases(full: bool = False) -> list[Case]:
     """A 260 x 260 Muon matrix, per-head Muon with square head blocks and a 5-D filter of square 3 x 3
-    slices, ZeRO-1 at two ranks (fp32): 1 case, CI and --full."""
+    slices, ZeRO-1 at two ranks (fp32); and the 260 x 260 matrix on ZeRO-2 with CPU offload, whose Muon
+    partition (33800+ elements) is the first on an offload path past 256: every other offload case's
+    fits in 256, where Python keeps one object per int, so an identity test of two sizes there ("is not"
+    for "!=") could not be told from the comparison. 2 cases, CI and --full."""
     return [_case(1, "none", "fp32", 2, suffix="-square",
-                  params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM))]
+                  params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM, SQUARE_HEAD_PARAM, SQUARE_CONV3D_PARAM)),
+            _case(2, "cpu", "fp32", 2, suffix="-square", params=tuple(TINY_PARAMS) + (BIG_SQUARE_PARAM,))]
 
 
 # A Llama-style attention block sharded by DeepSpeed's AutoTP (harness.tp_case): 6 heads of width 3 over a

@@ -270,6 +270,7 @@ def test_deepspeed_refuses(case, column, pool_manager, seed, request):
 
 @pytest.mark.parametrize("case,column", suite(matrix.square_cases))
 def test_square_matrices(case, column, pool_manager, seed, request):
-    """A square matrix wider than 256 and square head blocks: the gram kernel's square branch."""
+    """A square matrix wider than 256 (and square head blocks): the gram kernel's square branch, and on ZeRO-2
+    offload a Muon partition past 256 elements."""
     assert any(len(p.shape) == 2 and p.shape[0] == p.shape[1] > 256 for p in case.params)
     run_case(case, column, pool_manager, seed, request)

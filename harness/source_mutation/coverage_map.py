@@ -56,6 +56,7 @@ EXTRA_GATE_CASES = (
     # gate cases made candidates for the stock run's not-reached list: the chunked gather at one rank (ZeRO-1/2
     # offload), and ZeRO-2 offload with fp32 gradient accumulation under bf16 (the compact gradient buffer test)
     "z1-cpu-fp16-ws1", "z2-cpu-bf16-ws2-knob-gad32",
+    "z2-cpu-fp32-ws2-square",  # an offload Muon partition past 256 elements (int identity no longer tracks ==)
     "z1-none-bf16-ws3-bitsplit-gad32",  # BF16_Optimizer: a split matrix only the split test's floor divisions find
     "z1-none-fp32-ws2-defaults-torchadam",  # ... with torch's AdamW as the auxiliary Adam (any weight decay applies)
     "z1-none-fp32-ws2-dsheads", "z3-none-fp32-ws2-dsheads",  # DeepSpeed's own per-head tagging (per_head_muon)
