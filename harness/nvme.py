@@ -132,22 +132,17 @@ def swapped_adam_param_not_first(case: Case) -> bool:
 
 
 def _swapped_big_param_not_first(case: Case, group: str) -> bool:
-    return bool(swapped_big_params_not_first(case, group))
-
-
-def swapped_big_params_not_first(case: Case, group: str) -> list[str]:
-    """The parameters of a swapped ``group`` ("muon"/"adam") sub-group that are not its first and whose own
-    per-rank partition reaches the swap threshold."""
     if case.stage != 3 or case.offload != "nvme":
-        return []
+        return False
     by_name = {p.name: p for p in case.params}
     threshold = min_swap_bytes(case)
-    out = []
     for sub in predict_swapped_subgroups(case):
         if sub["group"] != group or not sub["swapped"]:
             continue
-        out += [n for n in sub["params"][1:] if FP32_BYTES * math.ceil(by_name[n].numel / case.dp_size) >= threshold]
-    return out
+        for name in sub["params"][1:]:
+            if FP32_BYTES * math.ceil(by_name[name].numel / case.dp_size) >= threshold:
+                return True
+    return False
 
 
 def prefetches_swapped_adam(case: Case) -> bool:
@@ -156,7 +151,7 @@ def prefetches_swapped_adam(case: Case) -> bool:
     sub-group's gradient buffer is a prefetched one (DSM-024)."""
     off = case.config.get("zero_optimization", {}).get("offload_optimizer", {})
     swapped = [s for s in predict_swapped_subgroups(case) if s["swapped"]]
-    return ((off.get("pipeline_read") or off.get("pipeline_write")) and len(swapped) >= 2
+    return (bool(off.get("pipeline_read") or off.get("pipeline_write")) and len(swapped) >= 2
             and any(s["group"] == "adam" for s in swapped))
 
 
