@@ -14,11 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from harness import buildenv  # noqa: E402
+from harness.env import buildenv  # noqa: E402
 
 buildenv.apply_base_env()
 
-pytest_plugins = ["harness.pytest_plugin", "cases.fuzz.plugin"]  # --divergence-report, result_store, report_extra
+# --divergence-report, result_store, report_extra
+pytest_plugins = ["harness.report.pytest_plugin", "cases.fuzz.plugin"]
 
 
 def pytest_addoption(parser):
@@ -27,7 +28,7 @@ def pytest_addoption(parser):
     group.addoption("--seed", type=int, default=int(os.environ.get("MUON_HARNESS_SEED", "0")),
                     help="seed for the pipeline cases (the no-false-alarm check runs three)")
     group.addoption("--shard", default=None, metavar="K/N",
-                    help="run only shard K of N cost-balanced shards of the collected tests (harness/shard.py)")
+                    help="run only shard K of N cost-balanced shards of the collected tests (harness/launch/shard.py)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,8 +48,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _keep_shard(config, items):
-    from harness import shard as sharding
-    from harness.case import Case
+    from harness.launch import shard as sharding
+    from harness.case.spec import Case
 
     part = sharding.Shard.parse(config.getoption("--shard"))
     times = sharding.load_times()
@@ -73,7 +74,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture(scope="session")
 def pool_manager(tmp_path_factory):
-    from harness.pool import PoolManager
+    from harness.launch.pool import PoolManager
 
     manager = PoolManager(root=tmp_path_factory.mktemp("pools"))
     yield manager

@@ -1,7 +1,7 @@
 """Hypothesis strategies that draw whole harness cases, and the layout classification of a case.
 
-A drawn case is plain frozen data (``harness.case.Case``): it is drawn in the parent, shipped to the
-ranks by the pool, judged by ``harness.verdict.judge`` and printed as JSON for the reproducer.
+A drawn case is plain frozen data (``harness.case.spec.Case``): it is drawn in the parent, shipped to the
+ranks by the pool, judged by ``harness.judge.verdict.judge`` and printed as JSON for the reproducer.
 
 What a case varies
 ------------------
@@ -14,7 +14,7 @@ What a case varies
   that the declared order is exactly ``model.named_parameters()`` order (checked by
   :func:`model_order_matches`), which is what DeepSpeed and the oracle both see;
 * world size 1..4, ZeRO stage, optimizer offload (none / cpu; nvme rarely -- it needs a >= 1 MiB
-  per-rank matrix, see ``harness.nvme``), model dtype (fp16 only where the CPU has fp16 kernels:
+  per-rank matrix, see ``harness.case.nvme``), model dtype (fp16 only where the CPU has fp16 kernels:
   :func:`device_dtypes`), gradient accumulation 1..3, clipping
   threshold (off, far below, near and above the update norm), steps 2..3, data seed,
   ``ns_method``, momentum, weight decay, the fp16 initial loss scale (2^4, 2^8, 2^12 and DeepSpeed's default
@@ -25,25 +25,25 @@ What a case varies
   a full-rank elementwise term about ``c**1.5`` times smaller; a small ``batch`` gives a nearly
   rank-deficient gradient (rank <= batch * W * GAS, plus that floor). Exactly rank-deficient,
   ill-conditioned (to 1e6) and near-zero gradients need the three optional ``Case`` knobs
-  ``grad_scale`` / ``grad_elementwise`` / ``grad_cond`` (proposed change to ``harness.model`` and
-  ``harness.case``); they are drawn only when ``Case`` has them (:data:`HAS_SPECTRUM_KNOBS`).
+  ``grad_scale`` / ``grad_elementwise`` / ``grad_cond`` (proposed change to ``harness.case.synthetic`` and
+  ``harness.case.spec``); they are drawn only when ``Case`` has them (:data:`HAS_SPECTRUM_KNOBS`).
 
 Runtime
 -------
 ``runtimes=("stock",)`` draws only pipelines on which stock DeepSpeed has no catalogued bug
-(``harness.bugs.bugs_for`` is empty); ``"patched"`` draws ``patched=True`` cases on pipelines the
+(``harness.registry.bugs.bugs_for`` is empty); ``"patched"`` draws ``patched=True`` cases on pipelines the
 patched runtime leaves bug-free. :func:`available_runtimes` says which the checkout supports.
 
 Layout
 ------
 :func:`layout_classes` classifies a case's ZeRO layout with ``oracles.layout`` (through
-``harness.verdict.layout_for``, so it is exactly the layout the verdict judges against), with the
-per-parameter definitions of ``harness.sweep.matrix_classes``: a matrix straddling a partition
+``harness.judge.verdict.layout_for``, so it is exactly the layout the verdict judges against), with the
+per-parameter definitions of ``harness.catalog.sweep.matrix_classes``: a matrix straddling a partition
 boundary, a padded final partition, a rank owning none of it, a partition holding only padding.
 
 :func:`layout_aimed_cases` builds cases aimed at one class, on a Muon matrix with Muon neighbours
 before and after it in DeepSpeed's order and tiny matrices beside it (the layouts of the deterministic
-sweep, ``harness.sweep``, plus drawn extras); :func:`cases` mixes them with the
+sweep, ``harness.catalog.sweep``, plus drawn extras); :func:`cases` mixes them with the
 free-form :func:`fuzz_cases`.
 """
 from __future__ import annotations
@@ -55,10 +55,10 @@ from functools import lru_cache
 
 from hypothesis import strategies as st
 
-from harness.bugs import bugs_for, refusals_for
-from harness.case import DTYPES, Case, Overflow, ParamShape, ds_config
-from harness.nvme import nvme_matrix
-from harness.sweep import LAYOUT_CLASSES  # one home for the class names and their definitions
+from harness.registry.bugs import bugs_for, refusals_for
+from harness.case.spec import DTYPES, Case, Overflow, ParamShape, ds_config
+from harness.case.nvme import nvme_matrix
+from harness.catalog.sweep import LAYOUT_CLASSES  # one home for the class names and their definitions
 
 MAX_DIM = 24
 WORLD_SIZES = (1, 2, 3, 4)
@@ -85,9 +85,9 @@ def _module_exists(name: str) -> bool:
 
 
 def available_runtimes() -> tuple[str, ...]:
-    """``("stock",)``, plus ``"patched"`` when ``harness.patched_runtime`` exists and ``harness.patches``
-    (which applies it on the ranks, ``harness.ds_run.case_patches``) is there to install it."""
-    if _module_exists("harness.patched_runtime") and _module_exists("harness.patches"):
+    """``("stock",)``, plus ``"patched"`` when ``harness.fixes`` exists and ``harness.rank.patches``
+    (which applies it on the ranks, ``harness.rank.ds_run.case_patches``) is there to install it."""
+    if _module_exists("harness.fixes") and _module_exists("harness.rank.patches"):
         return ("stock", "patched")
     return ("stock",)
 
@@ -169,7 +169,7 @@ def param_lists(draw, *, min_matrices: int = 1, max_matrices: int = 4, max_vecto
 
 
 def model_order(params) -> list[str]:
-    """``named_parameters()`` order of ``harness.model.build_model`` for these params, without torch:
+    """``named_parameters()`` order of ``harness.case.synthetic.build_model`` for these params, without torch:
     a module yields its own parameters (registration order) and then its children (creation order)."""
     tree: dict = {"own": [], "kids": {}}
     for p in params:
@@ -199,7 +199,7 @@ def model_order_matches(params) -> bool:
 def clean_pipelines(runtime: str = "stock", nvme: bool = False) -> tuple[tuple[int, str, str], ...]:
     """(stage, offload, dtype) on which ``runtime`` has no catalogued bug, judged on a probe case
     (the final case is re-checked: a bug trigger may depend on more than the pipeline)."""
-    from harness.scenarios import TINY_PARAMS
+    from harness.case.scenarios import TINY_PARAMS
 
     patched = runtime == "patched"
     out = []
@@ -215,9 +215,9 @@ def clean_pipelines(runtime: str = "stock", nvme: bool = False) -> tuple[tuple[i
 
 def device_dtypes() -> tuple[str, ...]:
     """Model dtypes the ranks' accelerator accepts: fp16 needs fp16 support, which the CPU stand-in
-    provides on CPUs without oneDNN fp16 kernels (``harness.device``; FUZZ-002 in
+    provides on CPUs without oneDNN fp16 kernels (``harness.env.device``; FUZZ-002 in
     ``cases/fuzz/test_fuzz_muon_zero.py``); with ``MUON_HARNESS_NATIVE_FP16=1`` such a CPU refuses fp16."""
-    from harness.device import half_support
+    from harness.env.device import half_support
 
     return DTYPES if half_support()[0] else tuple(d for d in DTYPES if d != "fp16")
 
@@ -383,7 +383,7 @@ def fuzz_cases(*, runtimes=("stock",), world_sizes=WORLD_SIZES, nvme_rarity: int
 
 
 def _aimed_lists(aim: str, stage: int, world_size: int, patched: bool) -> tuple[int, ...]:
-    """Indices of the sweep's matrix lists (``harness.sweep.LAYOUTS``) that show ``aim`` on a Muon matrix
+    """Indices of the sweep's matrix lists (``harness.catalog.sweep.LAYOUTS``) that show ``aim`` on a Muon matrix
     with Muon neighbours (before and after; ``B+A`` where the layout allows no more) on this pipeline and
     carry no catalogued bug for the runtime."""
     return _aimed_lists_cached(aim, stage, world_size, patched)
@@ -391,7 +391,7 @@ def _aimed_lists(aim: str, stage: int, world_size: int, patched: bool) -> tuple[
 
 @lru_cache(maxsize=None)
 def _aimed_lists_cached(aim, stage, world_size, patched):
-    from harness import sweep
+    from harness.catalog import sweep
 
     out = []
     for i in range(len(sweep.LAYOUTS[world_size])):
@@ -409,7 +409,7 @@ def _provisional(stage: int, offload: str, world_size: int, params, patched: boo
 
 def shows_with_neighbours(case: Case, aim: str) -> bool:
     """``aim`` occurs on a Muon matrix that has Muon matrices before and after it in its group."""
-    from harness import sweep
+    from harness.catalog import sweep
 
     return sweep.case_cells(case).get(aim) in ("BA", "B+A")
 
@@ -420,13 +420,13 @@ def layout_aimed_cases(aim: str | None = None, *, runtimes=("stock",), world_siz
     its group (ZeRO-1/2) or sub-group (ZeRO-3) with other Muon matrices before and after it in
     DeepSpeed's order, next to tiny matrices with fewer elements than ranks.
 
-    The matrices start from a list of the layout sweep (``harness.sweep.LAYOUTS``) that shows the class
+    The matrices start from a list of the layout sweep (``harness.catalog.sweep.LAYOUTS``) that shows the class
     that way on the drawn pipeline; up to two more small matrices are added when the class survives
     them (checked on the layout oracle before anything runs); Adam vectors and the declared order are
     drawn freely, and the sub-group split is left off (it would separate the neighbours)."""
     aims = (aim,) if aim else LAYOUT_CLASSES
     ws = tuple(w for w in world_sizes if w >= 2) or (2,)
-    from harness import sweep
+    from harness.catalog import sweep
 
     @st.composite
     def build(draw):
@@ -467,7 +467,7 @@ def cases(*, runtimes=("stock",), world_sizes=WORLD_SIZES, nvme_rarity: int = 40
 
 
 def case_layout(case: Case):
-    from harness import verdict
+    from harness.judge import verdict
 
     return verdict.layout_for(case, verdict.step_config(case))
 
@@ -475,10 +475,11 @@ def case_layout(case: Case):
 def layout_details(case: Case) -> dict[str, set[str]]:
     """Per layout class, where it occurs (``"muon"`` / ``"adam"`` group, ``"subgroup"`` for a
     ZeRO-3 sub-group partition that is all padding); absent classes are absent. The classes of each
-    parameter are ``harness.sweep.matrix_classes`` (one definition for the sweep and the fuzzer)."""
+    parameter are ``harness.catalog.sweep.matrix_classes`` (one definition for the sweep and the fuzzer)."""
     from oracles.layout import Zero3Layout, rank_segments
 
-    from harness import sweep, verdict
+    from harness.catalog import sweep
+    from harness.judge import verdict
 
     if case.stage == 0:
         return {}

@@ -39,7 +39,7 @@ Unit round-offs ``u``: fp64 2^-53, fp32 2^-24, fp16 2^-11, bf16 2^-8. ``W`` rank
   own addends for every storage dtype (bf16 included: ``1/n >> (n + 1) 2^-8`` for ``n <= 8``), which
   ``cases/harness/test_grad_check.py`` checks on each dtype and layout. When the oracle's per-micro
   gradients are exact and DeepSpeed's come from a backward in the model dtype, each addend carries that
-  backward's own rounding, at most ``backward_term_err`` of the term scale (``harness.verdict``: four
+  backward's own rounding, at most ``backward_term_err`` of the term scale (``harness.judge.verdict``: four
   rounded intermediates per loss term, two terms: ``8 u_lp``); an average of ``n`` such addends carries
   no more than one of them, so it enters ``atol`` once, not ``n + 1`` times. Below the smallest normal
   a rounding is off by up to half the subnormal spacing, not ``u`` of the value: ``atol`` adds

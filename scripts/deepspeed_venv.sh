@@ -4,7 +4,7 @@
 #   bash scripts/deepspeed_venv.sh /path/to/DeepSpeed   a source checkout, installed editable
 # The venv lives outside the checkout (MUON_HARNESS_VENVS, default ~/.cache/muon-zero-harness/venvs), with
 # torch==2.13.0 and the harness's own dependencies, but never the pinned deepspeed==0.19.8. Its ops are
-# built once into the op cache keyed by torch and that DeepSpeed's version (harness/buildenv.py).
+# built once into the op cache keyed by torch and that DeepSpeed's version (harness/env/buildenv.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 spec="${1:?usage: deepspeed_venv.sh VERSION|PATH}"

@@ -54,6 +54,6 @@ if ((${#missing[@]})); then
 fi
 "$PY" -c "import deepspeed; assert deepspeed.__version__ == '0.19.8', deepspeed.__version__"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the harness itself, from this checkout
-export NVIDIA_TF32_OVERRIDE=0                          # fp32 matmuls in fp32 (harness/gpu.py)
+export NVIDIA_TF32_OVERRIDE=0                          # fp32 matmuls in fp32 (harness/cli/gpu.py)
 # Budget: the whole run within 8 minutes; the harness's own per-case timeouts stop a hang earlier.
 exec timeout 480 "$PY" -m harness gpu "$@"

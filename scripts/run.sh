@@ -37,7 +37,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".[models,mutation]"
   touch "$stamp"
 fi
-# Cosmic Ray (source mutation, harness/source_mutation) in a venv of its own: the harness runs its
+# Cosmic Ray (source mutation, harness/selfcheck/source_mutation) in a venv of its own: the harness runs its
 # cosmic-ray executable; nothing of it is imported by the harness or the ranks.
 if [ ! -f .venv-mutation/.installed-cosmic-ray-8.7.0 ]; then
   "$PY" -m venv .venv-mutation
@@ -47,9 +47,9 @@ fi
 
 if [ -n "$ds_other" ]; then
   # Another DeepSpeed: its own venv, its ops built once, the stock column only where the patched runtime
-  # does not apply (harness/versions.py), no mutation self-check (the mutants patch 0.19.8's functions).
+  # does not apply (harness/env/versions.py), no mutation self-check (the mutants patch 0.19.8's functions).
   venv="$(bash scripts/deepspeed_venv.sh "$ds_other" | tail -1)"
-  "$venv/bin/python" -m harness.warmup --skip-compile
+  "$venv/bin/python" -m harness.launch.warmup --skip-compile
   tag="$("$venv/bin/python" -c 'from harness import versions; print(versions.installed().version.replace("+", "-"))')"
   case "$what" in
     main) exec "$venv/bin/python" -m harness gate --no-mutate --report "reports/gate-$tag.html" "$@" ;;
@@ -59,11 +59,11 @@ if [ -n "$ds_other" ]; then
 fi
 
 # Op builds and the torch.compile cache, once, outside any test timeout.
-.venv/bin/python -m harness.warmup
+.venv/bin/python -m harness.launch.warmup
 
 case "$what" in
   main)
-    # Two local shards side by side (harness/jobs.py) unless the caller splits the gate itself.
+    # Two local shards side by side (harness/launch/jobs.py) unless the caller splits the gate itself.
     jobs=(--jobs 2); for a in "$@"; do case "$a" in --shard*|--jobs*) jobs=() ;; esac; done
     exec .venv/bin/python -m harness gate --report reports/gate.html "${jobs[@]}" "$@" ;;
   test)

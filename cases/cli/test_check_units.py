@@ -1,4 +1,4 @@
-"""``harness.check`` without ranks: the scale-down rule, --shapes parsing and the config rewrite."""
+"""``harness.cli.check`` without ranks: the scale-down rule, --shapes parsing and the config rewrite."""
 from __future__ import annotations
 
 import math
@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from harness import check_config, check_plan, check_shapes
-from harness.check_config import BadInput
-from harness.check_shapes import padded_ranks, parse_shapes, scale_shapes
+from harness.cli import check_config, check_plan, check_shapes
+from harness.cli.check_config import BadInput
+from harness.cli.check_shapes import padded_ranks, parse_shapes, scale_shapes
 
 WORLD_SIZES = range(1, 9)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import gpu
-from harness.pool import CaseFailure
-from harness.verdict import comparison_mode
+from harness.cli import gpu
+from harness.launch.pool import CaseFailure
+from harness.judge.verdict import comparison_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ class _FakeSingle:
 
 
 def test_a_failed_batch_launch_falls_back_to_one_launch_per_case(monkeypatch, tmp_path):
-    import harness.torchrun as tr
+    import harness.launch.torchrun as tr
 
     cases = [c for c in gpu.gpu_cases((2,), compiled=False)][:3]
 
@@ -61,7 +61,7 @@ def test_a_failed_batch_launch_falls_back_to_one_launch_per_case(monkeypatch, tm
 
 
 def test_a_batch_launch_answers_each_case_once(monkeypatch, tmp_path):
-    import harness.torchrun as tr
+    import harness.launch.torchrun as tr
 
     cases = [c for c in gpu.gpu_cases((2,), compiled=False)][:3]
     monkeypatch.setattr(tr, "run_cases_with_torchrun", lambda group, nproc, **kw: [f"traj-{c.name}" for c in group])

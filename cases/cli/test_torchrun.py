@@ -1,4 +1,4 @@
-"""The torchrun launch mode (``harness.torchrun``) on CPU: gloo, ``env://``, two ranks.
+"""The torchrun launch mode (``harness.launch.torchrun``) on CPU: gloo, ``env://``, two ranks.
 
 The smoke cases (ZeRO 1/2/3 x offload none/cpu, fp32, world size 2) run in ONE torchrun launch (the
 process start and the torch/DeepSpeed import are paid once), pass the oracle, and give trajectories
@@ -11,10 +11,11 @@ import uuid
 
 import pytest
 
-from harness import buildenv, torchrun
-from harness.pool import RankFailed
-from harness.scenarios import pipeline_case
-from harness.verdict import judge
+from harness.env import buildenv
+from harness.launch import torchrun
+from harness.launch.pool import RankFailed
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import judge
 
 SMOKE = [pipeline_case(stage, offload, "fp32", 2) for stage in (1, 2, 3) for offload in ("none", "cpu")]
 
@@ -36,7 +37,7 @@ def test_torchrun_command():
     cmd = torchrun.torchrun_command("c.json", "r.pkl", 2, accelerator="cpu", python="py")
     assert cmd[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
     assert cmd[cmd.index("--nproc_per_node") + 1] == "2"
-    assert cmd[cmd.index("-m", 3) + 1] == "harness.torchrun"
+    assert cmd[cmd.index("-m", 3) + 1] == "harness.launch.torchrun"
     assert cmd[-6:] == ["--case-file", "c.json", "--out", "r.pkl", "--accelerator", "cpu"]
     multi = torchrun.torchrun_command("c.json", "r.pkl", 8, accelerator="cuda", nnodes=2,
                                       rdzv_endpoint="node0:29400", python="py")
@@ -80,7 +81,7 @@ def test_a_parent_killed_from_outside_leaves_no_launch_behind(tmp_path):
 
     uid = "orphan-check-" + uuid.uuid4().hex[:8]
     case = pipeline_case(1, "none", "fp32", 2, steps=1).replace(fault="hang:0", timeout_s=120.0)
-    script = (f"from harness import torchrun; from harness.case import Case; "
+    script = (f"from harness import torchrun; from harness.case.spec import Case; "
               f"torchrun.run_cases_with_torchrun([Case.from_json({case.to_json()!r})], 2, uid={uid!r}, "
               f"root={str(tmp_path)!r})")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=str(buildenv.PROJECT_ROOT))

@@ -79,7 +79,7 @@ def _sweep_summary(terminalreporter) -> list[str]:
                     runs.setdefault(d["column"], {})[d["case"]] = (d["status"], d["seconds"])
     if not runs:
         return []
-    from harness import sweep
+    from harness.catalog import sweep
 
     cases = sweep.sweep_cases()
     lines = []

@@ -144,7 +144,7 @@ def finite_score(x: float) -> float:
 
 
 def reproducer(case) -> str:
-    from harness.verdict import reproduce_command
+    from harness.judge.verdict import reproduce_command
 
     return (f"reproduce outside Hypothesis:\n  {reproduce_command(case)}\n"
             f"case JSON:\n  {case.to_json()}")
@@ -254,7 +254,7 @@ class CaseCrashed(AssertionError):
 def run_case(pool_manager, case, entry: str | None = None, worst: Worst | None = None):
     """Run ``case`` on the pool (optionally through another rank entry point); a crash becomes an
     AssertionError carrying the reproducer. With ``worst``, the time split is recorded there."""
-    from harness.pool import CaseFailure
+    from harness.launch.pool import CaseFailure
 
     key = (case.world_size, case.compiled)
     pools = getattr(pool_manager, "pools", {})
@@ -284,7 +284,7 @@ def verdict_summary(v) -> str:
 
 
 def judge_case(pool_manager, case, entry: str | None = None, worst: Worst | None = None):
-    from harness.verdict import judge
+    from harness.judge.verdict import judge
 
     traj = run_case(pool_manager, case, entry, worst)
     t0 = time.perf_counter()

@@ -1,17 +1,17 @@
-"""Hypothesis search over whole Muon/ZeRO cases, judged by the oracle (``harness.verdict.judge``).
+"""Hypothesis search over whole Muon/ZeRO cases, judged by the oracle (``harness.judge.verdict.judge``).
 
 ``test_fuzz_muon_zero`` draws cases from ``cases.strategies.cases`` -- shapes, parameter order,
 world size 1..4, ZeRO stage, offload, dtype, accumulation, clipping, gradient spectrum, and
 layout-aimed cases -- on the runtimes the checkout has: stock DeepSpeed restricted to pipelines
-with no catalogued bug (``harness.bugs``), plus, once ``harness.patched_runtime`` exists,
+with no catalogued bug (``harness.registry.bugs``), plus, once ``harness.fixes`` exists,
 ``patched=True`` cases on every pipeline the patched runtime leaves bug-free. Each case runs on the
 session's rank pool and must pass the verdict; the search climbs the worst normalised error
 (``hypothesis.target``), and the worst case judged is reported next to the shrunk failure (see
 ``plugin.py``). A failure prints the one-line reproducer and the case as JSON.
 
 ``test_fuzz_finds_padded_tail_mutant`` is the search's self-check (free-form half): under the catalogued layout
-mutant ``padded-tail-misslice`` (``harness.known_bugs``, installed on the ranks by
-``harness.patches``) the same search must find a failure within the active profile's budget and
+mutant ``padded-tail-misslice`` (``harness.registry.mutants``, installed on the ranks by
+``harness.rank.patches``) the same search must find a failure within the active profile's budget and
 shrink it to a case with one small matrix.
 
 Profiles: ``MUON_FUZZ_PROFILE=ci|dev|nightly`` (default ci), see ``support.py``.
@@ -39,7 +39,7 @@ MUTANT = "padded-tail-misslice"
 # the fuzz test
 
 
-# DSM-017 (harness.bugs), found by the layout sweep (harness.sweep) and replayed here: a ZeRO-3 1x5
+# DSM-017 (harness.registry.bugs), found by the layout sweep (harness.catalog.sweep) and replayed here: a ZeRO-3 1x5
 # matrix on 4 ranks crashed stock DeepSpeed's momentum write-back (rank 3's share starts past the
 # end); fixed by the patched runtime's z3-momentum-tail-past-end, so the replay runs patched. The
 # stock draw never produces it again: its trigger makes the case unclean (strategies.case_is_clean).
@@ -55,7 +55,7 @@ DSM_017 = ('{"batch": 8, "checkpoint_at": null, "compiled": false, "ds_config": 
 
 
 def _replays():
-    from harness.case import Case
+    from harness.case.spec import Case
 
     out = []
     if "patched" in RUNTIMES:
@@ -79,8 +79,8 @@ def test_fuzz_muon_zero(case, pool_manager):
 # --------------------------------------------------------------------------------------------------
 # regressions found by the fuzzer
 #
-# Ids: DSM-nnn are DeepSpeed bugs (harness.bugs); FUZZ-nnn are findings about the harness itself.
-# A DeepSpeed bug found on a path believed clean goes into harness.bugs and, as a replay of the
+# Ids: DSM-nnn are DeepSpeed bugs (harness.registry.bugs); FUZZ-nnn are findings about the harness itself.
+# A DeepSpeed bug found on a path believed clean goes into harness.registry.bugs and, as a replay of the
 # shrunk case, into an ``@example`` of test_fuzz_muon_zero (with ``patched=True`` once fixed).
 
 # FUZZ-001 (harness gap, not a DeepSpeed bug): with fp16 and a 2^16 initial loss scale -- DeepSpeed's
@@ -89,7 +89,7 @@ def test_fuzz_muon_zero(case, pool_manager):
 # non-finite norm and skips the step. The oracle was fed the finite float64 gradient and predicted no
 # skip, so every later step diverged. Found by the ci profile (first drawn fp16 case at 2^16), shrunk
 # to this one 1x1 matrix. Fixed in the harness: the verdict now runs each rank's backward in the
-# model dtype (harness.model.backward_overflows) and marks an overflowing micro-batch non-finite for
+# model dtype (harness.case.synthetic.backward_overflows) and marks an overflowing micro-batch non-finite for
 # the oracle; this record is kept as a regression case.
 FUZZ_001 = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_config": {"fp16": {"enabled": true, '
             '"hysteresis": 2, "initial_scale_power": 16, "loss_scale_window": 1000, "min_loss_scale": 1}, '
@@ -112,7 +112,7 @@ FUZZ_001 = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_config":
 # in fp32 instead of fp16 (original_muon.ns_compute_dtype), so the emulated oracle, which assumed fp16,
 # failed every gram case by 1e3-1e5x its allowance. Found by the first sweep run here (every gram case
 # diverged, every standard one passed). Fixed in the harness: oracles.emulate.ns_compute_dtype follows
-# the device's fp16/bf16 support (harness.device), and on such a CPU the ranks report fp16 support (the
+# the device's fp16/bf16 support (harness.env.device), and on such a CPU the ranks report fp16 support (the
 # CPU fp16 stand-in, as every fp16-capable accelerator does) so fp16 paths stay checkable.
 # Regression: the oracle's gram dtype follows the device.
 
@@ -122,10 +122,10 @@ def test_fuzz_002_gram_dtype_follows_the_device(pool_manager):
     with) passes on this machine whatever its fp16 support, and the oracle's dtype is the device's."""
     import torch
 
-    from harness.case import ParamShape
-    from harness.scenarios import pipeline_case
-    from harness.verdict import judge
-    from harness.device import half_support
+    from harness.case.spec import ParamShape
+    from harness.case.scenarios import pipeline_case
+    from harness.judge.verdict import judge
+    from harness.env.device import half_support
     from oracles.emulate import ns_compute_dtype
 
     want = torch.float16 if half_support()[0] else torch.float32
@@ -141,15 +141,15 @@ def test_fuzz_002_gram_dtype_follows_the_device(pool_manager):
 # ZeRO-1 NVMe case (fuzz-z1-nvme-fp32-ws2-m5v0-natural-patched) "crashed" -- it was the patched
 # runtime's fix for DSM-002 refusing ZeRO-1/2 NVMe, as designed; the strategy counted the pipeline
 # clean because DSM-002 is fixed. Fixed in the strategies: case_is_clean also excludes cases a patched
-# fix refuses (harness.bugs.refusals_for); regression in test_fuzz_strategies.py.
+# fix refuses (harness.registry.bugs.refusals_for); regression in test_fuzz_strategies.py.
 
 
 @pytest.mark.skipif("fp16" not in S.device_dtypes(), reason="FUZZ-002: DeepSpeed refuses fp16 models on this CPU")
 def test_fuzz_001_fp16_backward_overflow_is_predicted(pool_manager):
     """Regression for FUZZ-001: DeepSpeed's genuine fp16 backward overflow must be predicted by the
     oracle side (a skipped step, then the same skip again), not reported as a divergence."""
-    from harness.case import Case
-    from harness.verdict import judge
+    from harness.case.spec import Case
+    from harness.judge.verdict import judge
 
     case = Case.from_json(FUZZ_001)
     traj = support.run_case(pool_manager, case)
@@ -201,8 +201,8 @@ FUZZ_004_NIGHTLY = ('{"batch": 1, "checkpoint_at": null, "compiled": false, "ds_
 @pytest.mark.parametrize("text", [FUZZ_004_CI, FUZZ_004_NIGHTLY],
                          ids=["ci-z1-cpu-bf16-ws3", "nightly-z1-none-fp32-ws3"])
 def test_fuzz_004_hpns_momentum_of_a_scalar(text, pool_manager):
-    from harness.case import Case
-    from harness.verdict import judge
+    from harness.case.spec import Case
+    from harness.judge.verdict import judge
 
     case = Case.from_json(text)
     v = judge(case, support.run_case(pool_manager, case), keep_maps=False)
@@ -217,7 +217,7 @@ def test_fuzz_004_hpns_momentum_of_a_scalar(text, pool_manager):
 
 
 def _catalogued(module, name: str) -> bool:
-    """Whether ``module`` (``harness.known_bugs``) lists a mutant called ``name``: a key of a
+    """Whether ``module`` (``harness.registry.mutants``) lists a mutant called ``name``: a key of a
     module-level mapping, or an entry (or the ``name``/``id`` of an entry) of a module-level sequence."""
     for value in vars(module).values():
         if isinstance(value, dict) and name in value:
@@ -231,15 +231,15 @@ def _catalogued(module, name: str) -> bool:
 
 def mutant_unavailable(name: str) -> str | None:
     """Why a ``Case(mutant=name)`` cannot run here, or None."""
-    if not S._module_exists("harness.patches"):
-        return ("harness.patches does not exist yet (it installs mutants on the ranks, see "
-                "harness.ds_run.case_patches)")
+    if not S._module_exists("harness.rank.patches"):
+        return ("harness.rank.patches does not exist yet (it installs mutants on the ranks, see "
+                "harness.rank.ds_run.case_patches)")
     try:
-        known = importlib.import_module("harness.known_bugs")
+        known = importlib.import_module("harness.registry.mutants")
     except ImportError as exc:
-        return f"harness.known_bugs cannot be imported ({exc})"
+        return f"harness.registry.mutants cannot be imported ({exc})"
     if not _catalogued(known, name):
-        return f"harness.known_bugs catalogues no mutant {name!r}"
+        return f"harness.registry.mutants catalogues no mutant {name!r}"
     return None
 
 

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from cases import strategies as S
-from harness.case import Case
-from harness.model import check_params
+from harness.case.spec import Case
+from harness.case.synthetic import check_params
 
 pytestmark = pytest.mark.fuzz
 

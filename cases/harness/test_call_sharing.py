@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from harness import capture
-from harness.capture import MuonCall, calls_by_param, share_calls_once, value_digest
+from harness.rank import capture
+from harness.rank.capture import MuonCall, calls_by_param, share_calls_once, value_digest
 
 VALUES = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=64),
                    st.sampled_from([0.0, -0.0, float("nan"), -float("nan")]))

@@ -2,7 +2,7 @@
 gather per case) gives exactly the trajectory of the reference capture (one public-helper collective
 per parameter and quantity: ``safe_get_full_fp32_param``, ``safe_get_full_grad``,
 ``safe_get_full_optimizer_state``, ``GatheredParameters``; entry
-``harness.ds_run:run_case_on_rank_reference``), bit for bit: every array (bytes, dtype and shape),
+``harness.rank.ds_run:run_case_on_rank_reference``), bit for bit: every array (bytes, dtype and shape),
 every scalar of every step, every step note, and the trajectory notes apart from timings.
 
 What a broken coalesced capture would look like here: a fragment placed at the wrong offset (z1/2: a
@@ -17,12 +17,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.case import Overflow
-from harness.scenarios import pipeline_case
+from harness.case.spec import Overflow
+from harness.case.scenarios import pipeline_case
 
 pytestmark = pytest.mark.pipeline
 
-REFERENCE_ENTRY = "harness.ds_run:run_case_on_rank_reference"
+REFERENCE_ENTRY = "harness.rank.ds_run:run_case_on_rank_reference"
 
 # The required grid: ZeRO 1/2/3 x offload none/cpu, fp32, world size 2.
 CORE = [pipeline_case(stage, offload, world_size=2, steps=3, seed=11 + 3 * stage + (offload == "cpu"))

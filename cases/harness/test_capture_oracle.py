@@ -1,7 +1,7 @@
 """Tie the capture to reality: what it reports after a real DeepSpeed step equals an independent
 float64 computation of that step, to fp32 round-off.
 
-The expected values use only ``harness.model.local_gradients`` (exact float64 gradients of the
+The expected values use only ``harness.case.synthetic.local_gradients`` (exact float64 gradients of the
 synthetic loss) and the step as docs/deepspeed-0.19.8.md describes it (section 1): DP/GAS-averaged
 gradient; Muon with nesterov momentum, quintic Newton-Schulz (3.4445, -4.7750, 2.0315; 5 steps;
 F-norm + 1e-7 normalisation), aspect scale sqrt(max(1, rows/cols)); bias-corrected AdamW with
@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from harness.case import Case, ParamShape, ds_config
-from harness.model import local_gradients
+from harness.case.spec import Case, ParamShape, ds_config
+from harness.case.synthetic import local_gradients
 
 pytestmark = pytest.mark.pipeline
 

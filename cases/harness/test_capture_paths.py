@@ -17,8 +17,8 @@ import math
 import numpy as np
 import pytest
 
-from harness.case import Case, ParamShape, ds_config
-from harness.nvme import MIN_AIO_BYTES, expects_swap, nvme_matrix
+from harness.case.spec import Case, ParamShape, ds_config
+from harness.case.nvme import MIN_AIO_BYTES, expects_swap, nvme_matrix
 
 pytestmark = pytest.mark.pipeline
 
@@ -57,7 +57,7 @@ def _case(stage: int, offload: str, ws: int) -> Case:
 
 def expected_muon_calls(stage: int, offload: str, ws: int, case: Case) -> list[int] | None:
     """Per rank, the number of muon_update calls per step the path is documented to make
-    (harness/capture.py). None where it depends on the partition layout (z1/2 without offload)."""
+    (harness/rank/capture.py). None where it depends on the partition layout (z1/2 without offload)."""
     n = sum(1 for p in case.params if p.uses_muon)
     if offload != "none":
         return [n] * ws  # every rank orthogonalises every matrix

@@ -16,8 +16,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from harness.case import Case, Overflow, ParamShape, ds_config
-from harness.nvme import nvme_matrix
+from harness.case.spec import Case, Overflow, ParamShape, ds_config
+from harness.case.nvme import nvme_matrix
 
 pytestmark = pytest.mark.pipeline
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.pipeline
 
 
 def run_in_order(manager, cases: list[Case]) -> list:
-    return [manager.run(c, entry="harness.probes:run_case_counting_survivors").result for c in cases]
+    return [manager.run(c, entry="harness.rank.probes:run_case_counting_survivors").result for c in cases]
 
 
 # ------------------------------------------------------------------------------------------------

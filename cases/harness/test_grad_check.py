@@ -1,6 +1,6 @@
 """The gradient check is the only guard on reduction, averaging and accumulation (everything downstream
 is teacher-forced with DeepSpeed's own gradient). Its allowance is derived per parameter from that
-parameter's own addends (``oracles.tolerance``, "grad"; ``harness.verdict.grad_allowance``), so a
+parameter's own addends (``oracles.tolerance``, "grad"; ``harness.judge.verdict.grad_allowance``), so a
 missing rank, a wrong world size or a lost micro-batch is reported on every dtype and layout -- the
 large matrices, whose gradients can be tiny next to the biases', included.
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import oracles
-from harness import model as model_mod
-from harness.compare import compare_arrays
-from harness.matrix import _case
-from harness.verdict import grad_allowance, grad_store_dtype, step_config
+from harness.case import synthetic as model_mod
+from harness.judge.compare import compare_arrays
+from harness.catalog.matrix import _case
+from harness.judge.verdict import grad_allowance, grad_store_dtype, step_config
 
 DTYPES = ("fp32", "fp16", "bf16")
 LAYOUTS = {  # (stage, offload, world size, grad_accum)
@@ -74,10 +74,10 @@ def test_reduction_errors_are_reported_per_parameter(layout, dtype):
 def test_one_global_term_scale_would_hide_a_dropped_rank_in_a_large_matrix():
     """Guards the test above against being vacuous: with the old allowance (one maximum over all
     parameters' addends) a large matrix's dropped rank went unreported in bf16. The matrix is the
-    1024x512 the NVMe cases carried before they went wide (``harness.nvme``): its data term, divided
+    1024x512 the NVMe cases carried before they went wide (``harness.case.nvme``): its data term, divided
     by its 1024 rows, is tiny next to the biases'."""
-    from harness.case import ParamShape
-    from harness.scenarios import TINY_PARAMS
+    from harness.case.spec import ParamShape
+    from harness.case.scenarios import TINY_PARAMS
 
     case = _case(3, "nvme", "bf16", 2, grad_accum=2)
     case = case.replace(params=TINY_PARAMS + (ParamShape("big.weight", (1024, 512)),))

@@ -88,8 +88,8 @@ def test_import_graph_has_no_cycle():
 
 def test_known_edges_are_seen():
     graph = import_graph(modules())
-    assert "harness.patches" in graph["harness.ds_run"]
-    assert "harness.pool" in graph["harness.kill_matrix"]  # a function-level import counts
+    assert "harness.rank.patches" in graph["harness.rank.ds_run"]
+    assert "harness.launch.pool" in graph["harness.selfcheck.kill_matrix"]  # a function-level import counts
     assert "oracles.loss_scaler" in graph["oracles.step"]  # a relative import counts
 
 
@@ -109,7 +109,7 @@ def test_cycle_detection_names_the_cycle(tmp_path, files, cycle):
 
 
 def test_ranks_start_in_one_place():
-    """Every launcher's ranks join their process group through ``harness.bootstrap.bootstrap_rank``;
+    """Every launcher's ranks join their process group through ``harness.rank.bootstrap.bootstrap_rank``;
     a second copy of the start-up is how the pool and torchrun mode drift apart. (The plain training
     script of ``cases/patched`` is a user's script, on purpose.)"""
     callers = []
@@ -119,4 +119,4 @@ def test_ranks_start_in_one_place():
         for node in ast.walk(ast.parse(f.read_text(), str(f))):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "init_process_group":
                 callers.append(str(f.relative_to(ROOT)))
-    assert callers == ["harness/bootstrap.py"], callers
+    assert callers == ["harness/rank/bootstrap.py"], callers

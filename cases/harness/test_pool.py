@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from harness.pool import CaseTimeout, RankDied, RankFailed, marked_processes
-from harness.scenarios import pipeline_case
+from harness.launch.pool import CaseTimeout, RankDied, RankFailed, marked_processes
+from harness.case.scenarios import pipeline_case
 
 pytestmark = pytest.mark.pipeline
 
@@ -118,7 +118,7 @@ def test_world_sizes_one_to_four(pool_manager):
 
 
 def test_no_orphans_after_close(tmp_path):
-    from harness.pool import PoolManager
+    from harness.launch.pool import PoolManager
 
     manager = PoolManager(root=tmp_path)
     manager.run(pipeline_case(1, world_size=2, steps=1))
@@ -135,7 +135,7 @@ def run_with_one_compile_allowed(case, rank, world_size, workdir):
     compiled by an earlier case (for other dtypes) silently falls back to eager in the next one."""
     import torch._dynamo
 
-    from harness.ds_run import run_case_on_rank
+    from harness.rank.ds_run import run_case_on_rank
 
     torch._dynamo.config.recompile_limit = 1
     return run_case_on_rank(case, rank, world_size, workdir)
@@ -146,8 +146,8 @@ def test_a_compiled_case_in_reused_ranks_gives_the_bits_of_fresh_ranks():
     With the recompile limit at 1, ranks that kept the first case's compiled graphs (other dtypes)
     would run the second case's ``muon_update`` eager, and the compiled 16-bit path rounds
     differently from eager: its bits would differ from the same case in fresh ranks."""
-    from harness.matrix import gate_cases
-    from harness.pool import PoolManager, RankPool
+    from harness.catalog.matrix import gate_cases
+    from harness.launch.pool import PoolManager, RankPool
 
     entry = f"{__name__}:run_with_one_compile_allowed"
     cases = {c.name: c for c in gate_cases(False) if c.compiled}
@@ -174,7 +174,7 @@ def test_forked_ranks_give_the_same_bits_and_leave_nothing(tmp_path, monkeypatch
     are gone after close."""
     import numpy as np
 
-    from harness.pool import RankPool
+    from harness.launch.pool import RankPool
 
     case = pipeline_case(2, "none", "bf16", 2, steps=2)
     out = {}
@@ -197,7 +197,7 @@ def test_fork_only_where_nothing_else_runs(monkeypatch):
     """Another thread (pytest-xdist's execnet has some) or a compiled pool means spawn."""
     import threading
 
-    from harness import pool as pool_mod
+    from harness.launch import pool as pool_mod
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert pool_mod._fork_is_safe(compiled=True) is False
@@ -222,7 +222,7 @@ def test_fork_only_where_nothing_else_runs(monkeypatch):
 def test_the_cause_is_the_rank_that_did_not_just_lose_a_peer():
     """Which rank's error reaches the parent first is a race once ranks start fast (a raise on rank 1
     makes rank 0's collective fail at once): the verdict names the rank whose error is its own."""
-    from harness.pool import _root_error
+    from harness.launch.pool import _root_error
 
     lost = "Traceback ...\nRuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
     own = "Traceback ...\nRuntimeError: injected fault on rank 2"

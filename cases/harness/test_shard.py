@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import shard as sharding
-from harness.matrix import gate_cases
-from harness.results import load_records
+from harness.launch import shard as sharding
+from harness.catalog.matrix import gate_cases
+from harness.report.results import load_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_bad_shard_is_refused_with_the_form_it_takes(text):
 
 
 def test_bad_shard_on_the_command_line_exits_2_before_any_rank(capsys):
-    from harness.__main__ import main
+    from harness.cli.main import main
 
     assert main(["gate", "--shard", "5/4", "--only", "no-such-case"]) == 2
     assert "K between 1 and N" in capsys.readouterr().err
@@ -114,7 +114,7 @@ def test_case_times_refreshed_from_a_gate_runs_stored_outcomes(tmp_path):
     sys.path.insert(0, str(ROOT / "cases" / "report"))
     import synth
 
-    from harness.bench import times_from_results
+    from harness.cli.bench import times_from_results
 
     root = tmp_path / "results"
     a_stock, _ = synth.passing("-a")
@@ -134,7 +134,7 @@ def test_a_slice_measured_refreshes_its_cases_and_keeps_the_others(tmp_path):
     cases it did not run: once it did, and the next split balanced 213 cases on guesses."""
     import json
 
-    from harness import shard as sharding
+    from harness.launch import shard as sharding
 
     path = tmp_path / "times.json"
     sharding.write_times({"a": 1.0, "b": 2.0}, "first", path)

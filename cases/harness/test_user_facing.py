@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import gate, main_job, warmup
-from harness.case import Case
-from harness.scenarios import pipeline_case
+from harness.gate import decide as gate
+from harness.cli import main_job
+from harness.launch import warmup
+from harness.case.spec import Case
+from harness.case.scenarios import pipeline_case
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +114,7 @@ def test_fused_adam_fails_needs_a_path_that_builds_fused_adam(change):
     if "offload" in change:
         c = pipeline_case(1, "cpu", "fp32", 2)
     else:
-        from harness.matrix import non_muon_cases
+        from harness.catalog.matrix import non_muon_cases
 
         c = next(x for x in non_muon_cases() if x.client_optimizer is not None)
     with pytest.raises(ValueError, match="fused_adam_fails needs Muon without optimizer offload"):
@@ -157,14 +159,14 @@ def test_mutate_takes_its_own_options():
 @pytest.mark.parametrize("stage, fix", [(1, "z12-fp32-muon-state"), (2, "z12-fp32-muon-state"),
                                         (3, "z3-fp32-muon-state")])
 def test_check_names_the_dsm001_fix_of_the_stage(stage, fix):
-    from harness.check import known_bug_info
+    from harness.cli.check import known_bug_info
 
     info = {b["id"]: b for b in known_bug_info(pipeline_case(stage, "none", "bf16", 2))}
     assert info["DSM-001"]["fix"] == fix and info["DSM-001"]["fixed_by_patched"] is True
 
 
 def test_fixes_for_filters_by_stage():
-    from harness import patched_runtime
+    from harness import fixes as patched_runtime
 
     assert set(patched_runtime.fixes_for("DSM-001")) == {"z12-fp32-muon-state", "z3-fp32-muon-state"}
     assert patched_runtime.fixes_for("DSM-009", 3) == ["z3-fp32-muon-state"]  # an also_fixes entry
@@ -196,14 +198,14 @@ def test_run_gate_drops_each_outcome_before_the_next(monkeypatch, tmp_path):
                             seconds=0.0, trajectory=blob)
 
     monkeypatch.setattr(main_job, "evaluate", fake_evaluate)
-    monkeypatch.setattr("harness.matrix.gate_cases", lambda full: cases)
+    monkeypatch.setattr("harness.catalog.matrix.gate_cases", lambda full: cases)
     monkeypatch.setattr(main_job, "PoolManager", lambda: types.SimpleNamespace(close=lambda: None))
     monkeypatch.setattr(main_job, "_render", lambda *a, **k: None)
     rc = main_job.run_gate(report=str(tmp_path / "gate.html"), quiet=True, mutate=False)
     assert rc == 1
     assert len(leaked) == 2 * len(cases)
     assert max(leaked) == 0, leaked
-    from harness import results
+    from harness.report import results
 
     assert len(results.load_records(tmp_path / "gate-results")) == 2 * len(cases)  # all on disk
 
@@ -211,11 +213,11 @@ def test_run_gate_drops_each_outcome_before_the_next(monkeypatch, tmp_path):
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch starts one thread on one core either way")
 def test_the_command_line_keeps_torch_on_one_thread_before_anything_imports_it():
     """The gate's parent judges between its ranks' runs and forks its rank pools only at one OpenMP
-    thread (``harness.pool._fork_is_safe``). ``python -m harness`` once imported torch (through
-    ``harness.check``'s options) before it set OMP_NUM_THREADS, so torch took every core: the judge
+    thread (``harness.launch.pool._fork_is_safe``). ``python -m harness`` once imported torch (through
+    ``harness.cli.check``'s options) before it set OMP_NUM_THREADS, so torch took every core: the judge
     contended with the ranks and every pool was spawned (a crashing stock case 17-20 s instead of 2.6 s)."""
     script = ("import sys\nfrom harness.__main__ import main\nrc = main(['gate', '--jobs', '0'])\n"
-              "import torch\nfrom harness.pool import _fork_is_safe\n"
+              "import torch\nfrom harness.launch.pool import _fork_is_safe\n"
               "print(torch.get_num_threads(), _fork_is_safe(False), rc)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -224,11 +226,11 @@ def test_the_command_line_keeps_torch_on_one_thread_before_anything_imports_it()
 
 
 def test_python_dash_m_harness_check_keeps_torch_on_one_thread_too():
-    """``python -m harness.check`` (the module run directly) imports torch through its own imports
+    """``python -m harness.cli.check`` (the module run directly) imports torch through its own imports
     before ``main`` runs; the base environment must be in place by then (bad input: exit 2 before any
     rank starts, then the torch it imported is asked)."""
     script = ("import runpy, sys\nsys.argv = ['check', '--ds-config', 'no-such-config.json']\n"
-              "try:\n    runpy.run_module('harness.check', run_name='__main__')\n"
+              "try:\n    runpy.run_module('harness.cli.check', run_name='__main__')\n"
               "except SystemExit as e:\n    rc = e.code\n"
               "import torch\nprint(torch.get_num_threads(), rc)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness.models import hf_auto
+from harness.case import hf_auto
 
 
 def test_auto_values_resolved_and_each_said():

@@ -1,6 +1,6 @@
 """The built-in models (``harness.models``) on every stage, with and without ``zero.Init``, fp32 and
-bf16, with and without CPU offload, world size 2: ``harness.matrix.model_cases``, decided by
-``harness.gate.evaluate`` exactly as the gate decides (stock bugs are strict xfails by id).
+bf16, with and without CPU offload, world size 2: ``harness.catalog.matrix.model_cases``, decided by
+``harness.gate.decide.evaluate`` exactly as the gate decides (stock bugs are strict xfails by id).
 
 Without the ``models`` extra the two language models are not generated; ``test_models_extra``
 says so by name. Cost (2 busy cores): 16 model + 2 synthetic zero.Init CI cases x 2 columns ~150 s, most of it the first
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix
-from harness.models.matrix import missing_extra_note
+from harness.catalog import matrix
+from harness.catalog.models import missing_extra_note
 
 pytestmark = pytest.mark.pipeline
 

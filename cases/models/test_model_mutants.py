@@ -1,8 +1,8 @@
-"""The three model-specific mutants (``harness.models.mutants``) are killed by the model kill case and
+"""The three model-specific mutants (``harness.registry.module_mutants``) are killed by the model kill case and
 by none of the synthetic kill cases: the synthetic model is never built under ``zero.Init``, has no
 "embed"/"lm_head" parameter and passes no parameter groups, which is why these bugs went unseen.
 
-The kill cases run with ``ns_method="standard"`` (see ``harness.models.matrix.NS_METHOD``), so the
+The kill cases run with ``ns_method="standard"`` (see ``harness.catalog.models.NS_METHOD``), so the
 unmutated baseline is clean on a CPU whose fp16 support DeepSpeed does not detect. Cost: 7 cases
 unmutated + 3 x 7 mutated, ~30 s on two busy cores.
 """
@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from harness.case import canonical_json
-from harness.kill_matrix import default_kill_cases, kill_matrix
-from harness.known_bugs import MUTANTS
-from harness.models.matrix import kill_cases as model_kill_cases
-from harness.models.mutants import INSTALL
+from harness.case.spec import canonical_json
+from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix
+from harness.registry.mutants import MUTANTS
+from harness.catalog.models import kill_cases as model_kill_cases
+from harness.registry.module_mutants import INSTALL
 
 pytestmark = pytest.mark.pipeline
 

@@ -10,7 +10,7 @@ import torch
 
 import oracles
 from harness import models
-from harness.verdict import judge
+from harness.judge.verdict import judge
 
 NEEDS_TF = pytest.mark.skipif(not models.transformers_available(),
                               reason=f"needs the 'transformers' package: {models.EXTRA_HINT}")
@@ -58,7 +58,7 @@ def test_small_gradient_and_buffer_errors_are_reported(pool_manager):
     assert first.passed
     # Judged again (as the stock column judges a bug's model), the module's backward passes are reused
     # and give the same checks; a copied (possibly edited) trajectory gets its own replay.
-    from harness.models.oracle import module_oracle_for
+    from harness.judge.module_oracle import module_oracle_for
 
     mo = module_oracle_for(c, traj)
     assert module_oracle_for(c, traj) is mo and len(mo._memo) == c.steps

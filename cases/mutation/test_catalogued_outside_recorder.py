@@ -1,6 +1,6 @@
-"""The catalogued mutants (harness/known_bugs.py) sit between DeepSpeed and the Muon call recorder, as
+"""The catalogued mutants (harness/registry/mutants.py) sit between DeepSpeed and the Muon call recorder, as
 a source bug would: the recorder sees what the mutated DeepSpeed passes to ``muon_update`` and what
-the real ``muon_update`` returns, not clean inputs and a mutated output (``harness.ds_run.recorded_patches``:
+the real ``muon_update`` returns, not clean inputs and a mutated output (``harness.rank.ds_run.recorded_patches``:
 the patched runtime, then the recorder, then the mutant).
 
 No ranks: ``recorded_patches`` is entered in this process and ``muon_update`` is called the way a
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from harness import buildenv, patches
-from harness.scenarios import pipeline_case
+from harness.env import buildenv
+from harness.rank import patches
+from harness.case.scenarios import pipeline_case
 
 buildenv.apply_base_env()
 
@@ -20,7 +21,7 @@ buildenv.apply_base_env()
 def _call(mutant: str | None, grad, momentum, **kw):
     from deepspeed.runtime.zero.muon import original_muon
 
-    from harness.ds_run import recorded_patches
+    from harness.rank.ds_run import recorded_patches
 
     case = pipeline_case(1, "none", "fp32", 1).replace(mutant=mutant)
     with recorded_patches(case) as rec:

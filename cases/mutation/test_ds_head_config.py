@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import matrix
-from harness.case import ParamShape
-from harness.ds_run import head_config
+from harness.catalog import matrix
+from harness.case.spec import ParamShape
+from harness.rank.ds_run import head_config
 
 
 def test_head_config_matches_the_cases_heads():

@@ -1,4 +1,4 @@
-"""The case kind "DeepSpeed must refuse this config" (harness.ds_refusals) as the gate decides it,
+"""The case kind "DeepSpeed must refuse this config" (harness.registry.refusals) as the gate decides it,
 without ranks: a launcher stands in for DeepSpeed and either raises a rank's traceback or runs.
 
 The rank-level check (DeepSpeed 0.19.8 really refuses, and a DeepSpeed whose guard is negated is
@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness import ds_refusals
-from harness.gate import evaluate
-from harness.launcher import RankFailed
-from harness.matrix import ds_refusal_cases, gate_cases
+from harness.registry import refusals as ds_refusals
+from harness.gate.decide import evaluate
+from harness.launch.launcher import RankFailed
+from harness.catalog.matrix import ds_refusal_cases, gate_cases
 
 DS_FILE = "/site/deepspeed/runtime/zero/stage3.py"
 
@@ -82,7 +82,7 @@ def test_the_refusals_were_read_from_the_installed_source():
     """Each fragment is DeepSpeed's own message, raised in the function the entry names."""
     import ast
 
-    from harness.source_mutation import workspace
+    from harness.selfcheck.source_mutation import workspace
 
     for r in ds_refusals.REFUSALS:
         file, _, func = r.frame.partition(":")

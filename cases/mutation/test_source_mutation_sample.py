@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from harness import buildenv
-from harness.source_mutation.cli import engine_executable
+from harness.env import buildenv
+from harness.selfcheck.source_mutation.cli import engine_executable
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.mutate]
 
@@ -35,7 +35,7 @@ def _copy_free_or_fail():
     whole-scope run that is hours, and the test would only time out. Say so at once instead."""
     import fcntl
 
-    from harness.source_mutation import workspace
+    from harness.selfcheck.source_mutation import workspace
 
     lock = workspace.state_dir() / "copy.lock"
     if not lock.exists():

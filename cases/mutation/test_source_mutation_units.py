@@ -1,4 +1,4 @@
-"""Source mutation (harness/source_mutation) without ranks: the scope resolves against the installed
+"""Source mutation (harness/selfcheck/source_mutation) without ranks: the scope resolves against the installed
 DeepSpeed and is restricted by function, changed lines are found, case selection follows the
 coverage map (signature lines included, cheapest first, unreached -> empty), the equivalents file
 names real scoped mutants, and the verdict fails on a survivor that is not listed equivalent."""
@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from harness.source_mutation import equivalents, report, scope, workspace
-from harness.source_mutation.selection import CaseInfo, CoverageMap, changed_lines
-from harness.source_mutation.session import mutant_key
+from harness.selfcheck.source_mutation import equivalents, report, scope, workspace
+from harness.selfcheck.source_mutation.selection import CaseInfo, CoverageMap, changed_lines
+from harness.selfcheck.source_mutation.session import mutant_key
 
 DS = workspace.installed_deepspeed()
 
@@ -151,8 +151,8 @@ def test_score_excludes_unreached_equivalent_and_harness_errors_and_fails_on_a_s
 
 
 def test_patched_column_spans_cover_every_replaced_function_decorators_included():
-    from harness import patched_runtime
-    from harness.source_mutation import patched
+    from harness import fixes as patched_runtime
+    from harness.selfcheck.source_mutation import patched
 
     spans = patched.spans(DS)
     keys = {t.key for f in patched_runtime.FIXES.values() for t in f.targets}
@@ -184,8 +184,8 @@ def test_replaced_by_fix_is_counted_apart_never_scored_never_a_failure():
 def test_no_global_norm_is_expected_only_where_the_config_turns_it_off():
     """compute_grad_norm false: DeepSpeed reports no norm by design, and the verdict checks exactly
     that; every other ZeRO case must still report one (a missing norm there fails as no data)."""
-    from harness.matrix import overflow_cases
-    from harness.verdict import grad_norm_disabled, reports_global_norm
+    from harness.catalog.matrix import overflow_cases
+    from harness.judge.verdict import grad_norm_disabled, reports_global_norm
 
     cases = {c.name: c for c in overflow_cases()}
     off = cases["z2-none-fp16-ws2-nonorm-overflow"]
@@ -195,7 +195,7 @@ def test_no_global_norm_is_expected_only_where_the_config_turns_it_off():
 
 
 def test_zygote_answers_a_request_in_a_forked_child_and_the_worker_forwards_to_it(tmp_path):
-    """The warm judging process (harness.source_mutation.zygote): a request for an unmutated copy gets
+    """The warm judging process (harness.selfcheck.source_mutation.zygote): a request for an unmutated copy gets
     the worker's own "no-change" record back through the socket, from a forked child; with no
     server behind the socket ``ask`` says so (None) and the worker judges in its own process."""
     import os
@@ -203,15 +203,15 @@ def test_zygote_answers_a_request_in_a_forked_child_and_the_worker_forwards_to_i
     import sys
     import time
 
-    from harness import buildenv
-    from harness.source_mutation import zygote
+    from harness.env import buildenv
+    from harness.selfcheck.source_mutation import zygote
 
     site = tmp_path / "site"
     site.mkdir()
     (site / "deepspeed").symlink_to(DS)  # the installed package: no scoped file differs
     sock = tmp_path / "z.sock"
     env = dict(os.environ, PYTHONPATH=str(buildenv.PROJECT_ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "harness.source_mutation.zygote", "--socket", str(sock),
+    proc = subprocess.Popen([sys.executable, "-m", "harness.selfcheck.source_mutation.zygote", "--socket", str(sock),
                              "--log", str(tmp_path / "z.log")], env=env)
     try:
         deadline = time.monotonic() + 300
@@ -227,7 +227,7 @@ def test_zygote_answers_a_request_in_a_forked_child_and_the_worker_forwards_to_i
     assert zygote.ask(str(sock), req, timeout=5) is None
 
 
-@pytest.mark.skipif(__import__("harness.source_mutation.cli", fromlist=["x"]).engine_executable() is None,
+@pytest.mark.skipif(__import__("harness.selfcheck.source_mutation.cli", fromlist=["x"]).engine_executable() is None,
                     reason="Cosmic Ray not installed: bash scripts/run.sh makes .venv-mutation")
 def test_session_records_listed_equivalents_without_a_run_unless_asked(tmp_path):
     """A listed equivalent costs a survivor's whole run for a verdict already argued in writing, so the
@@ -236,8 +236,8 @@ def test_session_records_listed_equivalents_without_a_run_unless_asked(tmp_path)
     import os
     import subprocess
 
-    from harness import buildenv
-    from harness.source_mutation.cli import engine_executable
+    from harness.env import buildenv
+    from harness.selfcheck.source_mutation.cli import engine_executable
 
     resolved = scope.resolve(DS)
     fn = next(r for r in resolved if r.entry.qualname == "ns_compute_dtype")
@@ -251,7 +251,8 @@ def test_session_records_listed_equivalents_without_a_run_unless_asked(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(buildenv.PROJECT_ROOT))
 
     def build(name, *extra):
-        r = subprocess.run([str(engine.parent / "python"), "-m", "harness.source_mutation.session", "--session",
+        r = subprocess.run([str(engine.parent / "python"), "-m",
+                            "harness.selfcheck.source_mutation.session", "--session",
                             str(tmp_path / name), "--map", str(tmp_path / "map.json"), "--only", "ns_compute_dtype",
                             *extra], cwd=DS, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -272,7 +273,7 @@ def test_session_records_listed_equivalents_without_a_run_unless_asked(tmp_path)
     pending = report.read_dump(lines, resolved, equivalents.load())
     assert all(m.status == "pending" for m in pending)
     # a ledger's judged results are taken over; a listed equivalent stays equivalent whatever it says
-    from harness.source_mutation import ledger
+    from harness.selfcheck.source_mutation import ledger
 
     first, second = sorted(m.key for m in pending if m.key not in listed)[:2]
     book = tmp_path / "stock-x.jsonl"
@@ -289,7 +290,7 @@ def test_session_records_listed_equivalents_without_a_run_unless_asked(tmp_path)
 
 
 def test_ledger_keeps_judged_results_newest_last_and_never_copies_itself(tmp_path):
-    from harness.source_mutation import ledger
+    from harness.selfcheck.source_mutation import ledger
 
     book = tmp_path / "stock-d.jsonl"
     recs = {"a": {"status": "killed", "by": "c1", "seconds": 1.5, "tried": [1]}, "b": {"status": "not-reached"},

@@ -17,9 +17,9 @@ import torch  # noqa: E402
 def main(inp: str, out: str) -> None:
     torch.set_num_threads(int(os.environ.get("ORACLE_TEST_THREADS", "1")))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-    from harness import device
+    from harness.env import device
 
-    device.install_cpu_fp16_standin()  # the device the ranks see (harness.device)
+    device.install_cpu_fp16_standin()  # the device the ranks see (harness.env.device)
     from deepspeed.runtime.zero.muon import original_muon as om
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.runtime.fp16 import loss_scaler as ls

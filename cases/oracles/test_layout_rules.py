@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from harness import bugs, known_bugs
-from harness.case import ParamShape
-from harness.scenarios import pipeline_case
+from harness.registry import bugs, mutants as known_bugs
+from harness.case.spec import ParamShape
+from harness.case.scenarios import pipeline_case
 from oracles import ParamSpec
 from oracles.layout import deepspeed_uses_muon, param_slices, zero3_layout, zero3_padded_tail
 

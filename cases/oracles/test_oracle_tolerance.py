@@ -204,11 +204,11 @@ def test_modes_order_as_expected():
 
 
 def test_one_record_for_the_verdict_and_the_allowance():
-    """The verdict's comparison (``harness.compare.compare_arrays``) and ``Allowance.check`` are the same
+    """The verdict's comparison (``harness.judge.compare.compare_arrays``) and ``Allowance.check`` are the same
     function and return the same ``Divergence``: the 10x tests above exercise what the verdict uses."""
     import numpy as np
 
-    from harness.compare import compare_arrays, describe
+    from harness.judge.compare import compare_arrays, describe
     from oracles import Divergence, compare
 
     a = Allowance(atol=0.0, rtol=1e-3, derivation="unit test")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.device import half_support
+from harness.env.device import half_support
 from oracles import (LossScalerConfig, LossScalerState, allowances, emulated_muon_update, muon_direction,
                      muon_momentum, normalised_sigma_lo, param_slices, update_scale, zero12_layout, zero3_layout)
 from oracles.emulate import PRODUCTION_NS_DTYPE, ns_compute_dtype
@@ -127,7 +127,7 @@ def _same_bits(a, b):
 
 
 def _ns_dtype(method):
-    """The oracle's rule for this machine's device (harness.device: oneDNN fp16 kernels or not)."""
+    """The oracle's rule for this machine's device (harness.env.device: oneDNN fp16 kernels or not)."""
     return ns_compute_dtype(method, *half_support())
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from harness.matrix import SCHEDULES
+from harness.catalog.matrix import SCHEDULES
 from oracles.schedules import group_lr, validate
 
 

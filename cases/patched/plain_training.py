@@ -2,7 +2,7 @@
 
     python cases/patched/plain_training.py [--patched] [--harness-ops]
 
-With ``--patched`` it does what a user would do, ``from harness.patched_runtime import apply; apply()``
+With ``--patched`` it does what a user would do, ``from harness.fixes import apply; apply()``
 before ``deepspeed.initialize``. It prints one JSON line with what it observed:
 
 * ``ns_method``: the Newton-Schulz method each Muon parameter was orthogonalised with, ZeRO-3, two Muon
@@ -39,13 +39,13 @@ def main() -> None:
         # Not what is observed: the ops the harness's warm-up built, imported as its ranks do. DeepSpeed's
         # JIT load would rebuild them here (minutes) whenever this checkout's venv did not build them.
         sys.path.insert(0, ROOT)
-        from harness import runtime_state
+        from harness.rank import runtime_state
 
         runtime_state.preload_built_ops()
 
     if patched:
         sys.path.insert(0, ROOT)
-        from harness.patched_runtime import apply
+        from harness.fixes import apply
 
         apply()
 

@@ -1,4 +1,4 @@
-"""Each fix of ``harness.patched_runtime`` with a case that fails on stock DeepSpeed 0.19.8 and passes
+"""Each fix of ``harness.fixes`` with a case that fails on stock DeepSpeed 0.19.8 and passes
 on the patched runtime.
 
 On stock the case must (a) be selected by the registered bug's trigger, (b) fail the verdict, and
@@ -13,11 +13,11 @@ import ast
 
 import pytest
 
-from harness.bugs import BY_ID, bugs_for
-from harness.case import Overflow, ParamShape
-from harness.pool import CaseFailure
-from harness.scenarios import TINY_PARAMS, pipeline_case
-from harness.verdict import judge
+from harness.registry.bugs import BY_ID, bugs_for
+from harness.case.spec import Overflow, ParamShape
+from harness.launch.pool import CaseFailure
+from harness.case.scenarios import TINY_PARAMS, pipeline_case
+from harness.judge.verdict import judge
 
 pytestmark = pytest.mark.pipeline
 
@@ -29,7 +29,7 @@ BIG_O = (ParamShape("w.weight", (4096, 1)), ParamShape("b.bias", (4,)))
 def _comm32(c):
     cfg = c.config
     cfg["communication_data_type"] = "fp32"
-    from harness.case import canonical_json
+    from harness.case.spec import canonical_json
 
     return c.replace(name=c.name + "-comm32", ds_config=canonical_json(cfg))
 
@@ -90,7 +90,7 @@ def _swap_files(traj) -> list[str]:
 
 def test_nvme_swap_files_removed_by_destroy(pool_manager):
     c = pipeline_case(3, "nvme", "fp32", 1, steps=1)
-    entry = "harness.probes:run_case_listing_swap_files"
+    entry = "harness.rank.probes:run_case_listing_swap_files"
     stock = _swap_files(pool_manager.run(c, entry=entry).result)
     assert any("/optimizer/rank0/" in f and ".tensor.swp" in f for f in stock), stock
     patched = _swap_files(pool_manager.run(c.replace(patched=True), entry=entry).result)
@@ -111,8 +111,8 @@ def test_conv_fix_reaches_stage_0_after_a_stock_case_in_the_same_ranks(pool_mana
     stage-0 case first had it bound to the unfixed function, and the patched conv net then crashed
     (DSM-012) only in that order (found by the CI suite's order, not the gate's). The fix now
     replaces that binding too."""
-    from harness.gate import evaluate
-    from harness.matrix import gate_cases
+    from harness.gate.decide import evaluate
+    from harness.catalog.matrix import gate_cases
 
     cases = {c.name: c for c in gate_cases()}
     assert evaluate(cases["z0-none-fp32-ws2-ga2"], "stock", pool_manager).status == "passed"

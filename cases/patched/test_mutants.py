@@ -1,11 +1,13 @@
-"""The mutation catalogue (``harness.known_bugs``): every mutant installs and undoes cleanly, and the
+"""The mutation catalogue (``harness.registry.mutants``): every mutant installs and undoes cleanly, and the
 default kill set kills all of them where predicted (the kill matrix, ~2 min on 2 cores: ``full`` and
 ``mutate``)."""
 from __future__ import annotations
 
 import pytest
 
-from harness import kill_matrix, known_bugs, patched_runtime
+from harness.selfcheck import kill_matrix
+from harness.registry import mutants as known_bugs
+from harness import fixes as patched_runtime
 
 
 def _snapshot():

@@ -1,5 +1,5 @@
 """A plain DeepSpeed training script, run in a subprocess without and with
-``from harness.patched_runtime import apply; apply()``: the stock bugs it hits are gone when patched.
+``from harness.fixes import apply; apply()``: the stock bugs it hits are gone when patched.
 
 Covers DSM-006 (ZeRO-3 takes the last Muon group's ns_method), which a harness ``Case`` cannot express
 (one Muon param group), and re-checks DSM-001 and DSM-012 from the user's side."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import buildenv
+from harness.env import buildenv
 
 pytestmark = pytest.mark.pipeline
 

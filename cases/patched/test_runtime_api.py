@@ -1,11 +1,12 @@
-"""``harness.patched_runtime`` as a library: apply / remove / applied / fix_names, idempotence, the
+"""``harness.fixes`` as a library: apply / remove / applied / fix_names, idempotence, the
 version guard, the source-hash guard, and the link between fixes and the bug registry. No ranks."""
 from __future__ import annotations
 
 import pytest
 
-from harness import bugs, patched_runtime
-from harness.patched_runtime import PatchedRuntimeError, _registry
+from harness.registry import bugs
+from harness import fixes as patched_runtime
+from harness.fixes import PatchedRuntimeError, _registry
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +104,7 @@ def test_every_fix_names_a_registered_bug_and_every_bug_fix_exists():
 
 
 def test_bugs_for_patched_keeps_only_unfixed_bugs():
-    from harness.scenarios import pipeline_case
+    from harness.case.scenarios import pipeline_case
 
     c = pipeline_case(1, "none", "bf16", 2, steps=3)
     assert [b.id for b in bugs.bugs_for(c)] == ["DSM-001"]
@@ -118,8 +119,8 @@ def test_bugs_for_patched_keeps_only_unfixed_bugs():
 
 def test_zero12_nvme_is_refused_with_its_cause_when_patched(pool_manager):
     """DSM-002's fix: stock silently runs CPU offload (0 bytes swapped); patched refuses, naming why."""
-    from harness.gate import evaluate
-    from harness.scenarios import pipeline_case
+    from harness.gate.decide import evaluate
+    from harness.case.scenarios import pipeline_case
 
     case = pipeline_case(1, "nvme", "fp32", 1, steps=1)
     stock = evaluate(case, "stock", pool_manager)
@@ -156,9 +157,9 @@ def test_a_function_is_read_back_once_and_a_replacement_is_hashed_on_its_own(mon
 
 
 def test_a_fix_that_covers_part_of_a_bug_leaves_it_expected_elsewhere():
-    """DSM-023's fix leaves ZeRO-3 NVMe as stock runs it (harness/patched_runtime/stale.py says why):
+    """DSM-023's fix leaves ZeRO-3 NVMe as stock runs it (harness/fixes/stale.py says why):
     the patched column still expects the bug there, and only there."""
-    from harness import matrix
+    from harness.catalog import matrix
 
     by_name = {c.name: c for c in matrix.unused_cases()}
     nvme, cpu = by_name["z3-nvme-part-fp32-ws2-skiplayer"], by_name["z3-cpu-fp32-ws2-skiplayer"]

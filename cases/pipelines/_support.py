@@ -2,7 +2,7 @@
 their strict xfails, and running one case through the gate's own decision.
 
 A case a registered stock bug triggers is a strict xfail that accepts only ``KnownBugDivergence``,
-raised only when ``harness.gate.evaluate`` says the divergence matched the bug's model: any other
+raised only when ``harness.gate.decide.evaluate`` says the divergence matched the bug's model: any other
 divergence fails the test outright, and a bug that no longer shows is an XPASS, which strict mode
 turns into a failure.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bugs import bugs_for
-from harness.gate import columns, evaluate, record
-from harness.pytest_plugin import RESULT_STORE_KEY
+from harness.registry.bugs import bugs_for
+from harness.gate.decide import columns, evaluate, record
+from harness.report.pytest_plugin import RESULT_STORE_KEY
 
 
 class KnownBugDivergence(AssertionError):
@@ -53,7 +53,7 @@ def settle(o, request):
     store = request.config.stash.get(RESULT_STORE_KEY, None)
     if store is not None:
         record(store, o)
-    if o.status == "skipped":  # the installed DeepSpeed refuses the combination by design (harness.versions)
+    if o.status == "skipped":  # the installed DeepSpeed refuses the combination by design (harness.env.versions)
         pytest.skip(o.message)
     if o.status in ("error", "failed"):
         pytest.fail(o.message, pytrace=False)

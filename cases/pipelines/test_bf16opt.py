@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bugs import bugs_for
-from harness.matrix import bf16opt_cases
-from harness.verdict import judge
+from harness.registry.bugs import bugs_for
+from harness.catalog.matrix import bf16opt_cases
+from harness.judge.verdict import judge
 
 pytestmark = pytest.mark.pipeline
 

@@ -1,10 +1,10 @@
 """A known bug excuses only what a model of that bug predicts.
 
-On the stock column a case a registered bug triggers is judged twice (``harness.gate.evaluate``):
+On the stock column a case a registered bug triggers is judged twice (``harness.gate.decide.evaluate``):
 against the intended oracle, where it must diverge, and against the oracle with the bug's switches on
 (``Bug.model`` -> ``oracles.Conventions``) at the usual tolerances, where it must match. These tests
 run real stock DeepSpeed on a few cheap cases: each is an xfail at full strength, and the same case
-with an unrelated bug re-introduced (``harness.known_bugs`` stock mutants) fails. A capture hole (a
+with an unrelated bug re-introduced (``harness.registry.mutants`` stock mutants) fails. A capture hole (a
 quantity not recorded, a capture note) fails the judgement with its own message.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import pytest
 
-from harness.bugs import BUGS, BY_ID, NUMERIC, bugs_for
-from harness.case import Overflow, ParamShape
-from harness.gate import evaluate, model_changes
-from harness.matrix import _case
-from harness.scenarios import pipeline_case
-from harness.verdict import bug_model, judge
+from harness.registry.bugs import BUGS, BY_ID, NUMERIC, bugs_for
+from harness.case.spec import Overflow, ParamShape
+from harness.gate.decide import evaluate, model_changes
+from harness.catalog.matrix import _case
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import bug_model, judge
 
 MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009",
             "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019", "DSM-020", "DSM-023"}
@@ -62,7 +62,7 @@ STOCK_CASES = ["z2-none-bf16-ws1", "z3-none-bf16-ws2-ga2-clip0.05", "z3-cpu-bf16
 
 
 def _gate_case(name):
-    from harness.matrix import gate_cases, resume_cases
+    from harness.catalog.matrix import gate_cases, resume_cases
 
     # The resume group's CI subset cycles dtype and world size; its --full product holds every one.
     return next(c for c in gate_cases() + resume_cases(full=True) if c.name == name)
@@ -89,7 +89,7 @@ def test_lost_adam_gradients_are_modelled_only_where_deepspeed_loses_them(pool_m
     (its model predicts exactly that: an xfail at full strength, on both columns, since no fix
     exists); at two ranks it trains, and the same model judging that trajectory must fail on the
     gradients it claims lost."""
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     full = {c.name: c for c in gate_cases(full=True)}
     one = full["z2-none-bf16-ws1-knob-gad32"].replace(seed=seed)
@@ -181,7 +181,7 @@ def test_dsm021_a_swapped_matrix_sorted_after_others_gets_a_misplaced_gradient(p
     """DSM-021: ZeRO-3 NVMe, fp32/fp16: the swapped matrix sorted after the small Muon matrices reaches
     muon_update with a misplaced gradient; nothing else in the case diverges (teacher forcing), the
     trigger selects exactly the layouts that show it, and the patched runtime's fix passes it."""
-    from harness.matrix import nvme_cases
+    from harness.catalog.matrix import nvme_cases
 
     cases = {c.name: c for c in nvme_cases(full=True)}
     case = cases["z3-nvme-part-fp32-ws1-sortedlast"]
@@ -202,7 +202,7 @@ def test_stale_buffer_model_fails_where_deepspeed_steps_unused_parameters_on_zer
     """DSM-023: ZeRO-1 without offload gives a layer left out of a step a zero gradient (as intended);
     the stale-buffer model judging that trajectory must fail exactly on the gradients it claims stale.
     (Its norm rule leaves out a term that is zero here, so the norm agrees either way.)"""
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     case = next(c for c in gate_cases() if c.name == "z1-none-fp32-ws2-skiplayer").replace(seed=seed)
     assert "DSM-023" not in {b.id for b in bugs_for(case)}

@@ -1,14 +1,14 @@
 """The compiled path, as users run it (DeepSpeed wraps muon_update in torch.compile), in fresh ranks
 per case: ``-compiled-hpns`` cases force the Newton-Schulz compute dtype to float64, so the compiled
 plumbing is judged to fp32 round-off; ``-compiled-exact`` cases keep the 16-bit Newton-Schulz and are
-judged in ``exact`` mode at the step's measured smallest singular value (``harness.matrix.compiled_cases``)."""
+judged in ``exact`` mode at the step's measured smallest singular value (``harness.catalog.matrix.compiled_cases``)."""
 from __future__ import annotations
 
 import pytest
 
 from cases.pipelines._support import gate_params, settle
-from harness import matrix
-from harness.gate import evaluate
+from harness.catalog import matrix
+from harness.gate.decide import evaluate
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.compiled]
 

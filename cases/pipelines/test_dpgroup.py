@@ -1,6 +1,6 @@
-"""ZeRO over a data-parallel group smaller than the world (``Case.model_parallel``, ``harness.mpu``):
+"""ZeRO over a data-parallel group smaller than the world (``Case.model_parallel``, ``harness.rank.mpu``):
 world size 4 as 2 model-parallel x 2 data-parallel ranks. Each model-parallel replica is its own
-2-rank data-parallel run on its own data, captured and judged on its own (``harness.verdict.judge``),
+2-rank data-parallel run on its own data, captured and judged on its own (``harness.judge.verdict.judge``),
 so that a collective on WORLD instead of the data-parallel group changes the numbers it is judged on."""
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix, verdict
-from harness.case import Case, Overflow
-from harness.mpu import grid_ranks
-from harness.scenarios import pipeline_case
-from harness.verdict import judge, layout_for, step_config
+from harness.catalog import matrix
+from harness.judge import verdict
+from harness.case.spec import Case, Overflow
+from harness.rank.mpu import grid_ranks
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import judge, layout_for, step_config
 
 
 @pytest.mark.pipeline

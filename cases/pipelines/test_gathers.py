@@ -1,5 +1,5 @@
 """Chunked Muon all-gathers and the gather-buffer cache (``Case.allgather_caps``,
-``harness.gather_cache``): the numbers are judged by the oracle as usual, and the cache's promises --
+``harness.rank.gather_cache``): the numbers are judged by the oracle as usual, and the cache's promises --
 never above its cap, a matrix gathered in 3+ chunks where the case claims chunking, nothing left
 after ``destroy()`` -- become capture notes that fail the case."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix
-from harness.gather_cache import GatherCacheWatch
+from harness.catalog import matrix
+from harness.rank.gather_cache import GatherCacheWatch
 
 
 @pytest.mark.pipeline
@@ -22,7 +22,7 @@ def test_gathers(case, column, pool_manager, seed, request):
 def test_pack_case_puts_two_matrices_behind_each_other_on_one_rank():
     """The -gather-pack layout: two Muon matrices that fit one batch (budget // 8 elements) sit wholly on
     one rank, so that rank packs the second behind the first."""
-    from harness import verdict
+    from harness.judge import verdict
     from oracles.layout import param_slices
 
     case = next(c for c in matrix.gather_cases() if c.name.endswith("-gather-pack"))

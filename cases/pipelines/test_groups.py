@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bugs import bugs_for
-from harness.case import ParamGroup
-from harness.matrix import GROUP_WD, user_groups
-from harness.scenarios import pipeline_case
-from harness.verdict import judge
+from harness.registry.bugs import bugs_for
+from harness.case.spec import ParamGroup
+from harness.catalog.matrix import GROUP_WD, user_groups
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import judge
 
 
 @pytest.mark.pipeline
@@ -45,7 +45,7 @@ def test_bad_groups_refused_before_any_rank(groups, why):
 
 def test_groups_round_trip_json():
     c = pipeline_case(2, "cpu", "bf16", 2).replace(groups=user_groups(2, "cpu"))
-    from harness.case import Case
+    from harness.case.spec import Case
 
     assert Case.from_json(c.to_json()) == c
 
@@ -54,7 +54,7 @@ def test_a_loose_group_goes_to_deepspeed_as_bare_tensors_ahead_of_the_dicts():
     """DeepSpeed moves bare tensors after the dict groups itself; the harness puts them first so that it must."""
     import torch
 
-    from harness.ds_run import model_parameters
+    from harness.rank.ds_run import model_parameters
 
     c = pipeline_case(1, "none", "fp32", 2)
     c = c.replace(groups=(ParamGroup(("layer0.weight", "layer0.bias"), lr=0.03),

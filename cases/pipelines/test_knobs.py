@@ -1,12 +1,12 @@
-"""ZeRO knobs that change the Muon code path (``harness.matrix.knob_cases``): contiguous_gradients
+"""ZeRO knobs that change the Muon code path (``harness.catalog.matrix.knob_cases``): contiguous_gradients
 off, overlap_comm on, one reduce bucket per parameter, fp32 gradient accumulation with ZeRO-2 bf16."""
 from __future__ import annotations
 
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix
-from harness.known_bugs import _z3_muon_in_several_buckets
+from harness.catalog import matrix
+from harness.registry.mutants import _z3_muon_in_several_buckets
 
 
 @pytest.mark.pipeline

@@ -1,9 +1,9 @@
-"""The deterministic layout sweep (``harness.sweep``): every (stage, offload, world size, layout class)
+"""The deterministic layout sweep (``harness.catalog.sweep``): every (stage, offload, world size, layout class)
 cell runs, with the class on a Muon matrix that has Muon neighbours on both sides of it.
 
 ``test_sweep_covers_every_cell`` proves the coverage from the layout oracle alone (no DeepSpeed) and
 prints the table; ``test_layout_sweep`` runs each case on stock and on the patched runtime through
-``harness.gate.evaluate`` -- the decision the gate makes -- so a case a registered stock bug
+``harness.gate.decide.evaluate`` -- the decision the gate makes -- so a case a registered stock bug
 triggers is a strict xfail that accepts only what that bug explains. Each case's outcome and time go
 into the report's ``user_properties`` and the fuzz plugin prints the table with them at the end of
 the session (``cases/fuzz/plugin.py``), also under pytest-xdist.
@@ -16,13 +16,13 @@ import pytest
 
 from cases.fuzz.plugin import SWEEP_KEY
 from cases.pipelines._support import gate_params, settle
-from harness import sweep
-from harness.bugs import BY_ID, bugs_for
-from harness.case import ParamShape
-from harness.gate import evaluate
-from harness.pool import RankFailed
-from harness.scenarios import pipeline_case
-from harness.verdict import judge
+from harness.catalog import sweep
+from harness.registry.bugs import BY_ID, bugs_for
+from harness.case.spec import ParamShape
+from harness.gate.decide import evaluate
+from harness.launch.pool import RankFailed
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import judge
 
 CASES = sweep.sweep_cases()
 

@@ -1,6 +1,6 @@
 """Every ZeRO / offload / precision path of Muon against the oracle, step by step.
 
-The decision (passed / strict xfail by bug id / failed) is ``harness.gate.evaluate``'s, the same
+The decision (passed / strict xfail by bug id / failed) is ``harness.gate.decide.evaluate``'s, the same
 the main job makes. A case a registered stock bug triggers is a strict xfail that only accepts
 ``KnownBugDivergence``: a divergence the bug does not explain fails the test outright, and a bug
 that no longer shows is an XPASS, which strict mode turns into a failure.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix
+from harness.catalog import matrix
 
 pytestmark = pytest.mark.pipeline
 
@@ -128,7 +128,7 @@ def test_conv3d_weight(case, column, pool_manager, seed, request):
 def test_one_element_share(case, column, pool_manager, seed, request):
     """A rank holds exactly one element of a Muon matrix (the layout oracle says so), and that element's
     update is copied like any other share."""
-    from harness import verdict
+    from harness.judge import verdict
     from oracles.layout import param_slices
 
     layout = verdict.layout_for(case, verdict.step_config(case))
@@ -149,7 +149,7 @@ def test_rank_holding_none(case, column, pool_manager, seed, request):
     """Some rank holds no element of a group (ZeRO-1/2: its partition is all padding) or of a Muon matrix
     (ZeRO-3: its share starts at or past the matrix's end), as the layout oracle places them (-onerow: the
     one-row matrix alone, for its Muon group norm below 1)."""
-    from harness import verdict
+    from harness.judge import verdict
     from oracles.layout import param_slices, rank_segments
 
     layout = verdict.layout_for(case, verdict.step_config(case))
@@ -170,7 +170,7 @@ def test_bf16_optimizer_exchange_layouts(case, column, pool_manager, seed, reque
     """-aligned: every Muon matrix ends exactly where a rank's partition ends, none split between ranks.
     -spanning: a matrix over three ranks, so one rank receives two pieces of it. -onesquare: one matrix, split.
     -bitsplit: a split matrix that only the split test's floor divisions tell apart from an unsplit one."""
-    from harness import verdict
+    from harness.judge import verdict
     from oracles.layout import param_slices, placement
 
     layout = verdict.layout_for(case, verdict.step_config(case))
@@ -205,7 +205,7 @@ def test_muon_aux_adam_l2(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.big_adam_nvme_cases))
 def test_swapped_adam_subgroup(case, column, pool_manager, seed, request):
     """An Adam parameter big enough to be swapped, behind the test layers' biases (DSM-022 on stock)."""
-    from harness import nvme
+    from harness.case import nvme
 
     assert nvme.swapped_adam_param_not_first(case)
     o = run_case(case, column, pool_manager, seed, request)
@@ -214,8 +214,8 @@ def test_swapped_adam_subgroup(case, column, pool_manager, seed, request):
 
 @pytest.mark.parametrize("case,column", suite(matrix.equal_betas_cases))
 def test_zero3_accepts_equal_group_betas(case, column, pool_manager, seed, request):
-    """Two Muon groups setting the same momentum: accepted (not one of harness.ds_refusals), stepped with it."""
-    from harness import ds_refusals
+    """Two Muon groups setting the same momentum: accepted (not one of harness.registry.refusals), stepped with it."""
+    from harness.registry import refusals as ds_refusals
 
     assert {g.momentum for g in case.groups} == {0.9} and ds_refusals.expected(case) == []
     run_case(case, column, pool_manager, seed, request)
@@ -227,7 +227,7 @@ def test_conv2d_weight_offloaded(case, column, pool_manager, seed, request):
     path): reshaped to (out, in*kh*kw) for Newton-Schulz."""
     assert any(len(p.shape) == 4 for p in case.params)
     if case.name.endswith("-unpadded"):
-        from harness import verdict
+        from harness.judge import verdict
         from oracles.layout import placement
 
         layout = verdict.layout_for(case, verdict.step_config(case))
@@ -263,7 +263,7 @@ def test_tiny_gradients(case, column, pool_manager, seed, request):
 
 @pytest.mark.parametrize("case,column", suite(matrix.ds_refusal_cases))
 def test_deepspeed_refuses(case, column, pool_manager, seed, request):
-    """Configs DeepSpeed itself must refuse (harness.ds_refusals): passed only on that exact refusal."""
+    """Configs DeepSpeed itself must refuse (harness.registry.refusals): passed only on that exact refusal."""
     o = run_case(case, column, pool_manager, seed, request)
     assert o.strength == "refusal", o.message
 

@@ -1,7 +1,7 @@
-"""Runs whose optimizer is not Muon (``harness.matrix.non_muon_cases``): every parameter must take plain
+"""Runs whose optimizer is not Muon (``harness.catalog.matrix.non_muon_cases``): every parameter must take plain
 AdamW, whatever ``use_muon`` DeepSpeed's flag logic would set.
 
-The oracle decides that from the optimizer the user configured (``harness.verdict.non_muon_optimizer``),
+The oracle decides that from the optimizer the user configured (``harness.judge.verdict.non_muon_optimizer``),
 never from DeepSpeed's tags. The pipeline test shows the checks tell the two routes apart: a real Muon
 run whose Adam half has exactly the AdamW settings (so only the matrices' route differs) is judged as
 the AdamW case, and it must fail on the matrices and only there -- what a leak of Muon routing into a
@@ -14,9 +14,9 @@ import json
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness.case import canonical_json
-from harness.matrix import NON_MUON_PARAMS, non_muon_cases
-from harness.verdict import expected_group_lrs, judge, non_muon_optimizer, step_config
+from harness.case.spec import canonical_json
+from harness.catalog.matrix import NON_MUON_PARAMS, non_muon_cases
+from harness.judge.verdict import expected_group_lrs, judge, non_muon_optimizer, step_config
 from oracles.layout import deepspeed_uses_muon
 
 

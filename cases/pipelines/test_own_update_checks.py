@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from harness.scenarios import pipeline_case
-from harness.verdict import judge
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import judge
 
 pytestmark = pytest.mark.pipeline
 

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from harness import verdict as verdict_mod
-from harness.matrix import _case
-from harness.verdict import judge
+from harness.judge import verdict as verdict_mod
+from harness.catalog.matrix import _case
+from harness.judge.verdict import judge
 
 pytestmark = pytest.mark.pipeline
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cases.pipelines._support import KnownBugDivergence, gate_params
-from harness import matrix
-from harness.gate import evaluate
+from harness.catalog import matrix
+from harness.gate.decide import evaluate
 
 pytestmark = pytest.mark.pipeline
 

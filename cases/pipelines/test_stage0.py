@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bugs import BY_ID, bugs_for
-from harness.scenarios import pipeline_case
-from harness.verdict import judge
+from harness.registry.bugs import BY_ID, bugs_for
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import judge
 
 pytestmark = pytest.mark.pipeline
 
@@ -45,7 +45,7 @@ def test_stage0_fp32_passes_stock(pool_manager):
 
 
 def test_muon_as_sgd_mutant_is_killed_by_stage0_only(pool_manager):
-    from harness import known_bugs
+    from harness.registry import mutants as known_bugs
 
     m = known_bugs.MUTANTS["muon-as-sgd-without-zero"]
     z0 = pipeline_case(0, "none", "fp32", 2, steps=3).replace(patched=True, mutant=m.name)

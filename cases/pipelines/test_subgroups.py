@@ -1,13 +1,13 @@
 """ZeRO-3 with several sub-groups (mixed swapped and in-memory under NVMe) and with dozens of tiny
-parameters in one sub-group (``harness.matrix.subgroup_cases``), judged by the gate's decision."""
+parameters in one sub-group (``harness.catalog.matrix.subgroup_cases``), judged by the gate's decision."""
 from __future__ import annotations
 
 import pytest
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix
-from harness.known_bugs import _z3_several_muon_subgroups
-from harness.nvme import predict_swapped_subgroups
+from harness.catalog import matrix
+from harness.registry.mutants import _z3_several_muon_subgroups
+from harness.case.nvme import predict_swapped_subgroups
 
 
 @pytest.mark.pipeline

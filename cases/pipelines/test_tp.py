@@ -1,5 +1,5 @@
 """Tensor parallelism (AutoTP) with per-head Muon: the gate's tensor-parallel cases
-(``harness.matrix.tp_cases``, rank side ``harness.tp_case``, judged by ``harness.tp_verdict``), and
+(``harness.catalog.matrix.tp_cases``, rank side ``harness.rank.tp_case``, judged by ``harness.judge.tp_verdict``), and
 that the judge fails the updates it exists to catch.
 
 The judge's own tests build rank records from the oracle's step (no ranks) and change one thing:
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from cases.pipelines._support import run_case, suite
-from harness import matrix, tp_verdict
-from harness.tp_case import COLUMN_PARALLEL, full_weights, geometry
+from harness.catalog import matrix
+from harness.judge import tp_verdict
+from harness.rank.tp_case import COLUMN_PARALLEL, full_weights, geometry
 
 HALF = (True, True)  # fp16 and bf16 Newton-Schulz, as on an accelerator (and the CPU stand-in)
 
@@ -88,7 +89,7 @@ def test_judge_fails_a_shard_of_the_wrong_rows():
 def test_a_failing_judge_is_the_gate_s_shared_record():
     """One divergence record for every case kind: a tp failure is stored like any other (rank, region,
     the error map for the report's heatmap, the one-line reproducer)."""
-    from harness import results
+    from harness.report import results
 
     case = _case()
     v = tp_verdict.judge(case, _records(case, lr_factor=1.01), half_support=HALF)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.bugs import BY_ID
-from harness.case import Case
-from harness.scenarios import pipeline_case
+from harness.registry.bugs import BY_ID
+from harness.case.spec import Case
+from harness.case.scenarios import pipeline_case
 
 
 def save_and_convert(case, rank, world_size, workdir):
@@ -21,8 +21,8 @@ def save_and_convert(case, rank, world_size, workdir):
     rank 0 runs ``ds_to_universal`` on it; returns (return code, stderr) on rank 0."""
     import torch.distributed as tdist
 
-    from harness import model as model_mod
-    from harness.ds_run import build_engine, destroy_engine
+    from harness.case import synthetic as model_mod
+    from harness.rank.ds_run import build_engine, destroy_engine
 
     engine, _ = build_engine(case, Path(workdir) / "nvme")
     for step in (1, 2):

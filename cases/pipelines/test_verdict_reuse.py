@@ -13,11 +13,11 @@ import copy
 import numpy as np
 import pytest
 
-import harness.gate as gate_mod
-from harness import verdict as verdict_mod
-from harness.gate import evaluate, judged
-from harness.scenarios import pipeline_case
-from harness.verdict import judge
+import harness.gate.decide as gate_mod
+from harness.judge import verdict as verdict_mod
+from harness.gate.decide import evaluate, judged
+from harness.case.scenarios import pipeline_case
+from harness.judge.verdict import judge
 
 pytestmark = pytest.mark.pipeline
 
@@ -105,7 +105,7 @@ def test_a_second_judge_of_one_run_reuses_its_gradients_except_where_a_model_rep
     so a bug model's judge of the same run reuses the intended judge's; a step whose weights the
     model replaces (DSM-010's fresh engine, ``fresh_after``) and another run get their own."""
     import oracles
-    from harness import model as model_mod
+    from harness.case import synthetic as model_mod
 
     case = pipeline_case(3, "none", "fp16", 2, steps=3)
     traj = pool_manager.run(case).result

@@ -20,7 +20,7 @@ GATE_CASES, GATE_FAILING = 75, 40  # x (stock, patched) = 150 outcomes, 40 not p
 def gate_report(tmp_path_factory):
     """(html path, results folder, render seconds) of a gate-sized report: 150 outcomes, 40 failing."""
     import synth
-    from harness.report import render
+    from harness.report.build import render
 
     # xdist workers' basetemps (pytest-N/popen-gwK) share their parent; a plain run uses its own
     shared = tmp_path_factory.getbasetemp()

@@ -1,4 +1,4 @@
-"""Synthetic stored results shaped like the real ones (``harness.results.from_verdict``), built
+"""Synthetic stored results shaped like the real ones (``harness.report.results.from_verdict``), built
 without torch or DeepSpeed so the rendering tests are fast and exact: the layout, the element maps
 and hence where the heatmap must draw everything are known here.
 """
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.case import ParamShape
-from harness.results import CaseRecord, CheckRow, ResultStore
-from harness.scenarios import TINY_PARAMS, pipeline_case
+from harness.case.spec import ParamShape
+from harness.report.results import CaseRecord, CheckRow, ResultStore
+from harness.case.scenarios import TINY_PARAMS, pipeline_case
 
 BIG = ParamShape("big.weight", (512, 1024))  # 524288 elements: the NVMe-sized matrix class
 
@@ -22,7 +22,7 @@ def _key(*parts) -> str:
     return f"{zlib.crc32(repr(parts).encode()):08x}{zlib.adler32(repr(parts).encode()):08x}"
 
 
-def reproduce(case) -> str:  # what harness.verdict.reproduce_command prints
+def reproduce(case) -> str:  # what harness.judge.verdict.reproduce_command prints
     return f".venv/bin/python -m harness run --case {shlex.quote(case.to_json())}"
 
 
@@ -73,7 +73,7 @@ def _check(param, quantity, step, ratio_map, allowance, numel, rank=0, region="i
 
 
 def _record(ratio, error, bound, actual, expected, n_bad, numel) -> dict:
-    """A stored ``oracles.Divergence`` (as ``harness.results`` keeps it)."""
+    """A stored ``oracles.Divergence`` (as ``harness.report.results`` keeps it)."""
     return dict(atol=0.0, rtol=bound / max(abs(expected), 1e-300), derivation="synthetic", bound=bound, ratio=ratio,
                 index=[0], flat_index=0, abs_error=error, rel_error=error / max(abs(expected), 1e-300),
                 rel_index=[0], actual=actual, expected=expected, n_bad=n_bad, numel=numel)

@@ -31,11 +31,11 @@ NAV_TIMING = "JSON.stringify(performance.getEntriesByType('navigation')[0].toJSO
 @pytest.fixture(scope="module")
 def real_report(tmp_path_factory, pool_manager):
     """Records of real runs: a DSM-001 strict xfail and a pass, stored and rendered."""
-    from harness.bugs import bugs_for
-    from harness.report import render
-    from harness.results import ResultStore, from_verdict
-    from harness.scenarios import pipeline_case
-    from harness.verdict import judge
+    from harness.registry.bugs import bugs_for
+    from harness.report.build import render
+    from harness.report.results import ResultStore, from_verdict
+    from harness.case.scenarios import pipeline_case
+    from harness.judge.verdict import judge
 
     root = tmp_path_factory.mktemp("browser") / "results"
     store = ResultStore(root)
@@ -96,7 +96,7 @@ def test_real_failure_renders_in_chromium(real_report):
 
 
 def known_bugs_title(bug_id: str) -> str:
-    from harness.bugs import BUGS
+    from harness.registry.bugs import BUGS
     return next(b.title for b in BUGS if b.id == bug_id)
 
 

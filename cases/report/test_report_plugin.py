@@ -15,9 +15,9 @@ HERE = Path(__file__).resolve().parent
 
 CONFTEST = '''
 import os
-import harness.report as R
+import harness.report.build as R
 
-pytest_plugins = ["harness.pytest_plugin"]
+pytest_plugins = ["harness.report.pytest_plugin"]
 
 _render = R.render
 
@@ -46,7 +46,7 @@ def test_b(result_store):
 
 
 def test_c(request):  # what cases/pipelines uses: the store through the config stash
-    from harness.pytest_plugin import RESULT_STORE_KEY
+    from harness.report.pytest_plugin import RESULT_STORE_KEY
 
     request.config.stash[RESULT_STORE_KEY].add(*synth.passing("-c", stage=2))
 '''

@@ -1,6 +1,6 @@
 """Rendering of the HTML divergence report from synthetic stored results (no torch, no browser).
 
-The records come from ``synth`` (shaped like ``harness.results.from_verdict``'s), so every fact
+The records come from ``synth`` (shaped like ``harness.report.results.from_verdict``'s), so every fact
 the page must show -- names, bug ids, reproducers, where ZeRO cut each parameter -- is known here
 and checked in the output, including the heatmap geometry read back from the SVG.
 """
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import synth
-from harness import report, report_html
-from harness.report_html import plotted_outcomes
-from harness.results import load_records
+from harness.report import build as report, html as report_html
+from harness.report.html import plotted_outcomes
+from harness.report.results import load_records
 
 SVG = "{http://www.w3.org/2000/svg}"
 MB = 1024 * 1024
@@ -318,7 +318,7 @@ def test_all_passing_run_is_a_pass(tmp_path):
 
 
 def test_rebuild_from_stored_results_with_the_cli(small, tmp_path, capsys):
-    from harness.__main__ import main
+    from harness.cli.main import main
 
     _, root, recs = small
     out = tmp_path / "rebuilt.html"
@@ -403,7 +403,7 @@ def test_full_sized_report_is_under_5_mb(tmp_path):
 
 def test_only_and_all_plots_draw_one_case_outside_the_budget(tmp_path):
     """The command a budgeted page names for an unplotted outcome really draws that outcome."""
-    from harness.__main__ import main
+    from harness.cli.main import main
 
     root = tmp_path / "results"
     items = [synth.failing(f"-b{i}") for i in range(5)]  # one kind: only the worst 2 are plotted

@@ -15,8 +15,9 @@ import math
 import numpy as np
 import pytest
 
-from harness import capture_adapters, versions
-from harness.scenarios import pipeline_case
+from harness.rank import capture_adapters
+from harness.env import versions
+from harness.case.scenarios import pipeline_case
 
 pytestmark = pytest.mark.pipeline
 
@@ -60,7 +61,7 @@ BF16_ROUTE = "z1-none-bf16-ws2-ga2-clip0.05-gad32"
 
 
 def test_every_quantity_is_captured_on_the_bf16_optimizer_route(pool_manager):
-    from harness.matrix import bf16opt_cases
+    from harness.catalog.matrix import bf16opt_cases
 
     case = next(c for c in bf16opt_cases() if c.name == BF16_ROUTE)
     adapted = versions.adapt(case)

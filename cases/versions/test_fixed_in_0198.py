@@ -2,7 +2,7 @@
 
 On 0.19.7 each case is a strict xfail carrying exactly its bug id (the divergence or crash the bug
 says, nothing else); on 0.19.8 the same case passes. Which of the two is expected comes from the
-measured table (``harness.versions.AFFECTED``), so the test runs on either release's venv:
+measured table (``harness.env.versions.AFFECTED``), so the test runs on either release's venv:
 ``<venv>/bin/python -m pytest cases/versions/test_fixed_in_0198.py``; CI runs it on 0.19.8.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from harness import device, versions
-from harness.case import canonical_json
-from harness.gate import evaluate
-from harness.matrix import gate_cases, tiny_grad_cases
-from harness.scenarios import pipeline_case
+from harness.env import device, versions
+from harness.case.spec import canonical_json
+from harness.gate.decide import evaluate
+from harness.catalog.matrix import gate_cases, tiny_grad_cases
+from harness.case.scenarios import pipeline_case
 
 pytestmark = pytest.mark.pipeline
 
@@ -47,7 +47,7 @@ FIXED_IN_0198 = {
     "DSM-115": pipeline_case(1, "none", "fp32", 2, ns_method="standard", extra_zero={"contiguous_gradients": False}
                              ).replace(name="z1-none-fp32-ws2-standard-nocontig"),
     "DSM-119": tiny_grad_cases()[0],  # z1-none-fp32-ws2-tinygrad: gram, every gradient x1e-10
-    # a swapped Muon matrix sorted after a smaller one in its ZeRO-3 NVMe sub-group (harness.nvme)
+    # a swapped Muon matrix sorted after a smaller one in its ZeRO-3 NVMe sub-group (harness.case.nvme)
     "DSM-123": next(c for c in gate_cases(False) if c.name == "z3-nvme-part-fp32-ws1-sortedlast"),
 }
 # the ids each case xfails with on 0.19.7 where more than its own bug shows (DSM-112 is DSM-103 on a

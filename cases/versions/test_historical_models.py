@@ -1,4 +1,4 @@
-"""Oracle models of bugs of releases older than 0.19.8 (``harness.historical_bugs``): each switch changes
+"""Oracle models of bugs of releases older than 0.19.8 (``harness.registry.historical``): each switch changes
 exactly what its bug's stated mechanism changes. Expected values come from the intended step and that
 mechanism (a factor 1/S), not from runs of DeepSpeed. Pure: no ranks, well under a second."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from harness.bugs import HISTORICAL
-from harness.scenarios import pipeline_case
+from harness.registry.bugs import HISTORICAL
+from harness.case.scenarios import pipeline_case
 from oracles import Conventions, LossScalerConfig, ParamSpec, StepConfig, initial_state, oracle_step
 
 SPECS = (ParamSpec("w", (7, 3), True), ParamSpec("b", (5,), False))
@@ -77,7 +77,7 @@ def _ids(case):
 def test_zero3_triggers_follow_the_reduce_path_sub_groups_and_accumulation():
     """DSM-110 where a bucket skips the contiguous reduce, DSM-102 only where Muon runs and a round mixes
     shapes within one sub-group, DSM-111 with gradient accumulation (each as measured on 0.19.7)."""
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     cases = {c.name: c for c in gate_cases(False)}
     assert "DSM-110" in _ids(cases["z3-none-bf16-ws2-knob-buckets"])  # a 30-element gradient, 16-element buckets
@@ -94,7 +94,7 @@ def test_zero3_triggers_follow_the_reduce_path_sub_groups_and_accumulation():
 
 
 def test_dsm112_needs_a_straddling_matrix_whose_fate_differs_between_its_holders():
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     cases = {c.name: c for c in gate_cases(False)}
     for name in ("z2-none-fp32-ws3", "sweep-z1-none-ws2-L0", "moe-z2-none-fp32-ws2-standard"):
@@ -108,9 +108,9 @@ def test_dsm112_needs_a_straddling_matrix_whose_fate_differs_between_its_holders
 def test_a_crash_inside_muon_update_is_not_expected_where_muon_update_never_runs(monkeypatch):
     """On 0.19.7 (DSM-012 and DSM-101 both measured) a conv case with ZeRO-1/2 offload never reaches
     muon_update (DSM-101), so DSM-012's crash there is not a candidate; without offload it is."""
-    from harness import versions
-    from harness.bugs import bugs_for
-    from harness.matrix import gate_cases
+    from harness.env import versions
+    from harness.registry.bugs import bugs_for
+    from harness.catalog.matrix import gate_cases
 
     monkeypatch.setattr(versions, "judged_as", lambda: "0.19.7")
     monkeypatch.delenv("MUON_HARNESS_MEASURE", raising=False)
@@ -123,7 +123,7 @@ def test_every_historical_trigger_answers_for_every_ci_gate_case():
     """The triggers that read the case's partition layout (DSM-102, DSM-112) must answer a plain bool for
     every gate case, on any release (``bugs_for`` asks them only where the bug is measured, but the
     measuring runs ask every one)."""
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     for c in gate_cases(False):
         for b in HISTORICAL:
@@ -155,7 +155,7 @@ def test_muon_as_sgd_moves_each_matrix_by_its_clipped_gradient_and_leaves_its_mo
 
 
 def test_dsm114_is_modelled_on_the_bf16_optimizer_route_and_without_zero():
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     bug = next(b for b in HISTORICAL if b.id == "DSM-114")
     cases = {c.name: c for c in gate_cases(False)}
@@ -208,8 +208,8 @@ def test_gram_input_cast_rounds_only_the_gram_input():
 
 
 def test_dsm119_claims_only_a_gram_matrix_flushed_whole_where_gram_runs_in_fp16(monkeypatch):
-    from harness import device
-    from harness.matrix import tiny_grad_cases
+    from harness.env import device
+    from harness.catalog.matrix import tiny_grad_cases
 
     bug = next(b for b in HISTORICAL if b.id == "DSM-119")
     gram, standard = (c for c in tiny_grad_cases() if c.name.endswith("-tinygrad"))
@@ -224,7 +224,7 @@ def test_dsm119_claims_only_a_gram_matrix_flushed_whole_where_gram_runs_in_fp16(
 
 
 def test_dsm120_selects_zero3_nvme_through_the_partitioned_swapper_on_the_cpu_accelerator(monkeypatch):
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     bug = next(b for b in HISTORICAL if b.id == "DSM-120")
     cases = {c.name: c for c in gate_cases(False)}
@@ -237,7 +237,7 @@ def test_dsm120_selects_zero3_nvme_through_the_partitioned_swapper_on_the_cpu_ac
 
 
 def test_dsm121_needs_a_warmup_without_its_peak_over_groups_of_different_lr():
-    from harness.matrix import gate_cases
+    from harness.catalog.matrix import gate_cases
 
     bug = next(b for b in HISTORICAL if b.id == "DSM-121")
     cases = {c.name: c for c in gate_cases(False)}
@@ -248,8 +248,8 @@ def test_dsm121_needs_a_warmup_without_its_peak_over_groups_of_different_lr():
 
 
 def test_dsm121_model_warms_every_group_to_the_first_groups_lr_and_only_without_a_peak():
-    from harness import verdict
-    from harness.matrix import gate_cases
+    from harness.judge import verdict
+    from harness.catalog.matrix import gate_cases
 
     bug = next(b for b in HISTORICAL if b.id == "DSM-121")
     cases = {c.name: c for c in gate_cases(False)}

@@ -1,8 +1,9 @@
-"""Intermittent bugs of older releases (``harness.historical_bugs.INTERMITTENT``): named beside a failure they
+"""Intermittent bugs of older releases (``harness.registry.historical.INTERMITTENT``): named beside a failure they
 could explain, never an excuse."""
 from __future__ import annotations
 
-from harness import historical_bugs, matrix
+from harness.registry import historical as historical_bugs
+from harness.catalog import matrix
 
 
 def _case(name):
@@ -19,8 +20,8 @@ def test_dsm125_is_named_for_zero3_on_the_releases_that_wait_for_one_handle_only
 
 
 def test_no_intermittent_bug_is_a_registered_excuse():
-    from harness import versions
-    from harness.bugs import BUGS
+    from harness.env import versions
+    from harness.registry.bugs import BUGS
 
     ids = {b["id"] for b in historical_bugs.INTERMITTENT}
     assert not ids & {b.id for b in BUGS}

@@ -1,4 +1,4 @@
-"""Op builds keyed by content (``harness.buildenv``): releases whose op inputs are identical share one
+"""Op builds keyed by content (``harness.env.buildenv``): releases whose op inputs are identical share one
 build, and any change to what goes into a build (a source, a header it includes, a flag) gives a new
 key. Pure and fast: temporary trees and a stand-in build, no compiler, no DeepSpeed build."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import buildenv
+from harness.env import buildenv
 
 
 def _tree(root, header="int y;\n"):
@@ -157,7 +157,7 @@ def test_ranks_import_the_recorded_store_build_not_the_release_folder(tmp_path, 
     import torch.utils.cpp_extension as cpp
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    from harness import runtime_state
+    from harness.rank import runtime_state
 
     ext, store = tmp_path / "ext", tmp_path / "store" / "fused_adam"
     for folder, text in ((ext / "fused_adam", "rewritten by a JIT load"), (store, "the warm-up's build")):

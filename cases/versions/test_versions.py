@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from harness import capture_adapters, versions
-from harness.bugs import BUGS, HISTORICAL
-from harness.scenarios import pipeline_case
-from harness.case import ParamShape
+from harness.rank import capture_adapters
+from harness.env import versions
+from harness.registry.bugs import BUGS, HISTORICAL
+from harness.case.scenarios import pipeline_case
+from harness.case.spec import ParamShape
 
 ALL_BUGS = BUGS + HISTORICAL
 
@@ -19,7 +20,7 @@ def test_every_registered_bug_has_a_measured_row():
     ids = [b.id for b in ALL_BUGS]
     assert len(ids) == len(set(ids)), "a bug id is registered twice"
     missing = sorted(set(ids) - set(versions.AFFECTED))
-    assert not missing, f"bugs without a row of measured releases in harness.versions.AFFECTED: {missing}"
+    assert not missing, f"bugs without a row of measured releases in harness.env.versions.AFFECTED: {missing}"
     stale = sorted(set(versions.AFFECTED) - set(ids))
     assert not stale, f"AFFECTED rows for bugs nobody registered: {stale}"
 
@@ -110,7 +111,7 @@ def test_reduce_scatter_rule_covers_exactly_the_releases_that_refuse():
 
 
 def test_0197_refuses_the_bf16_optimizer_route_and_no_other_release_does():
-    from harness.matrix import bf16opt_cases
+    from harness.catalog.matrix import bf16opt_cases
 
     gad = [c for c in bf16opt_cases(False) if c.name.endswith("-gad32")]
     assert gad
@@ -127,7 +128,7 @@ def test_a_deepspeed_package_without_its_own_metadata_is_refused(tmp_path):
 
     (tmp_path / "deepspeed").mkdir()
     (tmp_path / "deepspeed" / "__init__.py").write_text("")
-    from harness import buildenv
+    from harness.env import buildenv
 
     out = subprocess.run([sys.executable, "-c", "from harness import versions; versions.installed()"],
                          env={"PYTHONPATH": f"{tmp_path}:{buildenv.PROJECT_ROOT}", "PATH": "/usr/bin:/bin"},
@@ -136,7 +137,7 @@ def test_a_deepspeed_package_without_its_own_metadata_is_refused(tmp_path):
 
 
 def test_param_group_dicts_with_muon_are_refused_before_0192():
-    from harness.matrix import groups_cases
+    from harness.catalog.matrix import groups_cases
 
     grouped = next(c for c in groups_cases(False) if c.groups)
     for rel in ("0.18.9", "0.19.0", "0.19.1"):
@@ -185,7 +186,7 @@ def test_0198_only_hooks_are_deselected_before_0198(field, value, reason):
 def test_without_a_muon_group_only_bugs_outside_muon_code_are_expected(monkeypatch):
     """DSM-116 (zero.Init before 0.19.7): no parameter is tagged Muon, so the distributed Muon crash (DSM-102) and
     the 16-bit Muon momentum (DSM-001) cannot show; the same case without zero.Init still expects them."""
-    from harness.bugs import bugs_for
+    from harness.registry.bugs import bugs_for
 
     monkeypatch.setenv("MUON_HARNESS_MEASURE", "1")  # every registered bug a candidate
     plain = pipeline_case(3, "none", "bf16", 2, ns_method="standard")
@@ -199,7 +200,7 @@ def test_without_a_muon_group_only_bugs_outside_muon_code_are_expected(monkeypat
 def test_the_oracle_runs_the_releases_default_newton_schulz_when_the_key_is_absent(monkeypatch, release, want):
     """0.18.9 has no ns_method (the key is dropped for it) and runs the standard quintic: judging it as gram
     held its bf16 Newton-Schulz to gram's fp16 allowance (session 5's F-5)."""
-    from harness import verdict
+    from harness.judge import verdict
 
     monkeypatch.setattr(versions, "installed", lambda: versions.Installed(release, False, "/x"))
     case = pipeline_case(3, "none", "fp32", 1, ns_method="standard")
@@ -220,7 +221,7 @@ def test_compute_grad_norm_is_deselected_before_0197_only():
 def test_measure_release_names_must_all_be_gate_cases(monkeypatch, tmp_path):
     """A re-measure by name refuses, before any rank starts, a name the gate does not have (a typo would
     otherwise silently measure fewer cases than the run being triaged)."""
-    from harness import measure_release
+    from harness.cli import measure_release
 
     monkeypatch.setenv("MUON_HARNESS_MEASURE", "0")
     monkeypatch.setenv("MUON_HARNESS_MEASURE_EXCLUDE", "")

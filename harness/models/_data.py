@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.model import _generator
+from harness.case.synthetic import _generator
 
 
 def generator(seed: int, tag: int, rank: int, step: int, micro: int) -> torch.Generator:

@@ -1,0 +1,630 @@
+"""``python -m harness check``: check *your* DeepSpeed config against the oracle.
+
+Usage::
+
+    python -m harness check --ds-config my_config.json [--shapes 4096x4096,4096x11008,...]
+                            [--world-size N] [--steps K] [--seed S] [--report out.html | --no-report]
+                            [--patched] [--launcher pool|torchrun] [--accelerator auto|cpu|cuda]
+                            [--timeout SECONDS] [-q] [--json]
+
+The config is taken as it is -- ZeRO stage, offload, precision, clipping, accumulation, Muon
+parameters -- and run on a small synthetic model with the given matrix shapes (each matrix gets an
+Adam-side bias vector of its row count; a 1-D entry in ``--shapes`` is an Adam vector of its own)
+against the float64 oracle, through the gate's own decision (``harness.gate.decide.evaluate``). It prints a
+verdict per quantity, the known stock DeepSpeed bugs that explain a divergence, the report path and
+the command that reruns exactly this case.
+
+Exit codes: 0 within tolerance; 1 diverged (including divergences a known stock DeepSpeed bug
+explains -- your config is affected); 2 bad input, reported before any rank starts; 3 the run itself
+failed (a rank raised, died or timed out: no verdict; a known stock bug that crashes, e.g. DSM-012, is
+named). With ``--patched`` both the stock and the
+patched column run, the output says whether the bundled fixes change the verdict, and the exit code
+is the patched column's (what you get with the fixes).
+
+Scale-down rule (``harness.cli.check_shapes.scale_shapes``)
+-------------------------------------------------------
+A model whose largest tensor exceeds ``MAX_TENSOR_NUMEL`` (65,536 elements, 256x256) or whose total
+exceeds ``MAX_TOTAL_NUMEL`` (262,144) is scaled down by one common element factor
+
+    f = min(1, MAX_TENSOR_NUMEL / max numel, MAX_TOTAL_NUMEL / total numel)
+
+Each dimension ``d`` of a ``k``-dimensional tensor becomes the value ``d'`` nearest to ``d * f**(1/k)``
+with ``d' == d (mod 2W)`` (``W`` the harness world size), ``min(d, MIN_DIM) <= d' <= d`` (``MIN_DIM``
+= 8). Consequences, all checked by ``cases/cli/test_check_units.py``:
+
+* aspect ratios are kept (to one step of ``2W`` per dimension); relative sizes of the tensors too;
+* ``numel mod 2W`` of every tensor is kept (a product of dimensions congruent mod ``2W`` is congruent),
+  hence ``numel mod W``: a tensor divisible by the world size stays divisible, a padded one keeps its
+  padding length -- ZeRO-3 pads each parameter to a multiple of ``W`` -- and the total of each
+  optimizer group keeps its residue mod ``2W`` -- ZeRO-1/2 pad the flat group to a multiple of ``2W``;
+* which ZeRO-3 partitions hold padding (ranks ``r`` with ``(r+1) * ceil(n/W) > n``) is the same as
+  for the original shape: a tensor where that would differ (only possible for very small ones) gets
+  its largest dimension grown by ``2W`` steps until it matches (the original always does);
+* not kept: where a partition cut falls inside a tensor, and so which tensors straddle a cut in the
+  ZeRO-1/2 flat buffer -- that depends on absolute sizes. Shapes within budget are run unscaled.
+
+ZeRO-3 with NVMe offload swaps only sub-groups of at least 1 MiB per rank (``harness.case.nvme``); when the
+scaled model has none, a swap-sized matrix (``harness.case.nvme.nvme_matrix``) is added and the output says
+so. An explicit ``sub_group_size`` is multiplied by ``f``, so sub-group cuts scale with the model.
+
+What is rewritten in the config (always said in the output)
+-----------------------------------------------------------
+* batch sizes, for the harness's world size: ``gradient_accumulation_steps`` is kept (it is what
+  changes the numerics; derived as DeepSpeed would at the harness's world size when only
+  ``train_batch_size`` and the micro batch are given, else 1), ``train_micro_batch_size_per_gpu`` is
+  kept (1 if absent; the synthetic data has its own rows), and
+  ``train_batch_size = micro x accumulation x W``. ``"auto"`` counts as absent;
+* NVMe ``nvme_path`` (optimizer and parameter offload): absent -> a private swap folder per case;
+  given -> it must be an existing, writable directory (else bad input), and each run uses a fresh
+  private sub-folder of it, removed afterwards;
+* ``scheduler`` kept (the oracle computes each group's lr per step, ``oracles.schedules``; a schedule
+  it cannot compute is bad input); monitors and profilers (tensorboard, wandb, csv_monitor, comet,
+  flops_profiler, comms_logger) and
+  ``elasticity`` disabled; ``optimizer.params.per_head_muon`` removed (the synthetic model has no
+  attention module for DeepSpeed to tag); ``steps_per_print`` / ``wall_clock_breakdown`` silenced.
+
+Bad input (exit 2, before any rank starts; ``harness.cli.check_plan.validate``)
+--------------------------------------------------------------------------
+* the file: unreadable, not strict JSON (line and column), not an object, duplicate keys (DeepSpeed
+  rejects them too);
+* ``--shapes`` malformed (which entry), ``--world-size`` outside ``1 .. min(8, 2 x cpu_count)`` (for
+  CUDA: the number of visible GPUs), ``--steps`` outside 1..50;
+* optimizer missing or not Muon;
+* DeepSpeed's own validation: ``deepspeed.runtime.config.DeepSpeedConfig`` on the rewritten config
+  (its pydantic models reject unknown keys and bad values: the message names the key), plus the
+  Muon-specific rejections DeepSpeed 0.19.8 only makes inside ``deepspeed.initialize``: ZeRO-3 with
+  ``reduce_scatter`` (on by default; ``stage3.py``: "Muon and reduce scatter cannot be used
+  together"), ``ns_method`` not gram/standard, ``max_grad_norm`` in the optimizer params, non-numeric
+  optimizer hyper-parameters or ``gradient_clipping``;
+* outside what the harness covers: ZeRO stage 0 / no ``zero_optimization``;
+* an NVMe path that is not an existing writable directory;
+* ``--launcher pool`` with ``--accelerator cuda`` (the pool runs CPU ranks).
+
+Launchers: ``pool`` (default; CPU ranks over gloo, ``harness.launch.pool``) or ``torchrun``
+(``harness.launch.torchrun``: ``torch.distributed.run`` with ``env://`` and the accelerator's backend, nccl
+on CUDA). Progress: a line when each case starts and ends, then one line per step once the case's
+trajectory arrives (the ranks hand the whole trajectory back at the end). ``-q`` prints only the
+verdict and report lines; ``--json`` prints exactly one JSON object on stdout (everything else,
+DeepSpeed's logging included, goes to stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.env import buildenv
+
+if __name__ == "__main__":
+    # Run as ``python -m harness.cli.check``: the imports below reach torch (harness.case.spec -> oracles), which
+    # reads OMP_NUM_THREADS once, at import; ``main`` would set it too late (the parent then judges on
+    # every core and never forks its rank pools). ``python -m harness check`` sets it in its own main.
+    buildenv.apply_base_env()
+
+from harness.case.spec import Case, canonical_json  # noqa: E402
+from harness.cli.check_config import BadInput  # noqa: E402
+from harness.cli.check_plan import Plan, validate  # noqa: E402
+from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
+
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
+DEFAULT_SHAPES = "4096x4096,11008x4096"
+DEFAULT_STEPS = 3
+QUANTITY_ORDER = ("grad", "momentum", "update", "master", "model", "global_norm", "loss_scale",
+                  "loss_scale_after", "skipped", "muon_calls", "swap")
+
+
+# --------------------------------------------------------------------------------------------------
+# running and reporting
+
+
+class _Out:
+    """Human output: stdout normally, stderr under --json, nothing but verdict lines under -q."""
+
+    def __init__(self, quiet: bool, stream):
+        self.quiet = quiet
+        self.stream = stream
+
+    def __call__(self, msg: str = "", *, essential: bool = False) -> None:
+        if self.quiet and not essential:
+            return
+        print(msg, file=self.stream, flush=True)
+
+
+def _record_json(check) -> dict | None:
+    """The one divergence record (``oracles.Divergence``) as JSON (non-finite numbers as strings)."""
+    from dataclasses import asdict
+
+    if check.record is None:
+        return None
+    return {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(check.record).items()}
+
+
+def _record_json(check) -> dict | None:
+    """The one divergence record (``oracles.Divergence``) as JSON (non-finite numbers as strings)."""
+    from dataclasses import asdict
+
+    if check.record is None:
+        return None
+    return {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(check.record).items()}
+
+
+def _finite(x):
+    if x is None:
+        return None
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _ratio_txt(x) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def worst_by_quantity(outcome) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if outcome.verdict is not None:
+        for c in outcome.verdict.checks:
+            out[c.quantity] = max(out.get(c.quantity, 0.0), c.worst_ratio)
+    return out
+
+
+def _first_fail_by_quantity(outcome) -> dict[str, object]:
+    firsts = {}
+    if outcome.verdict is not None:
+        for c in sorted(outcome.verdict.failures, key=lambda c: (c.step, -c.worst_ratio)):
+            firsts.setdefault(c.quantity, c)
+    return firsts
+
+
+def _step_lines(outcome) -> list[str]:
+    traj, verdict = outcome.trajectory, outcome.verdict
+    if traj is None or verdict is None:
+        return []
+    lines = []
+    for rec in traj.steps:
+        checks = [c for c in verdict.checks if c.step == rec.step]
+        worst = max(checks, key=lambda c: c.worst_ratio, default=None)
+        loss = sum(rec.losses) / len(rec.losses) if rec.losses else float("nan")
+        parts = [f"loss {loss:.5g}", f"loss scale {rec.loss_scale:g}"]
+        if rec.skipped:
+            parts.append("SKIPPED (overflow)")
+        if rec.global_norm is not None:
+            parts.append(f"global norm {rec.global_norm:.4g}")
+        if rec.swap_bytes_written or rec.swap_bytes_read:
+            parts.append(f"swap {rec.swap_bytes_written / 2**20:.1f}/{rec.swap_bytes_read / 2**20:.1f} MiB w/r")
+        if worst is not None:
+            bad = sum(1 for c in checks if not c.passed)
+            parts.append(f"worst {_ratio_txt(worst.worst_ratio)}x allowance ({worst.param} {worst.quantity})"
+                         + (f", {bad} of {len(checks)} checks out of tolerance" if bad else ", all within tolerance"))
+        lines.append(f"    step {rec.step}: " + ", ".join(parts))
+    return lines
+
+
+def _status_text(o) -> str:
+    if o.status == "passed":
+        return "PASS"
+    if o.status == "xpassed" and o.column == "patched":
+        return f"PASS (the bundled fixes remove {', '.join(o.bug_ids)}, which the bug registry lists as unfixed)"
+    if o.status == "xpassed":
+        return f"PASS (known bug {', '.join(o.bug_ids)} was expected on this pipeline but did not show)"
+    if o.status == "xfailed":
+        return f"DIVERGED (known stock DeepSpeed bug {', '.join(o.bug_ids)})"
+    if o.status == "failed":
+        return "DIVERGED" + (f" (beyond known bug {', '.join(o.bug_ids)})" if o.bug_ids else "")
+    return "ERROR (the run failed; no verdict)"
+
+
+def _trim_message(msg: str, max_lines: int = 24) -> str:
+    """The gate's message without its per-failure reproducer lines (printed once, at the end)."""
+    lines = [ln for ln in msg.splitlines() if not ln.strip().startswith("reproduce: ")]
+    if len(lines) > max_lines:
+        lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines in the report)"]
+    return "\n".join(lines)
+
+
+def _exit_of(status: str) -> int:
+    if status in ("passed", "xpassed"):
+        return EXIT_OK
+    if status in ("xfailed", "failed"):
+        return EXIT_DIVERGED
+    return EXIT_RUN_FAILED
+
+
+def known_bug_info(case: Case) -> list[dict]:
+    from harness import fixes as patched_runtime
+    from harness.registry.bugs import bugs_for
+
+    out = []
+    for b in bugs_for(case):
+        # the fix that acts on this case's stage (DSM-001 has one for ZeRO-1/2 and one for ZeRO-3)
+        fixes = patched_runtime.fixes_for(b.id, case.stage)
+        fix = " + ".join(fixes) if fixes else b.fix
+        out.append({"id": b.id, "title": b.title, "symptom": b.symptom, "where": b.where, "fix": fix,
+                    "fixed_by_patched": bool(fixes)})
+    return out
+
+
+def _bug_sentence(b: dict) -> str:
+    observed = b.get("observed_fixed_by_patched")
+    if observed is not None:
+        fix = "--patched FIXES it (observed in this run)" if observed else "--patched does NOT fix it (observed)"
+    elif b["fixed_by_patched"]:
+        fix = f"fixed by --patched (bundled fix {b['fix']!r})"
+    else:
+        fix = ("not listed as fixed by the bundled fixes" if b["fix"] is None
+               else f"its fix {b['fix']!r} is not in this patched runtime") + "; run with --patched to see"
+    return f"{b['id']} ({b['title']}): {fix}"
+
+
+def _pipeline_text(case: Case) -> str:
+    cfg = case.config
+    clip = cfg.get("gradient_clipping", 0.0)
+    return (f"ZeRO-{case.stage}, offload {case.offload}, {case.dtype}, accumulation {case.grad_accum}, "
+            f"clipping {clip if clip else 'off'}, world size {case.world_size}, {case.steps} steps")
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """--json: fd 1 carries only the final JSON object; anything else printed (DeepSpeed's logger, C
+    extensions) lands on stderr. Yields a file for the JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real = os.fdopen(saved, "w")
+    try:
+        yield real
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        real.close()
+
+
+def _columns_case(plan: Plan, column: str, uid: str) -> tuple[Case, list[Path]]:
+    """The case one column runs: the user's writable NVMe path gets a fresh private sub-folder."""
+    if not plan.nvme_user_dirs:
+        return plan.case, []
+    cfg = plan.case.config
+    made = []
+    zero = cfg["zero_optimization"]
+    for key, base in plan.nvme_user_dirs.items():
+        sec = key.split(".", 1)[1]
+        sub = base / f"muon-harness-{uid}-{column}-{sec}"
+        zero[sec]["nvme_path"] = str(sub)
+        made.append(sub)
+    return plan.case.replace(ds_config=canonical_json(cfg)), made
+
+
+def _report(outcomes, report: str | None, extra: dict):
+    if report is None:
+        return None, "--no-report"
+    from harness.gate import decide as gate
+    from harness.report import results
+    from harness.report.build import render
+
+    report_path = Path(report)
+    results_dir = report_path.with_name(report_path.stem + "-results")
+    shutil.rmtree(results_dir, ignore_errors=True)
+    try:
+        store = results.ResultStore(results_dir, writer="check")
+        for o in outcomes:
+            gate.record(store, o)
+        out = render(results_dir, report_path, extra=extra)
+        return str(out or report_path), None
+    except Exception as exc:  # a broken report must not change the verdict
+        return None, f"report failed: {type(exc).__name__}: {exc}"
+
+
+def run_check(args) -> int:
+    json_mode = bool(args.json)
+    with contextlib.ExitStack() as stack:
+        json_out = stack.enter_context(_stdout_to_stderr()) if json_mode else None
+        out = _Out(args.quiet, sys.stderr if json_mode else sys.stdout)
+        result = {"config": args.ds_config, "verdict": "bad_input", "exit_code": EXIT_BAD_INPUT}
+        try:
+            plan = validate(args)
+        except BadInput as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            result["message"] = str(exc)
+            if json_out:
+                json_out.write(json.dumps(result) + "\n")
+            return EXIT_BAD_INPUT
+        try:
+            code, result = _execute(plan, args, out)
+        except Exception as exc:  # the harness itself broke: no verdict, never "diverged"
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+            code = EXIT_RUN_FAILED
+            result = {"config": args.ds_config, "verdict": "error", "exit_code": code,
+                      "message": f"{type(exc).__name__}: {exc}"}
+        if json_out:
+            json_out.write(json.dumps(result) + "\n")
+        return code
+
+
+def _plan_lines(plan: Plan, bugs: list[dict]) -> list[str]:
+    """What is about to run: the pipeline, the (scaled) model, the config rewrites, the known bugs."""
+    case = plan.case
+    lines = [f"harness check: {plan.config_path}",
+             f"  pipeline: {_pipeline_text(case)}; launcher {plan.launcher} ({plan.accelerator})"]
+    if plan.factor < 1.0:
+        lines.append(f"  model scaled down (element factor {plan.factor:.3g}; the rule: python -m harness check "
+                     f"--help), world size {case.world_size}:")
+    else:
+        lines.append(f"  model (within budget, unscaled), world size {case.world_size}:")
+    W = case.world_size
+    for a, b in zip(plan.requested, plan.run_shapes):
+        na, nb = math.prod(a), math.prod(b)
+        lines.append(f"    {_fmt_shape(a):>14s} -> {_fmt_shape(b):<12s} numel mod {W}: {na % W} -> {nb % W}; "
+                     f"ZeRO-3 padded partitions {list(padded_ranks(na, W)) or 'none'} -> "
+                     f"{list(padded_ranks(nb, W)) or 'none'}")
+    n_muon = sum(1 for p in case.params if p.uses_muon)
+    lines.append(f"    {len(case.params)} tensors: {n_muon} Muon matri{'x' if n_muon == 1 else 'ces'}, "
+                 f"{len(case.params) - n_muon} Adam vector{'' if len(case.params) - n_muon == 1 else 's'}")
+    lines.append("  config rewritten for the harness:")
+    lines += [f"    - {n}" for n in plan.notes]
+    if bugs:
+        lines.append("  known stock DeepSpeed bug(s) on this pipeline: " + "; ".join(_bug_sentence(b) for b in bugs))
+    return lines
+
+
+def _launcher(plan: Plan):
+    """The launcher for the plan, and the line that says what it starts."""
+    W = plan.case.world_size
+    if plan.launcher == "torchrun":
+        from harness.launch.torchrun import TorchrunManager
+
+        return TorchrunManager(plan.accelerator), f"  starting {W} rank(s) with torchrun ({plan.accelerator}) per case"
+    from harness.launch.pool import PoolManager
+
+    return PoolManager(), f"  starting {W} CPU rank(s) (the first start imports torch and DeepSpeed)"
+
+
+def _run_columns(plan: Plan, columns: list[str], out: _Out) -> dict:
+    """Run the case in each column through the gate's decision; progress goes to ``out``."""
+    from harness.gate.decide import evaluate
+
+    manager, starting = _launcher(plan)
+    out(starting)
+    uid = uuid.uuid4().hex[:8]
+    outcomes = {}
+    made_dirs: list[Path] = []
+    try:
+        for i, col in enumerate(columns, 1):
+            c, made = _columns_case(plan, col, uid)
+            made_dirs += made
+            out(f"[{i}/{len(columns)}] {col}: {c.name} start")
+            o = evaluate(c, col, manager)
+            outcomes[col] = o
+            for line in _step_lines(o):
+                out(line)
+            out(f"[{i}/{len(columns)}] {col}: {c.name} done in {o.seconds:.1f}s: {_status_text(o)}")
+    finally:
+        manager.close()
+        for d in made_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    return outcomes
+
+
+@dataclass
+class CheckResult:
+    """What one ``check`` found: the plan, each column's outcome (``harness.gate.decide.Outcome``), the known
+    bugs on the pipeline and the report written. ``text_lines`` and ``to_json`` render it."""
+
+    plan: Plan
+    columns: list[str]
+    outcomes: dict
+    bugs: list[dict]
+    report_path: str | None
+    report_note: str | None
+    reproduce: str
+
+    @property
+    def decisive(self):
+        return self.outcomes[self.columns[-1]]
+
+    @property
+    def exit_code(self) -> int:
+        return _exit_of(self.decisive.status)
+
+    @property
+    def patched(self) -> bool:
+        return "patched" in self.outcomes
+
+    @property
+    def patched_changes_verdict(self) -> bool | None:
+        if not self.patched:
+            return None
+        return _exit_of(self.outcomes["stock"].status) != _exit_of(self.outcomes["patched"].status)
+
+    def per_quantity(self, col: str) -> tuple[dict, dict]:
+        """(worst ratio, first failing check) per quantity of column ``col``; ``swap``: inf when an NVMe
+        case wrote nothing to its swap folder."""
+        o = self.outcomes[col]
+        worst = worst_by_quantity(o)
+        if o.swapped_bytes is not None:
+            worst["swap"] = 0.0 if o.swapped_bytes > 0 else float("inf")
+        return worst, _first_fail_by_quantity(o)
+
+    def text_lines(self) -> list[tuple[str, bool]]:
+        """The summary after the run, as (line, essential) pairs: ``-q`` prints only essential ones."""
+        lines: list[tuple[str, bool]] = []
+
+        def add(msg: str, essential: bool = False) -> None:
+            lines.append((msg, essential))
+
+        for col, o in self.outcomes.items():
+            if o.verdict is None:
+                continue
+            worst, firsts = self.per_quantity(col)
+            add(f"  {col}: per quantity, worst |error| / allowance over all parameters and steps (<= 1 is within "
+                "tolerance):")
+            for q in sorted(worst, key=lambda q: QUANTITY_ORDER.index(q) if q in QUANTITY_ORDER else 99):
+                if q == "swap":
+                    line = (f"{o.swapped_bytes / 2**20:.1f} MiB moved to/from the swap folder"
+                            if o.swapped_bytes > 0 else "NOTHING written to the swap folder")
+                    add(f"    {'swap':18s} {'ok' if o.swapped_bytes > 0 else 'DIVERGED':9s} {line}")
+                    continue
+                first = firsts.get(q)
+                where = f"  first at step {first.step}, {first.param}" if first else ""
+                add(f"    {q:18s} {'DIVERGED' if first else 'ok':9s} {_ratio_txt(worst[q]):>9s}x{where}")
+        if self.patched:
+            s, p = self.outcomes["stock"], self.outcomes["patched"]
+            add(f"  --patched: stock {_status_text(s)} -> patched {_status_text(p)}: the bundled fixes "
+                + ("CHANGE the verdict" if self.patched_changes_verdict else "do not change the verdict"))
+        for col in self.columns:
+            o = self.outcomes[col]
+            line = _status_text(o)
+            if o.status == "xfailed":
+                line = "DIVERGED: the divergence is known stock DeepSpeed bug " + "; ".join(
+                    _bug_sentence(b) for b in self.bugs if b["id"] in o.bug_ids)
+            elif o.status == "passed" and o.verdict is not None:
+                line += f": every quantity within tolerance (worst {_ratio_txt(o.verdict.worst_ratio)}x its allowance)"
+            elif o.status == "error":
+                line += ": " + (o.message.splitlines()[0] if o.message else "")
+                if o.bug_ids:
+                    line += "; this pipeline hits known stock DeepSpeed bug " + "; ".join(
+                        _bug_sentence(b) for b in self.bugs if b["id"] in o.bug_ids)
+            label = "verdict" if not self.patched else f"verdict ({col})"
+            add(f"{label}: {line}", True)
+        decisive = self.decisive
+        if decisive.status == "error" and decisive.message:
+            tail = decisive.message.splitlines()[-15:]
+            add("  ...\n  " + "\n  ".join(tail))
+        elif decisive.status != "passed" and decisive.message:
+            add("  " + _trim_message(decisive.message).replace("\n", "\n  "))
+        add(f"report: {self.report_path}" if self.report_path else f"report: none ({self.report_note})", True)
+        add(f"reproduce: {self.reproduce}")
+        if any(self.plan.nvme_user_dirs):
+            add("  (the reproducer names the private swap sub-folder this run used; it is created again on rerun)")
+        return lines
+
+    def to_json(self) -> dict:
+        plan, case, decisive = self.plan, self.plan.case, self.decisive
+        code = self.exit_code
+        worst, _ = self.per_quantity(self.columns[-1])
+        first = decisive.verdict.first if decisive.verdict is not None else None
+        return {
+            "verdict": {EXIT_OK: "pass", EXIT_DIVERGED: "diverged", EXIT_RUN_FAILED: "error"}[code],
+            "exit_code": code,
+            "status": decisive.status,
+            "column": self.columns[-1],
+            "config": plan.config_path,
+            "case": decisive.case.name,
+            "pipeline": {"stage": case.stage, "offload": case.offload, "dtype": case.dtype,
+                         "gradient_accumulation_steps": case.grad_accum,
+                         "gradient_clipping": case.config.get("gradient_clipping", 0.0),
+                         "world_size": case.world_size, "steps": case.steps},
+            "launcher": plan.launcher,
+            "accelerator": plan.accelerator,
+            "shapes": {"requested": [list(s) for s in plan.requested], "run": [list(s) for s in plan.run_shapes],
+                       "element_factor": plan.factor, "params": [[p.name, list(p.shape)] for p in case.params]},
+            "rewrites": plan.notes,
+            "worst_ratio": {q: _finite(v) for q, v in worst.items()},
+            "first_divergence": None if first is None else {
+                "param": first.param, "quantity": first.quantity, "step": first.step,
+                "ratio": _finite(first.worst_ratio), "rank": first.rank, "region": first.region,
+                "record": _record_json(first), "problem": first.problem},
+            "bug_ids": list(decisive.bug_ids) if decisive.status in ("xfailed", "failed", "xpassed") else [],
+            "known_bugs": [{k: b.get(k) for k in ("id", "title", "fix", "fixed_by_patched",
+                                                   "observed_fixed_by_patched")} for b in self.bugs],
+            "columns": {col: {"status": o.status, "bug_ids": list(o.bug_ids), "seconds": round(o.seconds, 3),
+                              "worst_ratio": {q: _finite(v) for q, v in self.per_quantity(col)[0].items()},
+                              "swapped_bytes": o.swapped_bytes}
+                        for col, o in self.outcomes.items()},
+            "patched_changes_verdict": self.patched_changes_verdict,
+            "report": self.report_path,
+            "report_note": self.report_note,
+            "reproduce": self.reproduce,
+            "message": decisive.message,
+        }
+
+
+def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out: _Out) -> CheckResult:
+    """Run a validated plan (stock, and patched when asked), write the report, return the result.
+    Progress goes to ``out`` as it happens; the summary is the result's to render."""
+    from harness.cli.main_job import environment
+    from harness.judge.verdict import reproduce_command
+
+    bugs = known_bug_info(plan.case)
+    for line in _plan_lines(plan, bugs):
+        out(line)
+    columns = ["stock", "patched"] if patched else ["stock"]
+    t_all = time.perf_counter()
+    outcomes = _run_columns(plan, columns, out)
+    if patched:
+        s, p = outcomes["stock"], outcomes["patched"]
+        for b in bugs:
+            if b["id"] in s.bug_ids and s.status == "xfailed":
+                b["observed_fixed_by_patched"] = _exit_of(p.status) == EXIT_OK
+    decisive = outcomes[columns[-1]]
+    extra = {"environment": environment(),
+             "check": {"config": plan.config_path, "notes": plan.notes,
+                       "shapes": [_fmt_shape(s) for s in plan.run_shapes]},
+             "elapsed_s": time.perf_counter() - t_all}
+    if report is None and not no_report:
+        report = str(buildenv.PROJECT_ROOT / "reports" / f"{decisive.case.name}.html")
+    report_path, report_note = _report(list(outcomes.values()), None if no_report else report, extra)
+    return CheckResult(plan, columns, outcomes, bugs, report_path, report_note, reproduce_command(decisive.case))
+
+
+def _execute(plan: Plan, args, out: _Out) -> tuple[int, dict]:
+    result = check(plan, patched=args.patched, report=args.report, no_report=args.no_report, out=out)
+    for line, essential in result.text_lines():
+        out(line, essential=essential)
+    return result.exit_code, result.to_json()
+
+
+# --------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ds-config", required=True, help="your DeepSpeed config (JSON)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help=f"matrix shapes, comma separated (default {DEFAULT_SHAPES}); scaled down when too big, "
+                        "keeping aspect ratios and numel mod 2 x world size; a 1-D entry is an Adam vector")
+    p.add_argument("--model", default=None,
+                   help="run a real module instead of --shapes: a built-in (gpt2, llama, resnet, moe) or "
+                        "package.module:factory (harness.models)")
+    p.add_argument("--zero-init", action="store_true",
+                   help="ZeRO-3: build the module under deepspeed.zero.Init, as Hugging Face does")
+    p.add_argument("--trainer-arg", action="append", default=None, metavar="NAME=VALUE",
+                   help="a TrainingArguments value for resolving \"auto\" (e.g. learning_rate=3e-4, bf16=true)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", default=None, help="HTML report path (default reports/<case>.html)")
+    p.add_argument("--no-report", action="store_true", help="write no report")
+    p.add_argument("--patched", action="store_true",
+                   help="also run with the bundled fixes and say whether they change the verdict")
+    p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool",
+                   help="pool: CPU ranks over gloo (default); torchrun: torch.distributed.run, env://, the "
+                        "accelerator's backend (nccl on CUDA)")
+    p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="torchrun launcher only: auto picks cuda when a GPU is visible")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the verdict and report lines")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness check", description=__doc__.splitlines()[0],
+                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    buildenv.apply_base_env()
+    return run_check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

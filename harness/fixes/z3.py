@@ -1,0 +1,388 @@
+"""ZeRO-3: Muon state and arithmetic in fp32, per-group ``ns_method``.
+
+``z3-fp32-muon-state`` (DSM-001 ZeRO-3 part, DSM-005, DSM-009):
+
+* ``_create_momentum_buffer`` makes the Muon momentum in ``communication_data_type`` (fp16/bf16 by
+  default); the fix makes it fp32.
+* no offload (``_apply_muon_to_accumulated_grads`` -> ``_muon_update_sub_group``): stock gathers the
+  gradient and momentum in ``communication_data_type``, runs Muon there and copies the update back
+  into the ``gradient_accumulation_dtype`` gradient partition (rounded to 16 bit). The fix gathers
+  in fp32 and replaces the Muon parameters' entries of ``averaged_gradients`` by fp32 partitions of
+  the update, which ``_prepare_fp32_grad_for_sub_group`` flattens into the fp32 master gradient.
+  It also writes the padded tail of the last rank's momentum partition in the momentum's dtype
+  (stock: ``gradient_accumulation_dtype``, DSM-009).
+* cpu/nvme offload (``_apply_muon_updates_cpu_offload``): stock gathers the fp32 offloaded gradient
+  and the momentum *into gradient_accumulation_dtype*, forms ``g/S`` and ``S*O`` there (fp16: ``S*O``
+  overflows once ``S*max|O| > 65504`` -- a spurious skip and backoff, DSM-005 -- and ``g/S`` flushes
+  gradients below ~6e-5 to subnormals), and stores the momentum in ``communication_data_type``. The
+  fix does all of it in fp32.
+
+``z3-per-group-ns-method`` (DSM-006): without offload every Muon sub-group uses
+``self.muon_ns_method``, the *last* Muon param group's value (``_create_fp16_partitions_with_defragmentation``).
+The fix reads ``ns_method`` (and ``momentum``) from the sub-group's own param group, as the offload
+path already does.
+
+``z3-momentum-tail-past-end`` (DSM-017): without offload, ``_muon_update_sub_group`` writes each rank's
+share of a Muon matrix's momentum back through ``buffer[:n - start] = gathered[start:n]`` whenever the
+share runs past the matrix's ``n`` elements. For a rank whose share starts *past* the end (``start =
+r q > n``, e.g. a 1x5 matrix on 4 ranks: q = 2, rank 3 starts at 6) ``n - start`` is negative, the
+left side is ``q - (start - n)`` elements long and the right side empty: a RuntimeError on that rank
+at the first optimizer step (the other ranks then wait in the next collective). The fix writes
+``max(0, n - start)`` elements: such a rank's share is all padding, and its momentum stays zero.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.fixes._registry import Fix, Target, active, muon_input_scale
+from harness.fixes.units import UNITS
+
+FP32 = "z3-fp32-muon-state"
+NS = "z3-per-group-ns-method"
+TAIL = "z3-momentum-tail-past-end"
+MOD = "deepspeed.runtime.zero.stage3"
+CLS = "DeepSpeedZeroOptimizer_Stage3"
+
+
+def _fp32_momentum(self, i):
+    """Make sub-group ``i``'s Muon momentum fp32 wherever it is held (a buffer created by stock code or
+    restored from a checkpoint may be 16 bit); returns it (None if it does not exist yet)."""
+    fp32_flat = self.fp32_partitioned_groups_flat[i]
+    st = self.optimizer.state.get(fp32_flat)
+    inmem = getattr(self, "muon_momentum_buffer_partitioned_groups_flat", None)
+    if self.save_muon_momentum_buffer_in_memory and inmem is not None and i in inmem:
+        buf = inmem[i]
+        if buf.dtype != torch.float32:
+            new = buf.to(torch.float32)
+            new.requires_grad = False
+            new.swappable = False
+            new.ds_id = getattr(buf, "ds_id", None)
+            inmem[i] = new
+            if st is not None and st.get("momentum_buffer") is buf:
+                st["momentum_buffer"] = new
+            buf = new
+        return buf
+    if st is None or st.get("momentum_buffer") is None:
+        return None
+    buf = st["momentum_buffer"]
+    if buf.dtype != torch.float32 and buf.numel() > 0:
+        st["momentum_buffer"] = buf = buf.to(torch.float32)
+    return buf
+
+
+def make_create_momentum_buffer(orig):
+
+    def _create_momentum_buffer(self, num_elements, i, ds_id):
+        if not active(FP32):
+            return orig(self, num_elements, i, ds_id)
+        if self.use_muon and self.sub_groups_using_muon[i]:
+            buf = torch.zeros(num_elements, device=self.device, dtype=torch.float32)
+            buf.requires_grad = False
+            if self.save_muon_momentum_buffer_in_memory:
+                buf.swappable = False
+                self.muon_momentum_buffer_partitioned_groups_flat[i] = buf
+                self.muon_momentum_buffer_partitioned_groups_flat[i].ds_id = ds_id
+            if self.fp32_partitioned_groups_flat[i] not in self.optimizer.state:
+                self.optimizer.state[self.fp32_partitioned_groups_flat[i]] = {}
+            self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["momentum_buffer"] = buf
+
+    return _create_momentum_buffer
+
+
+def _beta_and_ns(self, i):
+    if active(NS):
+        group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+        return group["momentum"], group.get("ns_method", "gram")
+    return self.muon_beta, getattr(self, "muon_ns_method", "gram")
+
+
+def make_muon_update_sub_group(orig):
+
+    def _muon_update_sub_group(self, i, group_items, communication_data_type):
+        """Stock 0.19.8 ``_muon_update_sub_group`` (stage3.py:1697-1819) with: fp32 gather/momentum
+        (FP32), the padded tail kept in the momentum's dtype (FP32), per-group beta/ns_method (NS)."""
+        fp32, ns, units, tail = active(FP32), active(NS), active(UNITS), active(TAIL)
+        if not (fp32 or ns or units or tail):
+            return orig(self, i, group_items, communication_data_type)
+        # only the non-offload path calls this: gradients and momentum carry the loss scale
+        with muon_input_scale(float(self.loss_scale) if units else None):
+            if not (fp32 or ns or tail):
+                return orig(self, i, group_items, communication_data_type)
+            return _sub_group(self, i, group_items, communication_data_type, fp32)
+
+    return _muon_update_sub_group
+
+
+def _sub_group(self, i, group_items, communication_data_type, fp32):
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+
+    if fp32:
+        communication_data_type = torch.float32
+    params = [param for param, _, _ in group_items]
+    grads = [grad for _, _, grad in group_items]
+    if not params:
+        return
+
+    swapped = self._swappable_optimizer_subgroup(i) and not self.save_muon_momentum_buffer_in_memory
+    momentum_buffer = []
+    if swapped:
+        self.optimizer_swapper.swap_in_optimizer_state(parameter=self.fp32_partitioned_groups_flat[i])
+    if not self.save_muon_momentum_buffer_in_memory and \
+            "momentum_buffer" not in self.optimizer.state.get(self.fp32_partitioned_groups_flat[i], {}):
+        self._create_momentum_buffer(self.fp16_partitioned_groups_flat_numel[i], i,
+                                     self.fp32_partitioned_groups_flat[i].ds_id)
+    if fp32:
+        state_buffer = _fp32_momentum(self, i)
+    elif self.save_muon_momentum_buffer_in_memory:
+        state_buffer = self.muon_momentum_buffer_partitioned_groups_flat[i]
+    else:
+        state_buffer = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["momentum_buffer"]
+    for param, dest_offset, _ in group_items:
+        momentum_buffer.append(state_buffer.narrow(0, dest_offset, param.partition_numel()).clone())
+
+    gathered_params_momentums = self._partitioned_buffers_all_gather(params, momentum_buffer,
+                                                                     communication_data_type)
+    beta, ns_method = _beta_and_ns(self, i)
+
+    process_group = self._get_sub_group_process_group(i)
+    world_sz = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    for base_i in range(0, len(params), world_sz):
+        round_params = params[base_i:base_i + world_sz]
+        round_grads = grads[base_i:base_i + world_sz]
+        round_momentums = gathered_params_momentums[base_i:base_i + world_sz]
+        round_count = len(round_grads)
+        numels = [g.numel() for g in round_grads]
+        uniform_shape = round_count == world_sz and all(g.shape == round_grads[0].shape for g in round_grads)
+
+        if rank < round_count:
+            param = round_params[rank]
+            g = round_grads[rank]
+            m = round_momentums[rank]
+            update = muon_update(g, m, beta=beta, ns_method=ns_method,
+                                 num_heads=getattr(param, 'muon_num_heads', None))
+            g.data.copy_(update, non_blocking=False)
+
+        if uniform_shape:
+            local_grad = round_grads[rank]
+            local_momentum = round_momentums[rank]
+            grad_out = round_grads
+            momentum_out = round_momentums
+        else:
+            max_numel = max(numels)
+            if rank < round_count:
+                local_grad = torch.zeros(max_numel, dtype=g.dtype, device=g.device)
+                local_grad[:g.numel()] = g.view(-1)
+                local_momentum = torch.zeros(max_numel, dtype=m.dtype, device=m.device)
+                local_momentum[:m.numel()] = m.view(-1)
+            else:
+                ref_grad = round_grads[0]
+                ref_momentum = round_momentums[0]
+                local_grad = torch.zeros(max_numel, dtype=ref_grad.dtype, device=ref_grad.device)
+                local_momentum = torch.zeros(max_numel, dtype=ref_momentum.dtype, device=ref_momentum.device)
+            grad_out = [torch.empty_like(local_grad) for _ in range(world_sz)]
+            momentum_out = [torch.empty_like(local_momentum) for _ in range(world_sz)]
+
+        grad_handle = dist.all_gather(grad_out, local_grad, group=process_group, async_op=True)
+        momentum_handle = dist.all_gather(momentum_out, local_momentum, group=process_group, async_op=True)
+        momentum_handle.wait()
+        grad_handle.wait()
+        if not uniform_shape:
+            for grad, momentum, gathered_grad, gathered_momentum in zip(round_grads, round_momentums, grad_out,
+                                                                        momentum_out):
+                grad.data.copy_(gathered_grad[:grad.numel()].view_as(grad), non_blocking=False)
+                momentum.view(-1).data.copy_(gathered_momentum[:momentum.numel()], non_blocking=False)
+
+    for idx, (param, dest_offset, grad) in enumerate(group_items):
+        gathered_momentum = gathered_params_momentums[idx]
+        chunk_sz = math.ceil(grad.numel() / world_sz)
+        start_offset = rank * chunk_sz
+        end_offset = start_offset + chunk_sz
+        if end_offset > grad.numel():
+            tail_dtype = gathered_momentum.dtype if fp32 else self.gradient_accumulation_dtype
+            buffer_to_update = torch.zeros(chunk_sz, device=grad.device, dtype=tail_dtype)
+            real = max(0, grad.numel() - start_offset) if active(TAIL) else grad.numel() - start_offset
+            buffer_to_update[:real] = gathered_momentum.view(-1).data[start_offset:grad.numel()]
+        else:
+            buffer_to_update = gathered_momentum.view(-1).data[start_offset:end_offset]
+        if swapped:
+            self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["momentum_buffer"].narrow(
+                0, dest_offset, param.partition_numel()).data.copy_(buffer_to_update, non_blocking=False)
+        elif self.save_muon_momentum_buffer_in_memory:
+            self.muon_momentum_buffer_partitioned_groups_flat[i].narrow(
+                0, dest_offset, param.partition_numel()).data.copy_(buffer_to_update, non_blocking=False)
+            self.optimizer.state[self.fp32_partitioned_groups_flat[i]][
+                "momentum_buffer"] = self.muon_momentum_buffer_partitioned_groups_flat[i]
+        else:
+            self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["momentum_buffer"].narrow(
+                0, dest_offset, param.partition_numel()).data.copy_(buffer_to_update, non_blocking=False)
+    if swapped:
+        self.optimizer_swapper.swap_out_optimizer_state(parameter=self.fp32_partitioned_groups_flat[i])
+
+
+def make_apply_muon_to_accumulated_grads(orig):
+
+    def _apply_muon_to_accumulated_grads(self):
+        """Stock (stage3.py:1821-1858) with fp32 gather and fp32 update partitions (FP32)."""
+        if not active(FP32) or not self.use_muon or self.offload_optimizer:
+            return orig(self)
+        from deepspeed import comm as dist
+
+        for i, group in enumerate(self.fp16_groups):
+            if not self.sub_groups_using_muon[i] or not group:
+                continue
+            self.sub_groups_lacking_loss_scale.add(i)
+            rank = dist.get_rank(group=self._get_sub_group_process_group(i))
+            partitions = self.averaged_gradients[i]
+            start = 0
+            while start < len(group):
+                end, numel = start, 0
+                while end < len(group) and (end == start or numel + group[end].ds_numel <= self.reduce_bucket_size):
+                    numel += group[end].ds_numel
+                    end += 1
+                params, chunk = group[start:end], partitions[start:end]
+                full_grads = self._partitioned_buffers_all_gather(params, chunk, torch.float32)
+                group_items = [(param, self.grad_position[self.get_param_id(param)][1], full_grad)
+                               for param, full_grad in zip(params, full_grads)]
+                self._muon_update_sub_group(i, group_items, torch.float32)
+                for k, (param, partition, update) in enumerate(zip(params, chunk, full_grads)):
+                    offset = rank * param.partition_numel()
+                    num_elements = max(0, min(param.partition_numel(), param.ds_numel - offset))
+                    local = torch.zeros(param.partition_numel(), dtype=torch.float32, device=partition.device)
+                    if num_elements > 0:
+                        local.narrow(0, 0, num_elements).copy_(update.reshape(-1).narrow(0, offset, num_elements))
+                    partitions[start + k] = local  # the fp32 update replaces the 16-bit gradient partition
+                start = end
+
+    return _apply_muon_to_accumulated_grads
+
+
+def make_apply_muon_updates_cpu_offload(orig):
+
+    @torch.no_grad()
+    def _apply_muon_updates_cpu_offload(self):
+        """Stock (stage3.py:2588-2680) with the gather, g/S, the momentum and S*O in fp32 (FP32)."""
+        if not active(FP32) or not self.use_muon:
+            return orig(self)
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.muon.original_muon import muon_update
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        accelerator_device = get_accelerator().current_device_name()
+        for sub_group_id, params in enumerate(self.fp16_groups):
+            muon_params = [param for param in params if getattr(param, "use_muon", False)]
+            if not muon_params:
+                continue
+
+            if self._swappable_optimizer_subgroup(sub_group_id):
+                self._optimizer_states_and_gradient_swap_in(sub_group_id)
+
+            fp32_param = self.fp32_partitioned_groups_flat[sub_group_id]
+            subgroup_numel = int(self.fp16_partitioned_groups_flat_numel[sub_group_id])
+            if self.save_muon_momentum_buffer_in_memory:
+                momentum = self.muon_momentum_buffer_partitioned_groups_flat.get(sub_group_id)
+                momentum_was_created = momentum is None or momentum.numel() != subgroup_numel
+                if momentum_was_created:
+                    self._create_momentum_buffer(subgroup_numel, sub_group_id, fp32_param.ds_id)
+                momentum = _fp32_momentum(self, sub_group_id)
+            else:
+                state = self.optimizer.state.setdefault(fp32_param, {})
+                momentum = state.get("momentum_buffer")
+                momentum_was_created = momentum is None or momentum.numel() != subgroup_numel
+                if momentum_was_created:
+                    self._create_momentum_buffer(subgroup_numel, sub_group_id, fp32_param.ds_id)
+                momentum = _fp32_momentum(self, sub_group_id)
+
+            local_grad_parts = []
+            local_momentum_parts = []
+            for param in muon_params:
+                _, dest_offset, _ = self.grad_position[self.get_param_id(param)]
+                numel = param.partition_numel()
+                local_grad_parts.append(fp32_param.grad.narrow(0, dest_offset, numel).to(accelerator_device))
+                if not momentum_was_created:
+                    local_momentum_parts.append(momentum.narrow(0, dest_offset, numel).to(accelerator_device))
+
+            if momentum_was_created:
+                full_grads = self._partitioned_buffers_all_gather(muon_params, local_grad_parts, torch.float32)
+                full_momentums = [torch.zeros_like(full_grad) for full_grad in full_grads]
+            else:
+                full_grads, full_momentums = self._partitioned_buffers_all_gather(
+                    muon_params, local_grad_parts, torch.float32, additional_buffers_to_allgather=local_momentum_parts)
+
+            loss_scale = float(self.loss_scale)
+            if loss_scale != 1.0:
+                for grad in full_grads:
+                    grad.div_(loss_scale)
+
+            optimizer_group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
+
+            for param, full_grad, full_momentum in zip(muon_params, full_grads, full_momentums):
+                update = muon_update(full_grad,
+                                     full_momentum,
+                                     beta=optimizer_group["momentum"],
+                                     ns_method=optimizer_group.get("ns_method", "gram"),
+                                     is_expert_group=getattr(param, "is_expert_group", False),
+                                     num_heads=getattr(param, "muon_num_heads", None))
+                partition_numel = param.partition_numel()
+                partition_rank = self._get_param_partition_rank(param)
+                start = partition_rank * partition_numel
+                real_numel = min(partition_numel, max(0, param.ds_numel - start))
+                local_update = torch.zeros(partition_numel, dtype=torch.float32, device=accelerator_device)
+                if real_numel > 0:
+                    local_update[:real_numel].copy_(update.reshape(-1).narrow(0, start, real_numel))
+                _, dest_offset, _ = self.grad_position[self.get_param_id(param)]
+                scaled_local_update = local_update * loss_scale if loss_scale != 1.0 else local_update
+                fp32_param.grad.narrow(0, dest_offset,
+                                       partition_numel).copy_(scaled_local_update.to(fp32_param.grad.dtype))
+                local_momentum = torch.zeros(partition_numel, dtype=torch.float32, device=accelerator_device)
+                if real_numel > 0:
+                    local_momentum[:real_numel].copy_(full_momentum.reshape(-1).narrow(0, start, real_numel))
+                momentum.narrow(0, dest_offset, partition_numel).copy_(local_momentum.to(momentum.dtype))
+                self.norm_for_param_grads[self.get_param_id(param)] = scaled_local_update.to(get_norm_dtype()).norm(2)
+
+            if self.save_muon_momentum_buffer_in_memory and fp32_param in self.optimizer.state:
+                self.optimizer.state[fp32_param]["momentum_buffer"] = momentum
+
+            if self._swappable_optimizer_subgroup(sub_group_id):
+                self._writeback_swap_state(sub_group_id,
+                                           write_opt_state=not self.save_muon_momentum_buffer_in_memory,
+                                           write_gradients=True)
+
+    return _apply_muon_updates_cpu_offload
+
+
+T_CREATE = Target(MOD, f"{CLS}._create_momentum_buffer", "8186c5a29fe28725", make_create_momentum_buffer)
+T_SUBGROUP = Target(MOD, f"{CLS}._muon_update_sub_group", "5ccd645108e1cd1d", make_muon_update_sub_group)
+T_ACCUM = Target(MOD, f"{CLS}._apply_muon_to_accumulated_grads", "b267fa92278f2641",
+                 make_apply_muon_to_accumulated_grads)
+T_OFFLOAD = Target(MOD, f"{CLS}._apply_muon_updates_cpu_offload", "8bf7b89176bda107",
+                   make_apply_muon_updates_cpu_offload)
+
+FIXES = (
+    Fix(name=FP32, bug_id="DSM-001",
+        symptom="ZeRO-3, fp16/bf16 model: the Muon momentum lives in communication_data_type and Muon runs in "
+                "16 bit; without offload the update is rounded into the 16-bit gradient partition, with "
+                "offload g/S and S*O are formed in gradient_accumulation_dtype (fp16: S*O overflows -> spurious "
+                "skip and backoff; g/S underflows), and the padded tail of the last rank's momentum partition "
+                "is rounded to gradient_accumulation_dtype.",
+        trigger="stage 3, fp16 or bf16 (any offload) unless communication_data_type and (offload) "
+                "grad_accum_dtype are fp32",
+        targets=(T_CREATE, T_SUBGROUP, T_ACCUM, T_OFFLOAD),
+        also_fixes=("DSM-005", "DSM-009"),
+        notes="fp32 momentum doubles the 16-bit buffer; NVMe-swapped momentum was already swapped through fp32 "
+              "buffers."),
+    Fix(name=NS, bug_id="DSM-006",
+        symptom="ZeRO-3 without offload silently applies the last Muon param group's ns_method to every Muon "
+                "sub-group.",
+        trigger="stage 3, offload none, two or more Muon param groups with different ns_method",
+        targets=(T_SUBGROUP,)),
+    Fix(name=TAIL, bug_id="DSM-017",
+        symptom="ZeRO-3 without offload: a rank whose share of a Muon matrix starts past the matrix's end "
+                "raises a RuntimeError (expanded size must match) writing its momentum at the first step.",
+        trigger="stage 3, offload none, a Muon matrix of n elements on W ranks with q = ceil(n/W), n % q != 0 "
+                "and ceil(n/q) < W (e.g. n = 5, W = 4)",
+        targets=(T_SUBGROUP,)),
+)

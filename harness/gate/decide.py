@@ -1,0 +1,269 @@
+"""Run a case end to end and decide its status.
+
+The decision is shared by the pytest suite and ``python -m harness gate`` (``harness.cli.main_job``), so
+the two can never disagree about what passed:
+
+* passed   -- every quantity within tolerance (and an NVMe case really swapped);
+             or, for a config DeepSpeed itself must refuse (``harness.registry.refusals``), refused exactly so;
+             or, for a tensor-parallel case (``harness.rank.tp_case``), every rank's shards as
+             ``harness.judge.tp_verdict`` says;
+* xfailed  -- stock DeepSpeed diverged from the intended oracle as a registered bug the case triggers
+              predicts (``harness.registry.bugs``), and matches the oracle with that bug's model switched on at
+              the usual tolerances (or crashed exactly as a crash bug says); carries the bug ids;
+* xpassed  -- a bug was expected and did not show: the registry is stale (a failure);
+* failed   -- a divergence no bug model explains (the usual localised message);
+* error    -- the case produced no trajectory (a rank raised, died or hung).
+
+``Outcome.strength`` says how strongly the case was judged (``harness.report.results.strength_summary``).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+from harness.registry import refusals as ds_refusals
+from harness.registry.bugs import NUMERIC, bugs_for, refusals_for
+from harness.case.spec import Case
+from harness.launch.launcher import CaseFailure, Launcher, RankDied, RankFailed
+from harness.judge.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
+
+
+@dataclass
+class Outcome:
+    case: Case
+    column: str
+    status: str
+    bug_ids: list[str]
+    message: str
+    seconds: float
+    verdict: Verdict | None = None
+    unexplained: list = field(default_factory=list)
+    swapped_bytes: int | None = None
+    trajectory: object = None
+    refused: bool = False  # the patched runtime refused the case, as its fix for a bug says it must
+    # How strongly the case was judged: "full" (no excuse, or every excuse matched its bug model),
+    # "excused" (a bug without a model excused quantities by name), "crash" / "refusal" (an exact
+    # exception was the expected result), None (no verdict: error).
+    strength: str | None = "full"
+    intended: Verdict | None = None  # the intended-oracle verdict where ``verdict`` is the bug model's
+    model_verdict: Verdict | None = None  # the bug model's verdict of an xfailed case
+
+
+def columns() -> list[str]:
+    """The patched column exists only on the release the patched runtime was written against."""
+    from harness.env import versions
+
+    return ["stock", "patched"] if versions.patched_applies() else ["stock"]
+
+
+def _problems(c: Case, verdict: Verdict, traj) -> tuple[list[tuple[str, str]], list[str]]:
+    """(param, quantity) of every failed check, plus an NVMe case that never swapped."""
+    problems = [(f.param, f.quantity) for f in verdict.failures]
+    msgs = []
+    if c.offload == "nvme" and traj.swapped_bytes <= 0:
+        problems.append(("<case>", "swap"))
+        msgs.append(f"{c.name}: claims NVMe offload but wrote and read 0 bytes in the swap folder "
+                    f"(a case that never swapped is not an NVMe check)\n  reproduce: {reproduce_command(c)}")
+    return problems, msgs
+
+
+def model_changes(case: Case, bugs) -> dict:
+    """The merged oracle switches of the modelled bugs a case triggers (``Bug.model``)."""
+    changes: dict = {}
+    for b in bugs:
+        if b.model is None or b.model(case) is None:
+            continue
+        for k, v in b.model(case).items():
+            if k in changes and changes[k] != v:
+                raise ValueError(f"{case.name}: bug models disagree on Conventions.{k}: {changes[k]!r} vs {v!r}")
+            changes[k] = v
+    return changes
+
+
+# The last few verdicts, by what decided them: the case without its column, every bit of the run the
+# judge reads (``Trajectory.judged_digest``) and the oracle's conventions. The gate runs a case's columns
+# back to back (``harness.cli.main_job``), and wherever the patched runtime leaves a case's run bit-identical
+# to stock (most passing cases) its verdict is the stock one: the judge is a pure function of those
+# three, so judging it again would only repeat the float64 replay. A handful of entries keeps the
+# parent's memory flat (one case's verdicts, intended and bug-model).
+_VERDICTS: OrderedDict = OrderedDict()
+_VERDICTS_KEPT = 4
+
+
+def judged(c: Case, traj, conventions=None, *, digest: str | None = None) -> Verdict:
+    """``verdict.judge``, once per (case without its column, run bits, conventions). ``digest``: the
+    run's ``judged_digest()`` where the caller already took it (a bug-model judge follows the intended one)."""
+    key = (c.replace(patched=False).to_json(), digest or traj.judged_digest(), repr(conventions),
+           tuple((k, id(f)) for k, f in ORACLE_HOOKS.items()))  # a test's deliberately wrong oracle
+    hit = _VERDICTS.get(key)
+    if hit is None:
+        hit = judge(c, traj) if conventions is None else judge(c, traj, conventions=conventions)
+        _VERDICTS[key] = hit
+        while len(_VERDICTS) > _VERDICTS_KEPT:
+            _VERDICTS.popitem(last=False)
+    # the verdict names its case (record key, reproducer): this column's
+    return replace(hit, case=c, checks=list(hit.checks), notes=list(hit.notes))
+
+
+def _judge_refusal(c: Case, column: str, manager: Launcher, refusals) -> Outcome:
+    """A config DeepSpeed itself must refuse (``harness.registry.refusals``): passed only when a rank raised
+    exactly the refusal; failed when DeepSpeed ran the case; error on any other failure."""
+    names = ", ".join(r.name for r in refusals)
+    t0 = time.perf_counter()
+    try:
+        out = manager.run(c)
+    except CaseFailure as exc:
+        if isinstance(exc, RankFailed) and all(r.matches(exc.details) for r in refusals):
+            return Outcome(c, column, "passed", [], f"{c.name}: DeepSpeed refused it as it must ({names}: "
+                           f"{refusals[0].etype}: {refusals[0].fragment}, {refusals[0].frame})",
+                           time.perf_counter() - t0, strength="refusal")
+        return Outcome(c, column, "error", [], f"{c.name}: expected DeepSpeed's refusal {names} "
+                       f"({refusals[0].etype}: {refusals[0].fragment}, in {refusals[0].frame}); got:\n{exc}",
+                       time.perf_counter() - t0, strength=None)
+    return Outcome(c, column, "failed", [],
+                   f"{c.name}: DeepSpeed must refuse this config ({names}: {refusals[0].etype} "
+                   f"'{refusals[0].fragment}' in {refusals[0].frame}, {refusals[0].source}) but ran it"
+                   f"\n  reproduce: {reproduce_command(c)}", time.perf_counter() - t0, trajectory=out.result)
+
+
+def _judge_tp(c: Case, column: str, manager: Launcher) -> Outcome:
+    """A tensor-parallel case (``harness.rank.tp_case``): every rank's shards against the oracle of
+    ``harness.judge.tp_verdict``; error when a rank raised. No registered bug applies to this case kind."""
+    from harness.judge import tp_verdict
+
+    t0 = time.perf_counter()
+    try:
+        out = manager.run(c)
+    except CaseFailure as exc:
+        return Outcome(c, column, "error", [], str(exc), time.perf_counter() - t0, strength=None)
+    v = tp_verdict.judge(c, out.result)  # the shared record: the report and the reproducer as for any case
+    problems = [(f.param, f.quantity) for f in v.failures]
+    return Outcome(c, column, "failed" if problems else "passed", [], v.message(), time.perf_counter() - t0,
+                   v, problems, trajectory=out.result)
+
+
+def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
+    """``_evaluate``'s decision, with a failure on stock that an intermittent bug of the installed release
+    could explain naming that bug (``historical_bugs.INTERMITTENT``); the status stays what it was."""
+    from harness.registry import historical as historical_bugs
+    from harness.env import versions
+
+    o = _evaluate(case, column, manager)
+    if o.status in ("failed", "error") and column == "stock":
+        notes = historical_bugs.intermittent_notes(o.case, versions.installed().release)
+        if notes:
+            o = replace(o, message=o.message + "\n" + "\n".join(notes))
+    return o
+
+
+def _evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
+    """Run one case on one column and decide its status.
+
+    A case a registered bug triggers is judged twice: (a) against the intended oracle, where it must
+    diverge in the bug's quantities (else the registry is stale: xpassed), and (b) against the oracle
+    with the bugs' models switched on (``Bug.model`` -> ``oracles.Conventions``), at the same
+    tolerances as any passing case: any divergence there fails the case. Only non-numerical
+    quantities a modelled bug names ("swap") are excused in (b). A bug without a model for the case
+    (``Bug.model`` None) still excuses its quantities by name; such a case is not judged at full strength
+    (``Outcome.strength``). A crash bug is accepted only for its exact exception, message and frame.
+    """
+    from harness.env import versions
+
+    patched = column == "patched"
+    adapted = versions.adapt(case)  # the installed DeepSpeed's config needs / refusals by design
+    if adapted.case is None:
+        return Outcome(case.replace(patched=patched), column, "skipped", [], f"{case.name}: {adapted.deselected}",
+                       0.0, strength=None)
+    c = adapted.case.replace(patched=patched)
+    must_refuse = ds_refusals.expected(c)
+    if must_refuse:
+        return _judge_refusal(c, column, manager, must_refuse)
+    from harness.rank.tp_case import autotp_size
+
+    if autotp_size(c) > 1:
+        return _judge_tp(c, column, manager)
+    bugs = bugs_for(c, patched=patched)
+    ids = [b.id for b in bugs]
+    refusals = refusals_for(c) if patched else []
+    crashes = [b for b in bugs if b.crash is not None]
+    t0 = time.perf_counter()
+    try:
+        out = manager.run(c)
+    except CaseFailure as exc:
+        text = str(exc)
+        if refusals and isinstance(exc, RankFailed) and all(b.refusal_matches(exc.details) for b in refusals):
+            names = ", ".join(b.id for b in refusals)
+            why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
+            return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "
+                           f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True,
+                           strength="refusal")
+        # a rank killed by a signal (a C++ assert in an op) is a crash too: its report carries faulthandler's stack
+        if crashes and isinstance(exc, (RankFailed, RankDied)) and any(b.crash_matches(exc.details) for b in crashes):
+            hit = [b.id for b in crashes if b.crash_matches(exc.details)]
+            return Outcome(c, column, "xfailed", hit, f"{c.name}: crashed exactly as {', '.join(hit)} predicts\n"
+                           + text[-1500:], time.perf_counter() - t0, strength="crash")
+        return Outcome(c, column, "error", ids, text, time.perf_counter() - t0, strength=None)
+    if refusals:
+        return Outcome(c, column, "failed", ids,
+                       f"{c.name}: the patched runtime should have refused this case "
+                       f"({', '.join(b.id for b in refusals)}) but ran it\n  reproduce: {reproduce_command(c)}",
+                       time.perf_counter() - t0, trajectory=out.result)
+    traj = out.result
+    digest = traj.judged_digest()  # once: the bug model's judge of the same run keys on it too
+    verdict = judged(c, traj, digest=digest)
+    problems, extra_msgs = _problems(c, verdict, traj)
+    seconds = time.perf_counter() - t0
+    if crashes:
+        return Outcome(c, column, "xpassed" if not problems else "failed", ids,
+                       f"{c.name}: expected the crash of {', '.join(b.id for b in crashes)}, but the case ran\n"
+                       + "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs),
+                       seconds, verdict, problems, traj.swapped_bytes if c.offload == "nvme" else None, traj)
+    swapped = traj.swapped_bytes if c.offload == "nvme" else None
+    if not bugs:
+        status = "failed" if problems else "passed"
+        message = "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs) or verdict.message()
+        return Outcome(c, column, status, ids, message, seconds, verdict, problems, swapped, traj)
+
+    modelled = [b for b in bugs if b.model is not None and b.model(c) is not None]
+    unmodelled = [b for b in bugs if b not in modelled]
+    named = set().union(*(b.quantities for b in bugs))
+    # (a) the bugs must show against the intended oracle, in the quantities they name
+    if not any(q in named for _, q in problems):
+        message = (f"expected bug(s) {', '.join(ids)} did not show: the bug registry is stale for {c.name}"
+                   + ("" if not problems else "\n" + verdict.message()))
+        return Outcome(c, column, "xpassed", ids, message, seconds, verdict, problems, swapped, traj)
+    # (b) DeepSpeed must match the bug models at full strength
+    changes = model_changes(c, modelled)
+    mverdict = verdict if not changes else judged(c, traj, bug_model(changes), digest=digest)
+    seconds = time.perf_counter() - t0
+    mproblems, mmsgs = _problems(c, mverdict, traj)
+    excused = set().union(*(b.quantities - NUMERIC for b in modelled), *(b.quantities for b in unmodelled))
+    residual = [p for p in mproblems if p[1] not in excused]
+    model_txt = ", ".join(f"{b.id}: {b.model(c) or 'numbers unchanged'}" for b in modelled)
+    if residual:
+        message = (f"{c.name}: stock DeepSpeed does not match the model of {', '.join(b.id for b in modelled)} "
+                   f"({model_txt}); divergences the bug(s) do not predict: {sorted(set(residual))}\n"
+                   + "\n".join(([] if mverdict.passed else [mverdict.message()]) + mmsgs))
+        return Outcome(c, column, "failed", ids, message, seconds, mverdict, residual, swapped, traj,
+                       intended=verdict)
+    strength = "full" if not unmodelled else "excused"
+    message = (f"{c.name}: diverges from the intended oracle as {', '.join(ids)} predicts and matches the bug "
+               f"model(s) ({model_txt or 'none'}) within the usual tolerances"
+               + (f"; not modelled, excused by quantity: {', '.join(b.id for b in unmodelled)}" if unmodelled else "")
+               + "\n" + "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs))
+    return Outcome(c, column, "xfailed", ids, message, seconds, verdict, [], swapped, traj, strength=strength,
+                   model_verdict=mverdict)
+
+
+def record(store, o: Outcome) -> None:
+    from harness.report import results
+
+    if o.verdict is None:
+        store.add(results.error_record(o.case, column=o.column, message=o.message, seconds=o.seconds,
+                                       bug_ids=o.bug_ids, status=o.status, strength=o.strength))
+        return
+    rec, maps = results.from_verdict(o.verdict, column=o.column, status=o.status, bug_ids=o.bug_ids,
+                                     seconds=o.seconds, message=o.message, swapped_bytes=o.swapped_bytes,
+                                     strength=o.strength)
+    store.add(rec, maps)

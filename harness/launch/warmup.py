@@ -1,0 +1,108 @@
+"""Pay DeepSpeed's one-off costs once, outside any test timeout.
+
+Cold JIT builds of cpu_adam, fused_adam, async_io and the shm comm op cost ~12 CPU-minutes on this
+machine, and the first torch.compile of ``muon_update`` ~40 CPU-s. A test that paid either would
+blow its per-case timeout, so the set-up script runs ``python -m harness.launch.warmup`` and every later
+process only loads from the project's own cache (see ``harness.env.buildenv``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from harness.env import buildenv
+
+OPS = buildenv.OPS
+OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
+STALE_LOCK_AGE_S = 20 * 60
+
+
+def fill_cpuinfo_cache() -> dict:
+    path = buildenv.cpuinfo_cache()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import cpuinfo
+
+    info = cpuinfo.get_cpu_info()
+    path.write_text(json.dumps(info))
+    return info
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def build_ops(names=OPS, say=_say) -> dict[str, float]:
+    """Build (or load from the cache) each op in turn, saying which one before it starts and how long
+    it took when done: a cold build is minutes of silence otherwise.
+
+    Each op is built once per content key (``harness.env.buildenv.ensure_op``): a release whose op sources
+    and flags match another's links to that build instead of rebuilding it. Ranks import the ``.so``
+    directly (``harness.rank.runtime_state.preload_built_ops``): a JIT load would rebuild it whenever the
+    build file names other absolute paths than the ones that built it."""
+    from deepspeed.accelerator import get_accelerator
+
+    from harness.rank import runtime_state
+
+    seconds = {}
+    keys: dict[str, str] = {}
+    for name in names:
+        say(f"warmup: op {name} ...")
+        t0 = time.perf_counter()
+        builder = get_accelerator().create_op_builder(name)
+        if name in OPTIONAL and (builder is None or type(builder).__name__ == "NotImplementedBuilder"):
+            say(f"warmup: op {name}: not in this DeepSpeed release (skipped)")
+            continue
+        if builder is None:
+            raise RuntimeError(f"DeepSpeed's cpu accelerator has no op builder {name}")
+        if not builder.is_compatible(verbose=True):
+            hint = " (install Debian's libaio-dev)" if name == "AsyncIOBuilder" else ""
+            raise RuntimeError(f"op {builder.NAME} is not compatible with this machine{hint}")
+        deps = (keys["pin_memory"],) if builder.NAME == "async_io" and "pin_memory" in keys else ()
+        keys[builder.NAME] = key = buildenv.builder_key(builder, deps)
+        if deps:
+            # async_io's load() loads pin_memory first; have it in memory so the build does not rebuild it
+            runtime_state.preload_built_ops()
+        how = buildenv.ensure_op(builder.NAME, key, lambda b=builder: b.load(verbose=False))
+        seconds[builder.NAME] = time.perf_counter() - t0
+        say(f"warmup: op {builder.NAME} ready in {seconds[builder.NAME]:.1f}s ({how}, key {key})")
+    return seconds
+
+
+def fill_compile_cache() -> float:
+    """Compile muon_update once so the compiled subset of cases reads inductor's on-disk cache."""
+
+    from harness.rank import compiled
+
+    t0 = time.perf_counter()
+    compiled.warm_compiled_muon_update()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-compile", action="store_true", help="do not fill the torch.compile cache")
+    ap.add_argument("--ops", default=os.environ.get("MUON_HARNESS_OPS", ",".join(OPS)),
+                    help="comma-separated op builders to build (default: MUON_HARNESS_OPS, else all)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    buildenv.apply_base_env({"TORCHDYNAMO_DISABLE": "0"})
+    # A lock is stale once it is older than any build here takes (cold async_io: ~7 min wall on 2
+    # cores); a younger one may belong to a live build or load in another process, and removing it
+    # breaks that process (seen: FileNotFoundError on .../cpu_adam/lock), so it is waited for.
+    removed = buildenv.clear_stale_locks(max_age_s=STALE_LOCK_AGE_S)
+    for lock in removed:
+        print(f"warmup: removed stale build lock {lock}")
+    fill_cpuinfo_cache()
+    ops = build_ops(tuple(o for o in args.ops.split(",") if o)) if args.ops != ",".join(OPS) else build_ops()
+    if not args.skip_compile:
+        _say("warmup: torch.compile cache for muon_update ...")
+        _say(f"warmup: torch.compile cache for muon_update filled in {fill_compile_cache():.1f}s")
+    _say(f"warmup: done in {time.perf_counter() - t0:.1f}s ({len(ops)} ops: {sum(ops.values()):.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The compiled path, as users run it: DeepSpeed decorates ``muon_update`` with torch.compile.
+
+Compiled Newton-Schulz rounds differently from eager (inductor fuses the elementwise ops in fp32),
+so it gets its own set of cases (``harness.catalog.matrix.compiled_cases``), each starting from a fresh
+dynamo state (``harness.launch.pool._fresh_dynamo`` in reused compiled ranks): ``hpns`` cases force the
+Newton-Schulz compute dtype to float64 so the compiled plumbing is judged to fp32 round-off,
+``exact`` cases keep DeepSpeed's 16-bit Newton-Schulz. Warming fills inductor's on-disk FX-graph
+cache for the shapes, input dtypes and Newton-Schulz dtypes those cases use, in both call orders
+(the first shape compiles static, the second recompiles with dynamic sizes), so a case pays dynamo's
+tracing, not inductor's code generation.
+"""
+from __future__ import annotations
+
+# Shapes the compiled subset uses (harness.case.scenarios.TINY_PARAMS); dtype per precision path.
+WARM_SHAPES = ((6, 5), (7, 3))
+
+
+def warm_compiled_muon_update() -> None:
+    """One fresh dynamo per (Newton-Schulz dtype, gradient dtype): dynamo's recompile limit would
+    otherwise silently fall back to eager part way through, leaving those graphs uncached. The
+    momentum has the gradient's dtype (``momentum.lerp(grad)`` requires it); the gate's compiled cases
+    use gram Newton-Schulz."""
+    import torch
+    from deepspeed.runtime.zero.muon import original_muon
+
+    from harness.rank.ds_run import force_ns_dtype
+
+    from harness.env import versions
+
+    combos = [(d, d) for d in (torch.float32, torch.float16, torch.bfloat16)]  # lerp needs equal dtypes
+    # float64 Newton-Schulz only where the release has the hook that forces it (its cases are deselected
+    # elsewhere: on 0.19.6 this warm-up raised AttributeError on ``ns_compute_dtype``)
+    hpns = () if versions.refuses("ns-compute-dtype-hook") else ("float64",)
+    # 0.18.9's muon_update takes no ns_method (the warm-up raised TypeError there, session 9)
+    ns = {"ns_method": "gram"} if versions.has_ns_method() else {}
+    for ns_dtype in (None, *hpns):
+        with force_ns_dtype(ns_dtype):
+            for dtype, mom_dtype in combos:
+                torch._dynamo.reset()
+                for shape in WARM_SHAPES:
+                    grad = torch.randn(shape).to(dtype)
+                    momentum = torch.zeros(shape, dtype=mom_dtype)
+                    original_muon.muon_update(grad, momentum, 0.95, **ns)

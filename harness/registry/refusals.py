@@ -1,0 +1,121 @@
+"""Configurations DeepSpeed itself must refuse: a case that triggers one passes only when every rank
+it hears from raised exactly that refusal, and fails when DeepSpeed runs it.
+
+Why a case kind of its own: the harness refuses some configurations before any rank starts (``python
+-m harness check``, ``harness.cli.check_config``) because DeepSpeed refuses them inside
+``deepspeed.initialize``. The gate's ordinary cases then never hand DeepSpeed such a config, so a
+DeepSpeed that stopped refusing one (its guard negated or deleted) would run Muon on a path it says
+it cannot run, and nothing would notice. These cases hand it the config on purpose.
+
+A refusal is matched as a crash bug is (``harness.registry.bugs.raised_in``): exception type, a message
+fragment (DeepSpeed's own words) and the frame that raises, read from the rank's traceback. Each entry
+names the source lines it was read from; ``lo`` is the oldest release it was checked on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DsRefusal:
+    name: str
+    etype: str  # the exception's type as the traceback's last line names it
+    fragment: str  # DeepSpeed's message (a fragment of it)
+    frame: str  # "file.py:function": where it must be raised
+    source: str  # where it was read (DeepSpeed file:line per release)
+    applies: object  # (case, cfg) -> bool
+    lo: str | None = None  # oldest release the refusal was read on (None: any)
+
+    def matches(self, traceback: str) -> bool:
+        from harness.registry.bugs import raised_in
+
+        file, _, func = self.frame.partition(":")
+        return raised_in(traceback, self.etype, self.fragment, func, file=file)
+
+
+def _zero(cfg: dict) -> dict:
+    return cfg.get("zero_optimization", {}) or {}
+
+
+def _muon(cfg: dict) -> bool:
+    return str((cfg.get("optimizer") or {}).get("type", "")).lower() == "muon"
+
+
+def _tp_heads_cut(c, cfg: dict) -> bool:
+    """An AutoTP case (``harness.rank.tp_case``) whose every per-head shard cuts a head: the linear-attention
+    block, whose config gives AutoTP one head per rank (an even split of the rows), with a head width that
+    does not divide a rank's rows."""
+    from harness.rank import tp_case
+
+    tp = tp_case.autotp_size(c)
+    if tp <= 1 or not (cfg.get("optimizer") or {}).get("params", {}).get("per_head_muon", False):
+        return False
+    geo = tp_case.geometry(c)
+    return geo["attn"] == tp_case.LINEAR_ATTN and (geo["heads"] * geo["head_dim"] // tp) % geo["head_dim"] != 0
+
+
+def _muon_group_betas(c, cfg: dict) -> set:
+    """The momentum of each user param group holding a Muon matrix (its own, else the config's). A release
+    that flattens the user's groups (DSM-104, 0.19.2-0.19.6) drops their momentum for the config's: one beta,
+    nothing to refuse (measured: both betas-refused cases then crash in the deal as DSM-102 says)."""
+    from harness.registry.historical import groups_flattened
+    from oracles.layout import deepspeed_uses_muon
+
+    default = (cfg.get("optimizer") or {}).get("params", {}).get("momentum", 0.95)
+    if groups_flattened():
+        return {default}
+    shapes = {p.name: p.shape for p in c.params}
+    return {g.momentum if g.momentum is not None else default for g in c.groups
+            if any(deepspeed_uses_muon(n, shapes[n]) for n in g.params)}
+
+
+REFUSALS: tuple[DsRefusal, ...] = (
+    # reduce_scatter defaults to true (zero config), so the harness's own ZeRO-3 configs turn it off
+    # (harness.case.spec.ds_config) and ``harness check`` refuses it (check_config.check_zero).
+    DsRefusal("z3-muon-reduce-scatter", "ValueError", "Muon and reduce scatter cannot be used together",
+              "stage3.py:__init__",
+              "runtime/zero/stage3.py:360-361 (0.19.8), :352-353 (0.19.7), :337-338 (0.18.9)",
+              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
+              and _zero(cfg).get("reduce_scatter", True) is not False,
+              lo="0.18.9"),
+    # zero_quantized_gradients makes the engine build a local all-to-all group (engine.py:2159-2161) that
+    # it hands the ZeRO-3 optimizer as all2all_process_group (engine.py:2769).
+    DsRefusal("z3-muon-all2all", "ValueError", "Muon and all2all process group cannot be used together",
+              "stage3.py:__init__",
+              "runtime/zero/stage3.py:362-363 (0.19.8), :354-355 (0.19.7), :339-340 (0.18.9)",
+              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
+              and bool(_zero(cfg).get("zero_quantized_gradients", False)),
+              lo="0.18.9"),
+    # Per-head Muon (a parameter's muon_num_heads, original_muon.py:170-177) refuses, at the first step, a
+    # head count the parameter cannot hold: not a 2-D matrix, or rows not divisible by the count.
+    DsRefusal("per-head-not-2d", "ValueError", "Per-head Muon expects a 2D attention projection",
+              "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:172-173 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) != 2 for p in c.params),
+              lo="0.19.8"),
+    DsRefusal("per-head-indivisible", "ValueError", "Per-head Muon needs the output dim to split evenly",
+              "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:176-178 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) == 2 and p.shape[0] % p.num_heads
+                                                for p in c.params),
+              lo="0.19.8"),
+    # ZeRO-3 runs every Muon matrix with one momentum (one beta for the distributed update) and refuses
+    # user groups that set different ones, rather than step some with another group's beta.
+    DsRefusal("z3-muon-group-betas", "ValueError", "All Muon parameter groups must have the same momentum",
+              "stage3.py:_create_fp16_partitions_with_defragmentation",
+              "runtime/zero/stage3.py:927-929 (0.19.8); the same check from 0.18.9",
+              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3 and len(_muon_group_betas(c, cfg)) > 1,
+              lo="0.18.9"),
+    # Per-head Muon under AutoTP: every tagged projection's shard cuts a head, so nothing stays per-head
+    # after the re-resolution on the shards; DeepSpeed raises rather than train without it.
+    DsRefusal("per-head-tp-cut", "ValueError", "every tagged projection is sharded across head boundaries",
+              "__init__.py:resolve_per_head_muon_after_sharding", "__init__.py:428-430 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and _tp_heads_cut(c, cfg), lo="0.19.8"),
+)
+
+
+def expected(case) -> list[DsRefusal]:
+    """The refusals DeepSpeed (the installed release) must make for this case."""
+    from harness.env import versions
+
+    cfg = case.config
+    version = versions.installed().version
+    return [r for r in REFUSALS if versions.in_range(version, r.lo, None) and r.applies(case, cfg)]

@@ -1,0 +1,226 @@
+"""Results stored as data, so a report can be rebuilt without rerunning and several pytest-xdist
+workers' results merge into one: one JSON line per case outcome in ``results.jsonl``, and the
+element-wise error maps of failing checks in one ``.npz`` per outcome (``maps/<key>.npz``).
+
+Appending a line is atomic enough for concurrent writers (each line is one ``write`` of < PIPE_BUF
+only for small records, so every writer appends to its own file ``results-<worker>.jsonl``; readers
+merge all of them).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from harness.case.spec import Case
+
+STATUSES = ("passed", "failed", "xfailed", "xpassed", "error", "skipped")
+
+
+@dataclass
+class CheckRow:
+    """A check as stored: where it was (parameter, quantity, step, rank partition, region) and the one
+    divergence record (``oracles.Divergence``, as a dict) or the reason there was nothing to compare.
+    The properties are the names the report reads; they all come from ``record``."""
+    param: str
+    quantity: str
+    step: int
+    rank: int | None
+    region: str | None
+    region_counts: dict
+    record: dict | None  # dataclasses.asdict(oracles.Divergence)
+    problem: str | None = None
+
+    def _get(self, key: str, missing: float):
+        return missing if self.record is None else self.record[key]
+
+    @property
+    def worst_ratio(self) -> float:
+        return self._get("ratio", 1e308)
+
+    @property
+    def error(self) -> float:
+        return self._get("abs_error", float("nan"))
+
+    @property
+    def allowance(self) -> float:
+        return self._get("bound", 0.0)
+
+    @property
+    def actual(self) -> float:
+        return self._get("actual", float("nan"))
+
+    @property
+    def expected(self) -> float:
+        return self._get("expected", float("nan"))
+
+    @property
+    def n_bad(self) -> int:
+        return self._get("n_bad", 1)
+
+    @property
+    def numel(self) -> int:
+        return self._get("numel", 0)
+
+    @property
+    def derivation(self) -> str:
+        return self.problem if self.record is None else self.record["derivation"]
+
+
+def _record_dict(rec) -> dict | None:
+    if rec is None:
+        return None
+    return {k: (_f(v) if isinstance(v, float) else v) for k, v in asdict(rec).items()}
+
+
+@dataclass
+class CaseRecord:
+    key: str  # unique per (case, column)
+    case_name: str
+    column: str  # "stock" | "patched" | mutant name
+    status: str
+    bug_ids: list[str]
+    mode: str
+    message: str
+    reproduce: str
+    case_json: str
+    seconds: float
+    worst_ratio: float
+    checks: list[CheckRow] = field(default_factory=list)  # all failing checks + the worst passing per quantity
+    layout: dict = field(default_factory=dict)  # per param: ranks' [start, end) and padded ranges, for drawing
+    swapped_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+    time: float = field(default_factory=time.time)
+    # "full" (no excuse, or every excuse matched its bug model), "excused" (a bug without a model excused
+    # quantities by name), "crash" / "refusal" (an exact exception was the expected result), None
+    strength: str | None = None
+
+
+def strength_line(summary: dict[str, tuple[int, int]]) -> str:
+    parts = [f"{col} {k}/{n} = {100.0 * k / n:.0f}%" for col, (k, n) in summary.items() if n]
+    return ("judged at full strength (no excuse, or an excuse that matched its bug model; crash/refusal "
+            "cases left out): " + ", ".join(parts)) if parts else "judged at full strength: no cases"
+
+
+def strength_summary(outcomes) -> dict[str, tuple[int, int]]:
+    """Per column: (cases judged at full strength, cases that could be) -- crash and refusal cases are
+    not numerical checks and are left out of both counts."""
+    out: dict[str, list[int]] = {}
+    for o in outcomes:
+        col, strength = o if isinstance(o, tuple) else (o.column, o.strength)
+        if strength in ("crash", "refusal"):
+            continue
+        tally = out.setdefault(col, [0, 0])
+        tally[1] += 1
+        tally[0] += strength == "full"
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def record_key(case: Case, column: str) -> str:
+    return hashlib.sha1(f"{column}\0{case.to_json()}".encode()).hexdigest()[:16]
+
+
+def layout_summary(verdict) -> dict:
+    """Per parameter: each rank's slice and the element ranges of each region (for the heatmap)."""
+    import oracles
+    from harness.judge.verdict import layout_for, step_config
+
+    sc = step_config(verdict.case)
+    lay = layout_for(verdict.case, sc)
+    out = {}
+    for p in sc.params:
+        out[p.name] = {
+            "shape": list(p.shape),
+            "ranks": [[s.rank, s.param_start, s.param_end] for s in oracles.param_slices(lay, p.name)],
+            "regions": {k: [list(r) for r in v] for k, v in oracles.region_ranges(lay, p.name).items()},
+        }
+    return out
+
+
+def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, message: str | None = None,
+                 swapped_bytes: int | None = None, notes=(), strength: str | None = None
+                 ) -> tuple[CaseRecord, dict[str, np.ndarray]]:
+    from harness.judge.verdict import reproduce_command
+
+    rows, maps = [], {}
+    best_passing: dict[str, object] = {}
+    for c in verdict.checks:
+        if c.passed:
+            cur = best_passing.get(c.quantity)
+            if cur is None or c.worst_ratio > cur.worst_ratio:
+                best_passing[c.quantity] = c
+            continue
+        rows.append(c)
+        if c.error_map is not None and c.param != "<step>":
+            maps[f"{c.param}|{c.quantity}|{c.step}"] = c.error_map
+    rows += list(best_passing.values())
+    rec = CaseRecord(
+        key=record_key(verdict.case, column), case_name=verdict.case.name, column=column, status=status,
+        bug_ids=list(bug_ids), mode=verdict.mode, message=message if message is not None else verdict.message(),
+        reproduce=reproduce_command(verdict.case), case_json=verdict.case.to_json(), seconds=seconds,
+        worst_ratio=verdict.worst_ratio if verdict.checks else 0.0,
+        checks=[CheckRow(c.param, c.quantity, c.step, c.rank, c.region, dict(c.region_counts), _record_dict(c.record),
+                         c.problem) for c in rows],
+        layout=layout_summary(verdict) if maps else {},
+        swapped_bytes=swapped_bytes, notes=list(notes), strength=strength)
+    return rec, maps
+
+
+def error_record(case: Case, *, column: str, message: str, seconds: float, bug_ids=(),
+                 status: str = "error", strength: str | None = None) -> CaseRecord:
+    """A record for an outcome without a verdict: an error, or a case the patched runtime refused."""
+    from harness.judge.verdict import reproduce_command
+
+    return CaseRecord(key=record_key(case, column), case_name=case.name, column=column, status=status,
+                      bug_ids=list(bug_ids), mode="-", message=message, reproduce=reproduce_command(case),
+                      case_json=case.to_json(), seconds=seconds,
+                      worst_ratio=float("inf") if status == "error" else 0.0, strength=strength)
+
+
+def _f(x: float) -> float:
+    return float(x) if np.isfinite(x) else (1e308 if x > 0 else -1e308)
+
+
+class ResultStore:
+    def __init__(self, root: Path, writer: str | None = None):
+        self.root = Path(root)
+        self.writer = writer or os.environ.get("PYTEST_XDIST_WORKER", "main")
+        (self.root / "maps").mkdir(parents=True, exist_ok=True)
+
+    def add(self, rec: CaseRecord, maps: dict[str, np.ndarray] | None = None) -> None:
+        if maps:
+            arrays = {k.replace("/", "_"): v for k, v in maps.items()}
+            np.savez_compressed(self.root / "maps" / f"{rec.key}.npz", **arrays)
+        line = json.dumps(asdict(rec), sort_keys=True)
+        with open(self.root / f"results-{self.writer}.jsonl", "a") as f:
+            f.write(line + "\n")
+
+    def load(self) -> list[CaseRecord]:
+        return load_records(self.root)
+
+
+def load_records(root: Path) -> list[CaseRecord]:
+    """All records under ``root`` (every writer's file), last record per key wins."""
+    recs: dict[str, CaseRecord] = {}
+    for path in sorted(Path(root).glob("results-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            d["checks"] = [CheckRow(**c) for c in d.get("checks", [])]
+            rec = CaseRecord(**d)
+            recs[rec.key] = rec
+    return sorted(recs.values(), key=lambda r: (r.column, r.case_name))
+
+
+def load_maps(root: Path, key: str) -> dict[str, np.ndarray]:
+    path = Path(root) / "maps" / f"{key}.npz"
+    if not path.exists():
+        return {}
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
