@@ -1,4 +1,4 @@
-"""The import graph of ``harness`` and ``oracles`` is a DAG.
+"""The import graph of ``harness`` and ``oracles`` is a DAG whose stages import only downward.
 
 A cycle is how rank-side and parent-side code end up sharing modules (``ds_run -> patches ->
 known_bugs -> pool -> ds_run`` was one) and how a name ends up copied because it "can't be
@@ -120,3 +120,51 @@ def test_ranks_start_in_one_place():
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "init_process_group":
                 callers.append(str(f.relative_to(ROOT)))
     assert callers == ["harness/rank/bootstrap.py"], callers
+
+
+def declared_layers(doc: Path = ROOT / "docs" / "design.md") -> list[str]:
+    """The layer order as docs/design.md states it: one line, ``Layers, bottom first: a, b, ...``."""
+    for line in doc.read_text().splitlines():
+        if line.startswith("Layers, bottom first:"):
+            return [w.strip() for w in line.partition(":")[2].split(",")]
+    raise AssertionError(f"{doc} has no 'Layers, bottom first:' line")
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[0] if parts[0] == "oracles" else (parts[1] if len(parts) > 1 else "harness")
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
+    rank = {name: i for i, name in enumerate(layers)}
+    out = []
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            lm, ld = layer_of(m), layer_of(d)
+            if lm in rank and ld in rank and rank[ld] > rank[lm]:
+                out.append(f"{m} ({lm}) imports {d} ({ld})")
+    return out
+
+
+def test_every_package_has_a_layer():
+    layers = declared_layers()
+    packages = {p.name for p in (ROOT / "harness").iterdir() if (p / "__init__.py").exists()} - {"data"}
+    assert packages - set(layers) == set(), "packages without a layer in docs/design.md"
+    assert set(layers) - packages - {"oracles"} == set(), "layers in docs/design.md without a package"
+
+
+def test_stages_import_only_downward():
+    violations = upward_imports(import_graph(modules()), declared_layers())
+    assert violations == [], "imports that run up the layer order of docs/design.md:\n" + "\n".join(violations)
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    (tmp_path / "harness" / "case").mkdir(parents=True)
+    (tmp_path / "harness" / "cli").mkdir()
+    for f in ("harness/__init__.py", "harness/case/__init__.py", "harness/cli/__init__.py", "harness/cli/main.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "oracles").mkdir()
+    (tmp_path / "harness" / "case" / "spec.py").write_text("def f():\n    from harness.cli import main\n")
+    graph = import_graph(modules(tmp_path))
+    assert upward_imports(graph, ["oracles", "case", "cli"]) == [
+        "harness.case.spec (case) imports harness.cli.main (cli)"]

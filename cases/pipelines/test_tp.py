@@ -14,7 +14,7 @@ import torch
 from cases.pipelines._support import run_case, suite
 from harness.catalog import matrix
 from harness.judge import tp_verdict
-from harness.rank.tp_case import COLUMN_PARALLEL, full_weights, geometry
+from harness.case.tp import COLUMN_PARALLEL, full_weights, geometry
 
 HALF = (True, True)  # fp16 and bf16 Newton-Schulz, as on an accelerator (and the CPU stand-in)
 

@@ -179,7 +179,7 @@ def _evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     must_refuse = ds_refusals.expected(c)
     if must_refuse:
         return _judge_refusal(c, column, manager, must_refuse)
-    from harness.rank.tp_case import autotp_size
+    from harness.case.tp import autotp_size
 
     if autotp_size(c) > 1:
         return _judge_tp(c, column, manager)

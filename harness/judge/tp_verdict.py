@@ -34,7 +34,7 @@ import torch
 import oracles
 from harness.case.spec import Case
 from harness.judge.compare import compare_arrays, missing
-from harness.rank.tp_case import COLUMN_PARALLEL, autotp_size, full_weights, geometry
+from harness.case.tp import COLUMN_PARALLEL, autotp_size, full_weights, geometry
 from harness.judge.verdict import Verdict
 from oracles import emulate
 

@@ -42,10 +42,10 @@ def _muon(cfg: dict) -> bool:
 
 
 def _tp_heads_cut(c, cfg: dict) -> bool:
-    """An AutoTP case (``harness.rank.tp_case``) whose every per-head shard cuts a head: the linear-attention
+    """An AutoTP case (``harness.case.tp``) whose every per-head shard cuts a head: the linear-attention
     block, whose config gives AutoTP one head per rank (an even split of the rows), with a head width that
     does not divide a rank's rows."""
-    from harness.rank import tp_case
+    from harness.case import tp as tp_case
 
     tp = tp_case.autotp_size(c)
     if tp <= 1 or not (cfg.get("optimizer") or {}).get("params", {}).get("per_head_muon", False):
