@@ -50,7 +50,7 @@ if [ -n "$ds_other" ]; then
   # does not apply (harness/env/versions.py), no mutation self-check (the mutants patch 0.19.8's functions).
   venv="$(bash scripts/deepspeed_venv.sh "$ds_other" | tail -1)"
   "$venv/bin/python" -m harness.launch.warmup --skip-compile
-  tag="$("$venv/bin/python" -c 'from harness import versions; print(versions.installed().version.replace("+", "-"))')"
+  tag="$("$venv/bin/python" -c 'from harness.env import versions; print(versions.installed().version.replace("+", "-"))')"
   case "$what" in
     main) exec "$venv/bin/python" -m harness gate --no-mutate --report "reports/gate-$tag.html" "$@" ;;
     test) exec "$venv/bin/python" -m pytest "$@" ;;

@@ -81,7 +81,7 @@ def test_a_parent_killed_from_outside_leaves_no_launch_behind(tmp_path):
 
     uid = "orphan-check-" + uuid.uuid4().hex[:8]
     case = pipeline_case(1, "none", "fp32", 2, steps=1).replace(fault="hang:0", timeout_s=120.0)
-    script = (f"from harness import torchrun; from harness.case.spec import Case; "
+    script = (f"from harness.launch import torchrun; from harness.case.spec import Case; "
               f"torchrun.run_cases_with_torchrun([Case.from_json({case.to_json()!r})], 2, uid={uid!r}, "
               f"root={str(tmp_path)!r})")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=str(buildenv.PROJECT_ROOT))

@@ -130,7 +130,7 @@ def test_a_deepspeed_package_without_its_own_metadata_is_refused(tmp_path):
     (tmp_path / "deepspeed" / "__init__.py").write_text("")
     from harness.env import buildenv
 
-    out = subprocess.run([sys.executable, "-c", "from harness import versions; versions.installed()"],
+    out = subprocess.run([sys.executable, "-c", "from harness.env import versions; versions.installed()"],
                          env={"PYTHONPATH": f"{tmp_path}:{buildenv.PROJECT_ROOT}", "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "import deepspeed` loads" in out.stderr and str(tmp_path) in out.stderr

@@ -317,7 +317,7 @@ def tree_op_keys(tree: str | Path, python: str | None = None) -> dict[str, str]:
     computed in a child interpreter with the tree first on its path (its ``deepspeed`` and ``op_builder``
     are imported, never built)."""
     env = dict(os.environ, **base_env(), PYTHONPATH=os.pathsep.join([str(Path(tree).resolve()), str(PROJECT_ROOT)]))
-    code = "import json; from harness import buildenv; print(json.dumps(buildenv.release_op_keys()))"
+    code = "import json; from harness.env import buildenv; print(json.dumps(buildenv.release_op_keys()))"
     out = subprocess.run([python or sys.executable, "-c", code], env=env, cwd=str(tree), capture_output=True,
                          text=True, timeout=600)
     if out.returncode:
