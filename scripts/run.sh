@@ -31,7 +31,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  # torch==2.13.0 resolves to the CPU wheel on this machine's disk; a range would pull a CUDA build.
+  # torch pinned exactly: torch==2.13.0 resolves to the CPU wheel, where a range would pull a CUDA build.
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
   # [models]: transformers for the GPT-2 / Llama model cases (without it they are deselected, saying so)
   .venv/bin/pip install -q --disable-pip-version-check -e ".[models,mutation]"
