@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's only entry point for set-up. Idempotent: every step checks before it works.
-#   bash scripts/run.sh main   install everything, then run the full gate and write reports/gate.html
+#   bash scripts/run.sh main   install everything, then run the gate (CI subset; --full for all) and write reports/gate.html
 #   bash scripts/run.sh test   install everything, then run the test suite (what .ci/run does)
 #   bash scripts/run.sh mutation [--sample N --seed S]   source mutation of DeepSpeed's Muon code
 # Extra arguments after the subcommand go to the harness CLI (main) or to pytest (test).
@@ -31,7 +31,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  # torch==2.13.0 resolves to the CPU wheel on this machine's disk; a range would pull a CUDA build.
+  # torch pinned exactly: torch==2.13.0 resolves to the CPU wheel, where a range would pull a CUDA build.
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
   # [models]: transformers for the GPT-2 / Llama model cases (without it they are deselected, saying so)
   .venv/bin/pip install -q --disable-pip-version-check -e ".[models,mutation]"
@@ -69,7 +69,7 @@ case "$what" in
   test)
     .venv/bin/ruff check .   # lint first (under a second); a finding fails the run
     exec .venv/bin/python -m pytest -n 2 "$@" ;;
-  report) exec .venv/bin/python -m harness report "$@" ;;  # merge shards' results (README: Sharding)
-  mutation) exec .venv/bin/python -m harness mutate --engine cosmic-ray "$@" ;;  # README: Source mutation
+  report) exec .venv/bin/python -m harness report "$@" ;;  # merge shards' results (docs/sharding.md)
+  mutation) exec .venv/bin/python -m harness mutate --engine cosmic-ray "$@" ;;  # docs/mutation.md
   *) echo "usage: bash scripts/run.sh main|test|report|mutation [args]" >&2; exit 2 ;;
 esac
