@@ -195,6 +195,16 @@ def canonical_dtype(value) -> str | None:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """One resolved value: its dotted key, the value the view holds and where it came from ("config",
+    "DeepSpeed X default", "not documented by DeepSpeed X")."""
+
+    key: str
+    value: object
+    source: str
+
+
+@dataclass(frozen=True)
 class Offload:
     """``zero_optimization.offload_optimizer`` / ``offload_param`` (device "none" when the section is absent)."""
 
@@ -277,8 +287,7 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class DSConfig:
-    """One DeepSpeed config as DeepSpeed resolves it; ``sources`` says, per dotted key, "config" or the
-    release default it took."""
+    """One DeepSpeed config as DeepSpeed resolves it; ``settings`` lists each value read with its source."""
 
     release: str
     zero: Zero
@@ -293,7 +302,7 @@ class DSConfig:
     aio_block_size: int
     autotp_size: int
     scheduler_json: str | None
-    sources: tuple[tuple[str, str], ...]
+    settings: tuple[Setting, ...]
 
     @classmethod
     def of(cls, case) -> "DSConfig":
@@ -323,7 +332,7 @@ class DSConfig:
         return self.optimizer.kind in (None, "muon")
 
     def source(self, key: str) -> str:
-        return dict(self.sources)[key]
+        return next(s.source for s in self.settings if s.key == key)
 
 
 def resolve(config: dict, world_size: int | None = None) -> DSConfig:
@@ -363,30 +372,37 @@ class _Resolver:
     def __init__(self, cfg: dict, d: Defaults, world_size: int | None = None):
         self.cfg, self.d, self.world_size = cfg, d, world_size
         self.label = f"DeepSpeed {d.release}"
-        self.sources: list[tuple[str, str]] = []
+        self.settings: list[Setting] = []
 
-    def take(self, key: str, given: dict, names, conv=None, default_key: str | None = None):
+    def take(self, key: str, given: dict, names, conv=None, default_key: str | None = None,
+             path: str | None = None):
         """``given[name]`` for the first of ``names`` the config sets, else the release's default of
-        ``default_key`` (``key``); None where the release documents none."""
+        ``default_key`` (``key``); None where the release documents none. ``path``: where ``given`` sits
+        in the config (default: ``key``'s parent), for the key a message names."""
+        path = key.rpartition(".")[0] if path is None else path
         for name in (names,) if isinstance(names, str) else names:
             if given.get(name) is not None:
-                where = "" if name == key.rpartition(".")[2] else f" ({name})"
-                self.sources.append((key, "config" + where))
-                return _convert(key, given[name], conv)
+                written = f"{path}.{name}" if path else name
+                where = "" if written == key else f" ({written})"
+                return self.note(key, _convert(written, given[name], conv), "config" + where)
         v = self.d.get(default_key or key)
         if v is UNDOCUMENTED:
-            self.sources.append((key, f"not documented by {self.label}"))
-            return None
-        self.sources.append((key, f"{self.label} default"))
-        return _convert(key, v, conv)
+            return self.note(key, None, f"not documented by {self.label}")
+        return self.note(key, _convert(key, v, conv), f"{self.label} default")
+
+    def note(self, key: str, value, source: str):
+        self.settings.append(Setting(key, value, source))
+        return value
 
     def dtype(self, key: str, given: dict, name: str, model_dtype: str) -> str:
         """A dtype key whose DeepSpeed default (None) means the model dtype (engine.py
         ``communication_data_type`` / ``get_data_types``)."""
         v = self.take(key, given, name)
+        last = self.settings[-1]
         if v is None:
-            self.sources[-1] = (key, self.sources[-1][1] + " (None: the model dtype)")
+            self.settings[-1] = Setting(key, model_dtype, last.source + " (None: the model dtype)")
             return model_dtype
+        self.settings[-1] = Setting(key, canonical_dtype(v), last.source)
         return canonical_dtype(v)
 
     def offload(self, z: dict, sec: str) -> Offload:
@@ -413,15 +429,15 @@ class _Resolver:
 
     def optimizer(self) -> Optimizer:
         o = _section(self.cfg, "optimizer")
-        p = _section(o, "params")
-        muon = MuonHalf(lr=self.take("optimizer.muon.lr", p, ("muon_lr", "lr"), float, "muon.lr"),
-                        momentum=self.take("optimizer.muon.momentum", p, "momentum", float, "muon.momentum"),
+        p, P = _section(o, "params"), "optimizer.params"
+        muon = MuonHalf(lr=self.take("optimizer.muon.lr", p, ("muon_lr", "lr"), float, "muon.lr", P),
+                        momentum=self.take("optimizer.muon.momentum", p, "momentum", float, "muon.momentum", P),
                         weight_decay=self.take("optimizer.muon.weight_decay", p, "weight_decay", float,
                                                "muon.weight_decay"),
-                        ns_method=self.take("optimizer.muon.ns_method", p, "ns_method", str, "muon.ns_method"))
-        adam = AdamHalf(lr=self.take("optimizer.adam.lr", p, ("adam_lr", "lr"), float, "adam.lr"),
-                        betas=self.take("optimizer.adam.betas", p, "betas", _pair, "adam.betas"),
-                        eps=self.take("optimizer.adam.eps", p, "eps", float, "adam.eps"),
+                        ns_method=self.take("optimizer.muon.ns_method", p, "ns_method", str, "muon.ns_method", P))
+        adam = AdamHalf(lr=self.take("optimizer.adam.lr", p, ("adam_lr", "lr"), float, "adam.lr", P),
+                        betas=self.take("optimizer.adam.betas", p, "betas", _pair, "adam.betas", P),
+                        eps=self.take("optimizer.adam.eps", p, "eps", float, "adam.eps", P),
                         weight_decay=self.take("optimizer.adam.weight_decay", p, "weight_decay", float,
                                                "adam.weight_decay"))
         # per_head_muon and torch_adam are opt-in flags DeepSpeed pops with False (engine.py)
@@ -434,14 +450,12 @@ class _Resolver:
         train_batch_size // micro // world when both batch sizes are, else 1."""
         cfg, key = self.cfg, "gradient_accumulation_steps"
         if cfg.get(key) is not None and cfg[key] != "auto":
-            self.sources.append((key, "config"))
-            return _convert(key, cfg[key], int)
+            return self.note(key, _convert(key, cfg[key], int), "config")
         tb, mb = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu")
         if isinstance(tb, int) and isinstance(mb, int) and self.world_size:
-            self.sources.append((key, f"{self.label} batch rule: train_batch_size / (micro x world)"))
-            return max(1, tb // mb // self.world_size)
-        self.sources.append((key, f"{self.label} batch rule: 1"))
-        return 1
+            return self.note(key, max(1, tb // mb // self.world_size),
+                             f"{self.label} batch rule: train_batch_size / (micro x world)")
+        return self.note(key, 1, f"{self.label} batch rule: 1")
 
     def view(self) -> DSConfig:
         cfg = self.cfg
@@ -463,4 +477,4 @@ class _Resolver:
             optimizer=self.optimizer(),
             aio_block_size=self.take("aio.block_size", _section(cfg, "aio"), "block_size", int),
             autotp_size=max(1, int(tp)), scheduler_json=None if sched is None else json.dumps(sched, sort_keys=True),
-            sources=tuple(self.sources))
+            settings=tuple(self.settings))
