@@ -433,13 +433,13 @@ class _Resolver:
         muon = MuonHalf(lr=self.take("optimizer.muon.lr", p, ("muon_lr", "lr"), float, "muon.lr", P),
                         momentum=self.take("optimizer.muon.momentum", p, "momentum", float, "muon.momentum", P),
                         weight_decay=self.take("optimizer.muon.weight_decay", p, "weight_decay", float,
-                                               "muon.weight_decay"),
+                                               "muon.weight_decay", P),
                         ns_method=self.take("optimizer.muon.ns_method", p, "ns_method", str, "muon.ns_method", P))
         adam = AdamHalf(lr=self.take("optimizer.adam.lr", p, ("adam_lr", "lr"), float, "adam.lr", P),
                         betas=self.take("optimizer.adam.betas", p, "betas", _pair, "adam.betas", P),
                         eps=self.take("optimizer.adam.eps", p, "eps", float, "adam.eps", P),
                         weight_decay=self.take("optimizer.adam.weight_decay", p, "weight_decay", float,
-                                               "adam.weight_decay"))
+                                               "adam.weight_decay", P))
         # per_head_muon and torch_adam are opt-in flags DeepSpeed pops with False (engine.py)
         return Optimizer(type=o.get("type"), params_json=json.dumps(p, sort_keys=True), muon=muon, adam=adam,
                          adam_w_mode=bool(self.take("optimizer.params.adam_w_mode", p, "adam_w_mode", bool)),
