@@ -334,6 +334,10 @@ class DSConfig:
     def source(self, key: str) -> str:
         return next(s.source for s in self.settings if s.key == key)
 
+    def given(self, key: str) -> bool:
+        """Whether the config itself sets ``key`` (under any of the names DeepSpeed reads it by)."""
+        return self.source(key).startswith("config")
+
 
 def resolve(config: dict, world_size: int | None = None) -> DSConfig:
     """The view of a parsed config dict; ``world_size`` (data-parallel) only derives the accumulation

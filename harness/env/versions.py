@@ -199,7 +199,7 @@ def default_ns_method(version: str | None = None) -> str:
 
 def _ns_methods(case, cfg: dict, default: str) -> set:
     ds = dsconfig.resolve(cfg)  # the config's own choice; ``default`` is the release's being asked about
-    if ds.source("optimizer.muon.ns_method") == "config":
+    if ds.given("optimizer.muon.ns_method"):
         default = ds.optimizer.muon.ns_method
     return {default} | {g.ns_method for g in case.groups if g.ns_method}
 
@@ -252,7 +252,7 @@ REFUSALS: tuple[Refusal, ...] = (
     # extra_forbidden at initialize: measured, 0.19.6 z2-none-fp16-ws2-nonorm-overflow).
     Refusal("compute-grad-norm-key", None, "0.19.7",
             "this release has no zero_optimization.compute_grad_norm option (its DeepSpeedZeroConfig rejects the key)",
-            lambda c, cfg: dsconfig.resolve(cfg).source("zero_optimization.compute_grad_norm") == "config"),
+            lambda c, cfg: dsconfig.resolve(cfg).given("zero_optimization.compute_grad_norm")),
     # managed_gradient_accumulation (runtime/constants.py, engine.py) arrived in 0.19.4; an older engine ignores
     # the key and keeps counting micro-steps, so the once-a-window step() of an unmanaged case would never
     # reach its boundary (matrix.unmanaged_cases).
