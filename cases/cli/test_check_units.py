@@ -188,3 +188,24 @@ def test_writable_dir(tmp_path):
     f.write_text("x")
     with pytest.raises(BadInput, match="not a directory"):
         check_config.check_writable_dir("k", str(f))
+
+
+@pytest.mark.parametrize("given", [None, 0.0, 0.5])
+def test_check_prints_each_resolved_value_with_its_source(given):
+    """A config without gradient_clipping clips at the installed release's default, and says so."""
+    from importlib import metadata
+
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from harness.case.spec import Case, canonical_json
+    from harness.cli import check
+
+    cfg = _cfg() if given is None else _cfg(gradient_clipping=given)
+    case = Case(name="x", params=(), ds_config=canonical_json(cfg))
+    want = float(GRADIENT_CLIPPING_DEFAULT) if given is None else given
+    source = f"DeepSpeed {metadata.version('deepspeed')} default" if given is None else "config"
+    lines = check.resolved_lines(case)
+    assert f"    gradient_clipping = {want!r}  ({source})" in lines
+    assert f"clipping {want if want else 'off'}," in check._pipeline_text(case)
+    assert any(ln.startswith("    optimizer.muon.lr = 0.02  (config (optimizer.params.lr))") for ln in lines)
+    assert not any(ln.startswith("    fp16.hysteresis") for ln in lines)  # not an fp16 pipeline

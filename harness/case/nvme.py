@@ -46,13 +46,10 @@ from harness.case.spec import Case, ParamShape
 
 MIN_AIO_BYTES = 1024**2  # deepspeed.runtime.swap_tensor.utils.MIN_AIO_BYTES (checked in the tests)
 FP32_BYTES = 4
-DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-DEFAULT_AIO_BLOCK_SIZE = 1048576  # swap_tensor/constants.py AIO_BLOCK_SIZE_DEFAULT
 
 
 def min_swap_bytes(case: Case) -> int:
-    block = int(case.config.get("aio", {}).get("block_size", DEFAULT_AIO_BLOCK_SIZE))
-    return max(MIN_AIO_BYTES, block)
+    return max(MIN_AIO_BYTES, case.ds.aio_block_size)
 
 
 def nvme_matrix(world_size: int, name: str = "big.weight", cols: int | None = None,
@@ -81,8 +78,7 @@ def predict_swapped_subgroups(case: Case, model_order: list[str] | None = None) 
     """
     if case.stage != 3 or case.offload != "nvme":
         return []
-    cfg = case.config
-    sub_group_size = int(cfg.get("zero_optimization", {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+    sub_group_size = case.ds.zero.sub_group_size
     W = case.dp_size  # the data-parallel group ZeRO-3 partitions over
     threshold = min_swap_bytes(case)
     by_name = {p.name: p for p in case.params}
@@ -149,9 +145,8 @@ def prefetches_swapped_adam(case: Case) -> bool:
     """The pipelined swapper with two or more swapped sub-groups, an Adam one among them: it reads the next
     sub-group's state while the current one steps (``pipelined_optimizer_swapper.py``), so the Adam
     sub-group's gradient buffer is a prefetched one (DSM-024)."""
-    off = case.config.get("zero_optimization", {}).get("offload_optimizer", {})
     swapped = [s for s in predict_swapped_subgroups(case) if s["swapped"]]
-    return (bool(off.get("pipeline_read") or off.get("pipeline_write")) and len(swapped) >= 2
+    return (case.ds.zero.offload_optimizer.pipelined and len(swapped) >= 2
             and any(s["group"] == "adam" for s in swapped))
 
 

@@ -11,9 +11,10 @@ import functools
 import json
 from dataclasses import dataclass
 
+from harness.case.dsconfig import DTYPE_ALIASES, DSConfig
 from oracles.layout import deepspeed_uses_muon
 
-DTYPES = ("fp32", "fp16", "bf16")
+DTYPES = tuple(DTYPE_ALIASES)  # the model dtypes a case names: fp32, fp16, bf16
 # Optimizers that are not Muon, as a user names them (torch.optim class names, which are also
 # DeepSpeed config types): the oracle steps every parameter with Adam, decoupled decay for AdamW and
 # L2 for Adam (oracles.adam), whatever DeepSpeed tags them.
@@ -160,14 +161,13 @@ class Case:
         """The lr schedule the run uses: the client scheduler, else the config's ``scheduler``."""
         if self.client_scheduler:
             return json.loads(self.client_scheduler)
-        return self.config.get("scheduler")
+        return self.ds.scheduler
 
     def __post_init__(self):
         if self.unused:
             self._check_unused()
         if self.fused_adam_fails:
-            opt = self.config.get("optimizer", {})
-            if (not self.runs_muon or self.offload != "none" or opt.get("params", {}).get("torch_adam")
+            if (not self.runs_muon or self.offload != "none" or self.ds.optimizer.torch_adam
                     or self.client_optimizer is not None):
                 raise ValueError(f"case {self.name!r}: fused_adam_fails needs Muon without optimizer offload and "
                                  "without torch_adam: only there does DeepSpeed build FusedAdam for Muon's auxiliary "
@@ -191,7 +191,7 @@ class Case:
                 raise ValueError(f"case {self.name!r}: {e}") from None
         if self.client_optimizer is not None:
             spec = json.loads(self.client_optimizer)
-            if spec.get("type") not in NON_MUON_OPTIMIZERS or "optimizer" in self.config:
+            if spec.get("type") not in NON_MUON_OPTIMIZERS or self.ds.optimizer.type is not None:
                 raise ValueError(f"case {self.name!r}: client_optimizer {spec.get('type')!r} must be one of "
                                  f"{NON_MUON_OPTIMIZERS}, with no optimizer in the DeepSpeed config")
         if self.groups:
@@ -252,35 +252,34 @@ class Case:
         return json.loads(self.ds_config)  # a fresh dict each time: callers may edit their copy
 
     # The scalars below are read ~200 times per case-column (triggers, allowances, layouts); each read
-    # parsed the whole config (~5 ms a case-column). A case is frozen, so each is computed once.
+    # parsed the whole config (~5 ms a case-column). A case is frozen, so the view is resolved once.
     @functools.cached_property
+    def ds(self) -> DSConfig:
+        """The config as DeepSpeed resolves it (``harness.case.dsconfig``): every reader goes through it."""
+        return DSConfig.of(self)
+
+    @property
     def stage(self) -> int:
-        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+        return self.ds.zero.stage
 
-    @functools.cached_property
+    @property
     def dtype(self) -> str:
-        cfg = self.config
-        if cfg.get("fp16", {}).get("enabled"):
-            return "fp16"
-        if cfg.get("bf16", {}).get("enabled"):
-            return "bf16"
-        return "fp32"
+        return self.ds.model_dtype
 
-    @functools.cached_property
+    @property
     def offload(self) -> str:
-        dev = self.config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-        return dev or "none"
+        return self.ds.offload
 
-    @functools.cached_property
+    @property
     def grad_accum(self) -> int:
-        return int(self.config.get("gradient_accumulation_steps", 1))
+        return self.ds.gradient_accumulation_steps
 
     @functools.cached_property
     def runs_muon(self) -> bool:
         """Muon is the optimizer (neither a client optimizer nor a configured one of
         ``NON_MUON_OPTIMIZERS``) and at least one parameter takes its route: what every bug of Muon's
         own paths needs. A non-Muon case has Muon-shaped matrices but no Muon step."""
-        kind = str(self.config.get("optimizer", {}).get("type", "muon")).lower()
+        kind = self.ds.optimizer.kind
         return (self.client_optimizer is None and kind not in {n.lower() for n in NON_MUON_OPTIMIZERS}
                 and any(p.uses_muon for p in self.params))
 

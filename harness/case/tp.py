@@ -22,7 +22,7 @@ def tp_plan(attn: str) -> dict:
 
 def autotp_size(case: Case) -> int:
     """The case's ``tensor_parallel.autotp_size`` (1: not a tensor-parallel case)."""
-    return int((case.config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    return case.ds.autotp_size
 
 
 def geometry(case: Case) -> dict:

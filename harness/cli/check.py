@@ -147,15 +147,6 @@ def _record_json(check) -> dict | None:
     return {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(check.record).items()}
 
 
-def _record_json(check) -> dict | None:
-    """The one divergence record (``oracles.Divergence``) as JSON (non-finite numbers as strings)."""
-    from dataclasses import asdict
-
-    if check.record is None:
-        return None
-    return {k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(check.record).items()}
-
-
 def _finite(x):
     if x is None:
         return None
@@ -266,10 +257,28 @@ def _bug_sentence(b: dict) -> str:
 
 
 def _pipeline_text(case: Case) -> str:
-    cfg = case.config
-    clip = cfg.get("gradient_clipping", 0.0)
+    clip = case.ds.gradient_clipping
     return (f"ZeRO-{case.stage}, offload {case.offload}, {case.dtype}, accumulation {case.grad_accum}, "
             f"clipping {clip if clip else 'off'}, world size {case.world_size}, {case.steps} steps")
+
+
+def _shown(s, ds) -> bool:
+    """Whether a resolved setting bears on this pipeline: the loss scaler only with fp16, the swapper and
+    aio only with NVMe, parameter offload only at ZeRO-3."""
+    if s.key.startswith("fp16.") and s.key != "fp16.enabled":
+        return ds.model_dtype == "fp16"
+    if s.key.startswith("zero_optimization.offload_param."):
+        return ds.zero.stage == 3
+    if s.key.startswith(("zero_optimization.offload_optimizer.", "aio.")) and not s.key.endswith(".device"):
+        return ds.offload == "nvme"
+    return True
+
+
+def resolved_lines(case: Case) -> list[str]:
+    """The values the run and its oracle take from the config, each with its source (``config``, or the
+    installed DeepSpeed's documented default)."""
+    ds = case.ds
+    return [f"    {s.key} = {s.value!r}  ({s.source})" for s in ds.settings if _shown(s, ds)]
 
 
 @contextlib.contextmanager
@@ -370,6 +379,8 @@ def _plan_lines(plan: Plan, bugs: list[dict]) -> list[str]:
     n_muon = sum(1 for p in case.params if p.uses_muon)
     lines.append(f"    {len(case.params)} tensors: {n_muon} Muon matri{'x' if n_muon == 1 else 'ces'}, "
                  f"{len(case.params) - n_muon} Adam vector{'' if len(case.params) - n_muon == 1 else 's'}")
+    lines.append("  resolved settings (value, and where it comes from):")
+    lines += resolved_lines(case)
     lines.append("  config rewritten for the harness:")
     lines += [f"    - {n}" for n in plan.notes]
     if bugs:
@@ -522,13 +533,15 @@ class CheckResult:
             "case": decisive.case.name,
             "pipeline": {"stage": case.stage, "offload": case.offload, "dtype": case.dtype,
                          "gradient_accumulation_steps": case.grad_accum,
-                         "gradient_clipping": case.config.get("gradient_clipping", 0.0),
+                         "gradient_clipping": case.ds.gradient_clipping,
                          "world_size": case.world_size, "steps": case.steps},
             "launcher": plan.launcher,
             "accelerator": plan.accelerator,
             "shapes": {"requested": [list(s) for s in plan.requested], "run": [list(s) for s in plan.run_shapes],
                        "element_factor": plan.factor, "params": [[p.name, list(p.shape)] for p in case.params]},
             "rewrites": plan.notes,
+            "resolved": {s.key: {"value": list(s.value) if isinstance(s.value, tuple) else s.value,
+                                 "source": s.source} for s in case.ds.settings},
             "worst_ratio": {q: _finite(v) for q, v in worst.items()},
             "first_divergence": None if first is None else {
                 "param": first.param, "quantity": first.quantity, "step": first.step,

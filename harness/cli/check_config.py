@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from harness.case import dsconfig
+
 NS_METHODS = ("gram", "standard")  # deepspeed/runtime/zero/muon/original_muon.py NS_METHODS
 NUMERIC_OPT_KEYS = ("lr", "muon_lr", "adam_lr", "momentum", "weight_decay", "eps")
 
@@ -93,10 +95,6 @@ def check_optimizer(cfg: dict) -> None:
     if "max_grad_norm" in params:
         raise BadInput("optimizer.params.max_grad_norm: DeepSpeed rejects it (use the top-level "
                        "gradient_clipping)")
-    ns = params.get("ns_method", "gram")
-    if ns not in NS_METHODS:
-        raise BadInput(f"optimizer.params.ns_method: {ns!r} is not one of {list(NS_METHODS)} "
-                       "(MuonWithAuxAdam asserts this in deepspeed.initialize)")
     for k in NUMERIC_OPT_KEYS:
         if k in params and not _is_num(params[k]):
             raise BadInput(f"optimizer.params.{k}: {params[k]!r} is not a number")
@@ -104,6 +102,10 @@ def check_optimizer(cfg: dict) -> None:
         b = params["betas"]
         if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_num(x) for x in b)):
             raise BadInput(f"optimizer.params.betas: {b!r} is not two numbers")
+    ns = view(cfg).optimizer.muon.ns_method
+    if ns is not None and ns not in NS_METHODS:
+        raise BadInput(f"optimizer.params.ns_method: {ns!r} is not one of {list(NS_METHODS)} "
+                       "(MuonWithAuxAdam asserts this in deepspeed.initialize)")
 
 
 def check_zero(cfg: dict) -> int:
@@ -112,19 +114,28 @@ def check_zero(cfg: dict) -> int:
         raise BadInput("no 'zero_optimization' section: the harness checks ZeRO stages 1-3")
     if not isinstance(zero, dict):
         raise BadInput("zero_optimization must be an object")
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    given = zero.get("stage")
+    if given is not None and (isinstance(given, bool) or given not in (0, 1, 2, 3)):
         return -1  # DeepSpeed's own validation names it
-    if stage == 0:
-        raise BadInput("zero_optimization.stage is 0: the harness checks ZeRO stages 1, 2 and 3")
-    if stage == 3 and zero.get("reduce_scatter", True) is not False:
-        raise BadInput("zero_optimization.reduce_scatter must be false at stage 3 with Muon: DeepSpeed 0.19.8 "
+    if "gradient_clipping" in cfg and (not _is_num(cfg["gradient_clipping"]) or cfg["gradient_clipping"] < 0):
+        raise BadInput(f"gradient_clipping: {cfg['gradient_clipping']!r} is not a non-negative number")
+    z = view(cfg).zero
+    if z.stage == 0:
+        raise BadInput(f"zero_optimization.stage is 0 ({view(cfg).source('zero_optimization.stage')}): the harness "
+                       "checks ZeRO stages 1, 2 and 3")
+    if z.stage == 3 and z.reduce_scatter is not False:
+        raise BadInput("zero_optimization.reduce_scatter must be false at stage 3 with Muon: DeepSpeed "
                        "raises 'Muon and reduce scatter cannot be used together' in deepspeed.initialize "
-                       "(reduce_scatter defaults to true)")
-    gc = cfg.get("gradient_clipping", 0.0)
-    if not _is_num(gc) or gc < 0:
-        raise BadInput(f"gradient_clipping: {gc!r} is not a non-negative number")
-    return stage
+                       f"(reduce_scatter {z.reduce_scatter}: {view(cfg).source('zero_optimization.reduce_scatter')})")
+    return z.stage
+
+
+def view(cfg: dict) -> dsconfig.DSConfig:
+    """The typed view of the user's config; a value it cannot read is bad input."""
+    try:
+        return dsconfig.resolve(cfg)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -171,11 +182,11 @@ def check_writable_dir(key: str, path) -> Path:
 
 
 def _nvme_sections(cfg: dict):
-    zero = cfg.get("zero_optimization", {})
-    for sec in ("offload_optimizer", "offload_param"):
-        off = zero.get(sec)
-        if isinstance(off, dict) and off.get("device") == "nvme":
-            yield f"zero_optimization.{sec}", off
+    """The user's NVMe offload sections, as the dicts to rewrite (their ``nvme_path``)."""
+    z = view(cfg).zero
+    for sec, off in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):
+        if off.device == "nvme":
+            yield f"zero_optimization.{sec}", cfg["zero_optimization"][sec]
 
 
 def _key_of_error(cfg: dict, title: str, loc: tuple) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from harness.case.spec import NVME_PATH_PLACEHOLDER, Case, canonical_json
 from harness.cli.check_config import (BadInput, _is_num, _nvme_sections, _pos_int_or_none, check_no_auto,
                                       check_optimizer, check_writable_dir, check_zero, deepspeed_validate,
-                                      load_config)
+                                      load_config, view)
 from harness.cli.check_shapes import _fmt_shape, build_params, parse_shapes, scale_shapes
 
 MAX_WORLD_SIZE = 8
@@ -82,8 +82,8 @@ def _rewrite(cfg: dict, world_size: int, factor: float, notes: list[str], total_
                      "DeepSpeed to tag (per-head Muon is covered by the gate's -heads cases)")
     cfg["steps_per_print"] = 10**9
     cfg["wall_clock_breakdown"] = False
-    zero = cfg.get("zero_optimization", {})
-    if (factor < 1.0 and zero.get("stage") == 3 and _is_num(zero.get("sub_group_size"))
+    zero = cfg.get("zero_optimization", {})  # rewritten below: the user's explicit sub_group_size only
+    if (factor < 1.0 and view(cfg).zero.stage == 3 and _is_num(zero.get("sub_group_size"))
             and zero["sub_group_size"] < total_numel):  # it cuts the user's model: cut the scaled one alike
         new = max(1, int(round(zero["sub_group_size"] * factor)))
         notes.append(f"zero_optimization.sub_group_size {zero['sub_group_size']:g} -> {new} (scaled with the model)")

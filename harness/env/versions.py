@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from harness.case import dsconfig
+
 # Releases the harness was run on (PyPI sdists); README "DeepSpeed versions" gives each one's result.
 RELEASES = ("0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
 PINNED = "0.19.8"  # the release the oracles' conventions, the docs and the patched runtime are written against
@@ -119,12 +121,12 @@ def in_range(version: str, lo: str | None = None, hi: str | None = None) -> bool
 # what each release accepts: config adaptation and refusals by design
 
 
-def _zero(cfg: dict) -> dict:
-    return cfg.get("zero_optimization", {})
+def _zero(cfg: dict) -> dsconfig.Zero:
+    return dsconfig.resolve(cfg).zero
 
 
 def _offloads_optimizer(cfg: dict) -> bool:
-    return _zero(cfg).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    return _zero(cfg).offload_optimizer.device != "none"
 
 
 def _has_muon(case) -> bool:
@@ -170,14 +172,14 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
     # picks the collective that averages the gradient, so turning it off keeps the case's mathematics.
     ConfigRule("z12-offload-reduce-scatter-off", "0.19.3", "0.19.8",
                "this release refuses Muon with reduce_scatter and optimizer offload on ZeRO-1/2",
-               lambda c, cfg: _zero(cfg).get("stage") in (1, 2) and _offloads_optimizer(cfg)
-               and _zero(cfg).get("reduce_scatter", True) and _has_muon(c),
+               lambda c, cfg: _zero(cfg).stage in (1, 2) and _offloads_optimizer(cfg)
+               and _zero(cfg).reduce_scatter and _has_muon(c),
                _set_reduce_scatter_off),
     # Before 0.19.0 Muon has no ns_method (0.18.9 original_muon.py:66 muon_update(grad, momentum, beta,
     # ns_steps, nesterov): always the standard quintic); cases that ask for "standard" mean exactly that.
     ConfigRule("drop-ns-method-key", None, "0.19.0",
                "this release has no ns_method option (standard Newton-Schulz only)",
-               lambda c, cfg: "ns_method" in cfg.get("optimizer", {}).get("params", {}),
+               lambda c, cfg: "ns_method" in dsconfig.resolve(cfg).optimizer.params,
                lambda cfg: cfg["optimizer"]["params"].pop("ns_method")),
 )
 
@@ -196,7 +198,9 @@ def default_ns_method(version: str | None = None) -> str:
 
 
 def _ns_methods(case, cfg: dict, default: str) -> set:
-    default = cfg.get("optimizer", {}).get("params", {}).get("ns_method", default)
+    ds = dsconfig.resolve(cfg)  # the config's own choice; ``default`` is the release's being asked about
+    if ds.given("optimizer.muon.ns_method"):
+        default = ds.optimizer.muon.ns_method
     return {default} | {g.ns_method for g in case.groups if g.ns_method}
 
 @functools.cache
@@ -229,9 +233,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("bf16-optimizer-route", "0.19.7", "0.19.8",
             "Muon cannot be used with the BF16_Optimizer, which this configuration selects: bf16 with "
             "grad_accum_dtype fp32 at ZeRO stage 1 (the release's own ZeRORuntimeException)",
-            lambda c, cfg: _has_muon(c) and _zero(cfg).get("stage") == 1 and "bf16" in cfg
-            and cfg["bf16"].get("enabled") and not _offloads_optimizer(cfg)
-            and cfg.get("data_types", {}).get("grad_accum_dtype") == "fp32"),
+            lambda c, cfg: _has_muon(c) and dsconfig.resolve(cfg).bf16_optimizer_route),
     # 0.19.8 original_muon.py looks the Newton-Schulz compute dtype up through ``ns_compute_dtype`` at call
     # time, the hook the high-precision-NS mode (``Case.ns_dtype``, ``-compiled-hpns``) replaces; 0.18.9-0.19.7
     # pick it inline from the accelerator (0.19.7 original_muon.py:50 bf16 / :90 fp16, else fp32), so float64
@@ -250,20 +252,21 @@ REFUSALS: tuple[Refusal, ...] = (
     # extra_forbidden at initialize: measured, 0.19.6 z2-none-fp16-ws2-nonorm-overflow).
     Refusal("compute-grad-norm-key", None, "0.19.7",
             "this release has no zero_optimization.compute_grad_norm option (its DeepSpeedZeroConfig rejects the key)",
-            lambda c, cfg: "compute_grad_norm" in _zero(cfg)),
+            lambda c, cfg: dsconfig.resolve(cfg).given("zero_optimization.compute_grad_norm")),
     # managed_gradient_accumulation (runtime/constants.py, engine.py) arrived in 0.19.4; an older engine ignores
     # the key and keeps counting micro-steps, so the once-a-window step() of an unmanaged case would never
     # reach its boundary (matrix.unmanaged_cases).
     Refusal("unmanaged-gradient-accumulation", None, "0.19.4",
             "this release has no managed_gradient_accumulation option (the client-owned accumulation "
             "boundary arrived in 0.19.4)",
-            lambda c, cfg: cfg.get("managed_gradient_accumulation", True) is False),
+            lambda c, cfg: dsconfig.resolve(cfg).managed_gradient_accumulation is False),
     # 0.19.4's engine.py _do_sanity_check (:1653) asserts "managed_gradient_accumulation=False is not supported
     # with ZeRO optimizer state offload" (measured); 0.19.5 lifted it.
     Refusal("unmanaged-with-offload", "0.19.4", "0.19.5",
             "managed_gradient_accumulation false with optimizer offload is refused by this release's own "
             "sanity check (engine.py _do_sanity_check)",
-            lambda c, cfg: cfg.get("managed_gradient_accumulation", True) is False and _offloads_optimizer(cfg)),
+            lambda c, cfg: dsconfig.resolve(cfg).managed_gradient_accumulation is False
+            and _offloads_optimizer(cfg)),
     Refusal("gram-newton-schulz", None, "0.19.0",
             "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
             lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg, default_ns_method("0.18.9"))),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 import oracles
+from harness.env import versions
 from harness.case.spec import Case
 from harness.judge.compare import compare_arrays, missing
 from harness.case.tp import COLUMN_PARALLEL, autotp_size, full_weights, geometry
@@ -94,12 +95,10 @@ def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = 
     fp16_ok, bf16_ok = half_support
     tp = autotp_size(case)
     geo = geometry(case)
-    opt = case.config["optimizer"].get("params", {})
-    beta = float(opt.get("momentum", 0.95))
-    lr = float(opt.get("muon_lr", opt.get("lr", 0.02)))
-    wd = float(opt.get("weight_decay", 0.0))
-    ns_method = opt.get("ns_method", "gram")
-    per_head = bool(opt.get("per_head_muon", False))  # the user's opt-in: without it every shard is one matrix
+    opt = case.ds.optimizer
+    beta, lr, wd = opt.muon.momentum, opt.muon.lr, opt.muon.weight_decay
+    ns_method = opt.muon.ns_method or versions.default_ns_method()  # None: the release has no such option
+    per_head = opt.per_head_muon  # the user's opt-in: without it every shard is one matrix
     full = full_weights(case)
     v = Verdict(case, "emulated")
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])

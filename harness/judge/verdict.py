@@ -78,41 +78,29 @@ def step_config(case: Case, applied: int | None = None,
     schedule (``case.schedule``) every parameter's lr is then the schedule's value for its group
     (``oracles.schedules``), from the group's configured lr. None: the configured lrs. ``conventions``:
     a bug model's, where it changes the schedule (``Conventions.warmup_peak``)."""
-    cfg = case.config
+    ds = case.ds
     non_muon = non_muon_optimizer(case)
-    opt = non_muon[1] if non_muon else cfg.get("optimizer", {}).get("params", {})
-    shared_lr = opt.get("lr")
-    muon_lr = opt.get("muon_lr", shared_lr if shared_lr is not None else 0.02)
-    adam_lr = opt.get("adam_lr", shared_lr if shared_lr is not None else 3e-4)
-    scaler = None
-    if case.dtype == "fp16":
-        f = cfg["fp16"]
-        if f.get("loss_scale", 0):
-            scaler = oracles.LossScalerConfig(dynamic=False, static_loss_scale=float(f["loss_scale"]))
-        else:
-            scaler = oracles.LossScalerConfig(
-                initial_scale_power=f.get("initial_scale_power", 16),
-                loss_scale_window=f.get("loss_scale_window", 1000),
-                hysteresis=f.get("hysteresis", 2),
-                consecutive_hysteresis=f.get("consecutive_hysteresis", False),
-                min_loss_scale=f.get("min_loss_scale", 1.0))
-    if non_muon:  # the user chose another optimizer: no parameter is Muon's, whatever DeepSpeed tags
-        specs = tuple(oracles.ParamSpec(p.name, tuple(p.shape), False) for p in case.params)
-    else:
-        specs = tuple(oracles.ParamSpec.deepspeed_tagged(p.name, p.shape, p.num_heads) for p in case.params)
-    specs, param_hyper = _user_groups(case, specs)
+    specs, param_hyper = _user_groups(case, _param_specs(case, non_muon))
     fp16_ok, bf16_ok = device.half_support()
-    betas = tuple(opt.get("betas", (0.9, 0.95)))
+    if non_muon:  # every value the user's own optimizer takes is stated (non_muon_optimizer)
+        opt = non_muon[1]
+        hyper = dict(muon_lr=float(opt["lr"]), adam_lr=float(opt["lr"]), weight_decay=float(opt["weight_decay"]),
+                     betas=(float(opt["betas"][0]), float(opt["betas"][1])), eps=float(opt["eps"]),
+                     adam_w_mode=non_muon[0] == "adamw", momentum=ds.optimizer.muon.momentum,
+                     ns_method=ds.optimizer.muon.ns_method or versions.default_ns_method())
+    else:
+        muon, adam = ds.optimizer.muon, ds.optimizer.adam
+        if muon.weight_decay != adam.weight_decay:  # the oracle's StepConfig holds one weight decay
+            raise ValueError(f"{case.name}: the Muon and Adam halves resolve different weight decays "
+                             f"({muon.weight_decay}, {adam.weight_decay}); the oracle takes one")
+        # ns_method None: the release has no such option and runs the standard quintic (versions)
+        hyper = dict(muon_lr=muon.lr, adam_lr=adam.lr, momentum=muon.momentum, weight_decay=muon.weight_decay,
+                     ns_method=muon.ns_method or versions.default_ns_method(), betas=adam.betas, eps=adam.eps,
+                     adam_w_mode=ds.optimizer.adam_w_mode)
     sc = oracles.StepConfig(
-        params=specs, muon_lr=float(muon_lr), adam_lr=float(adam_lr), momentum=float(opt.get("momentum", 0.95)),
-        weight_decay=float(opt.get("weight_decay", 0.0)), ns_method=opt.get("ns_method", versions.default_ns_method()),
-        device_fp16=fp16_ok, device_bf16=bf16_ok,
-        betas=(float(betas[0]), float(betas[1])), eps=float(opt.get("eps", 1e-10)),
-        adam_w_mode=(non_muon[0] == "adamw" if non_muon
-                     else bool(cfg.get("optimizer", {}).get("adam_w_mode", opt.get("adam_w_mode", True)))),
-        gradient_clipping=float(cfg.get("gradient_clipping", 0.0)),
-        gradient_accumulation_steps=case.grad_accum, world_size=case.dp_size, model_dtype=case.dtype,
-        loss_scaler=scaler, param_hyper=param_hyper)
+        params=specs, **hyper, device_fp16=fp16_ok, device_bf16=bf16_ok,
+        gradient_clipping=ds.gradient_clipping, gradient_accumulation_steps=case.grad_accum,
+        world_size=case.dp_size, model_dtype=case.dtype, loss_scaler=_loss_scaler(case), param_hyper=param_hyper)
     if case.model:  # a real module's parameter groups (harness.judge.module_oracle)
         sc = _module_oracle().with_param_groups(case, sc)
     if applied is not None and case.schedule:
@@ -120,6 +108,24 @@ def step_config(case: Case, applied: int | None = None,
     for hook in ORACLE_HOOKS.values():
         sc = hook(sc)
     return sc
+
+
+def _param_specs(case: Case, non_muon) -> tuple:
+    if non_muon:  # the user chose another optimizer: no parameter is Muon's, whatever DeepSpeed tags
+        return tuple(oracles.ParamSpec(p.name, tuple(p.shape), False) for p in case.params)
+    return tuple(oracles.ParamSpec.deepspeed_tagged(p.name, p.shape, p.num_heads) for p in case.params)
+
+
+def _loss_scaler(case: Case) -> oracles.LossScalerConfig | None:
+    """fp16's loss scaler as the view resolves it (a static scale, or the dynamic scaler's settings)."""
+    if case.dtype != "fp16":
+        return None
+    f = case.ds.fp16
+    if not f.dynamic:
+        return oracles.LossScalerConfig(dynamic=False, static_loss_scale=f.loss_scale)
+    return oracles.LossScalerConfig(initial_scale_power=f.initial_scale_power, loss_scale_window=f.loss_scale_window,
+                                    hysteresis=f.hysteresis, consecutive_hysteresis=f.consecutive_hysteresis,
+                                    min_loss_scale=f.min_loss_scale)
 
 
 # What a non-Muon optimizer's oracle reads from its params: every one stated, since the defaults differ
@@ -136,7 +142,9 @@ def non_muon_optimizer(case: Case) -> tuple[str, dict] | None:
     decouples, and "Adam" decouples too unless its ``adam_w_mode`` is false."""
     from harness.case.spec import NON_MUON_OPTIMIZERS
 
-    spec = json.loads(case.client_optimizer) if case.client_optimizer else case.config.get("optimizer", {})
+    opt = case.ds.optimizer
+    spec = (json.loads(case.client_optimizer) if case.client_optimizer
+            else {"type": opt.type or "muon", "params": opt.params})
     kind = str(spec.get("type", "muon"))
     if kind.lower() == "muon":
         return None
@@ -150,7 +158,7 @@ def non_muon_optimizer(case: Case) -> tuple[str, dict] | None:
                              "or AdamW (decoupled) by its type")
         rule = kind.lower()
     else:
-        rule = "adamw" if kind.lower() == "adamw" or w_mode is None or bool(w_mode) else "adam"
+        rule = "adamw" if kind.lower() == "adamw" or opt.adam_w_mode else "adam"
     unset = [k for k in _NON_MUON_KEYS if k not in params]
     if unset:
         raise ValueError(f"{case.name}: a non-Muon optimizer's oracle needs {unset} stated (defaults differ "
@@ -240,10 +248,10 @@ def _module_oracle():
 
 def layout_for(case: Case, sc: oracles.StepConfig):
     groups = _spec_groups(case, sc)
-    zero = case.config.get("zero_optimization", {})
+    zero = case.ds.zero
     if case.stage == 3:
-        return oracles.zero3_layout(groups, case.dp_size, sub_group_size=zero.get("sub_group_size"))
-    return oracles.zero12_layout(groups, case.dp_size, parameter_alignment=bool(zero.get("parameter_alignment")))
+        return oracles.zero3_layout(groups, case.dp_size, sub_group_size=zero.sub_group_size)
+    return oracles.zero12_layout(groups, case.dp_size, parameter_alignment=zero.parameter_alignment)
 
 
 def reports_global_norm(case: Case) -> bool:
@@ -259,7 +267,7 @@ def grad_norm_disabled(case: Case) -> bool:
     """``zero_optimization.compute_grad_norm: false`` (ZeRO-1/2 only, DeepSpeed's config refuses it
     elsewhere): the optimizer sets ``_global_grad_norm = None`` every step (stage_1_and_2.py ``step``),
     so the verdict checks that no norm is reported instead of comparing one."""
-    return case.stage in (1, 2) and case.config.get("zero_optimization", {}).get("compute_grad_norm") is False
+    return case.stage in (1, 2) and case.ds.zero.compute_grad_norm is False
 
 
 def expected_muon_calls(case: Case, sc: oracles.StepConfig, layout) -> int:

@@ -292,7 +292,7 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
         from harness.rank.mpu import grid_mpu
 
         mpu = grid_mpu(case.model_parallel)
-    ds_tags_heads = bool(cfg.get("optimizer", {}).get("params", {}).get("per_head_muon", False))
+    ds_tags_heads = case.ds.optimizer.per_head_muon
     if ds_tags_heads and not case.model:
         model.config = head_config(case)
     optimizer = client_optimizer(case, model_params)
@@ -590,7 +590,7 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             gas = engine.gradient_accumulation_steps()
             # Unmanaged accumulation (matrix.unmanaged_cases): every step() call is an update, so the
             # client calls it once, at the end of the window; managed, DeepSpeed counts the calls.
-            step_every_micro = case.config.get("managed_gradient_accumulation", True)
+            step_every_micro = case.ds.managed_gradient_accumulation
             watch = stack.enter_context(_gather_watch(case, engine))
             step = 1
             while step <= case.steps:

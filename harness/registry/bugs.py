@@ -107,30 +107,16 @@ def _half(c: Case) -> bool:
     return c.dtype in ("fp16", "bf16")
 
 
-def _dt(value, default: str) -> str:
-    if value is None:
-        return default
-    v = str(value).lower().replace("torch.", "")
-    return {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-            "bf16": "bf16", "bfloat16": "bf16"}.get(v, v)
-
-
 def _comm(c: Case) -> str:
-    """communication_data_type (engine.py: defaults to the model dtype)."""
-    return _dt(c.config.get("communication_data_type"), c.dtype)
+    return c.ds.communication_data_type
 
 
 def _gad(c: Case) -> str:
-    """gradient_accumulation_dtype (data_types.grad_accum_dtype; defaults to the model dtype)."""
-    return _dt(c.config.get("data_types", {}).get("grad_accum_dtype"), c.dtype)
-
-
-def _zero(c: Case) -> dict:
-    return c.config.get("zero_optimization", {})
+    return c.ds.grad_accum_dtype
 
 
 def _z3_inmem(c: Case) -> bool:
-    return bool(_zero(c).get("save_muon_momentum_buffer_in_memory"))
+    return bool(c.ds.zero.save_muon_momentum_buffer_in_memory)
 
 
 def _is_muon(p) -> bool:
@@ -153,7 +139,7 @@ def _resumes(c: Case) -> bool:
 
 
 def _fp16_dynamic(c: Case) -> bool:
-    return c.dtype == "fp16" and not c.config.get("fp16", {}).get("loss_scale", 0)
+    return c.dtype == "fp16" and c.ds.fp16.dynamic
 
 
 @functools.lru_cache(maxsize=512)
@@ -201,7 +187,7 @@ def _momentum_sees_scale_change(c: Case) -> bool:
 def _padded_head_group(c: Case) -> bool:
     """ZeRO-1/2 with parameter_alignment pads every Muon param but the group's last to 16 bytes
     (stage_1_and_2.py:444-500); any padding sends the group down get_flat_partition's padded branch."""
-    if not _zero(c).get("parameter_alignment"):
+    if not c.ds.zero.parameter_alignment:
         return False
     muon = sorted((p for p in c.params if _is_muon(p)), key=lambda p: tuple(p.shape), reverse=True)
     if not any((p.num_heads or 1) > 1 for p in muon):
@@ -379,7 +365,7 @@ BUGS: tuple[Bug, ...] = (
                 "3): Adam master 9.3e-5 off (588x), offload Muon master 0.013 off (8.5e4x), ZeRO-3 norm 1.83 "
                 "vs 3.66 (511x).",
         trigger=lambda c: _grows(c) and (_has_adam(c) or c.offload != "none" or c.stage == 3
-                                         or float(c.config.get("gradient_clipping", 0.0)) > 0),
+                                         or _clip_of(c) > 0),
         quantities=frozenset({"master", "model", "global_norm", "update"}),
         model=lambda c: {"scale_update_before_unscale": True, "muon_update_in_old_scale": c.offload != "none",
                          "reported_norm": "clip_norm" if c.stage == 3 else "norm"},
@@ -794,14 +780,14 @@ BUGS: tuple[Bug, ...] = (
 
 def _muon_group_ns_methods(c: Case) -> set:
     """The ns_method of each user param group holding a Muon parameter (its own, else the config's)."""
-    default = c.config.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
+    default = c.ds.optimizer.muon.ns_method
     return {g.ns_method or default for g in getattr(c, "groups", ())
             if any(_is_muon(p) for p in c.params if p.name in g.params)}
 
 
 def _last_muon_group_ns_method(c: Case) -> str:
     """The ns_method of the last user param group holding a Muon parameter: the one ZeRO-3 keeps."""
-    default = c.config.get("optimizer", {}).get("params", {}).get("ns_method", "gram")
+    default = c.ds.optimizer.muon.ns_method
     last = [g.ns_method or default for g in c.groups if any(_is_muon(p) for p in c.params if p.name in g.params)]
     return last[-1]
 
@@ -812,11 +798,11 @@ def _z0_unfused(c: Case) -> bool:
 
 
 def _wd_of(c: Case) -> float:
-    return float(c.config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
+    return c.ds.optimizer.muon.weight_decay
 
 
 def _clip_of(c: Case) -> float:
-    return float(c.config.get("gradient_clipping", 0.0))
+    return c.ds.gradient_clipping
 
 BY_ID = {b.id: b for b in BUGS}
 

@@ -22,10 +22,8 @@ def _has_muon(c: Case) -> bool:
 
 
 def bf16_optimizer_route(c: Case) -> bool:
-    """DeepSpeed routes bf16 + grad_accum_dtype fp32 + ZeRO-1 without offload to BF16_Optimizer (0.19.8
-    engine.py:2305; the same test from 0.18.9)."""
-    gad = str(c.config.get("data_types", {}).get("grad_accum_dtype", "")).lower().replace("torch.", "")
-    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and gad in ("fp32", "float32", "float")
+    """Where DeepSpeed runs BF16_Optimizer instead of the ZeRO optimizer (``DSConfig.bf16_optimizer_route``)."""
+    return c.ds.bf16_optimizer_route
 
 
 def _muon_stepped_as_sgd(c: Case) -> bool:
@@ -127,8 +125,7 @@ def _z12_muon_matrix_straddles(c: Case) -> bool:
 
 def _fp16_scale(c: Case) -> bool:
     """fp16 with a loss scale other than 1 (a static ``loss_scale`` of 1 leaves nothing to unscale)."""
-    f = c.config.get("fp16", {})
-    return c.dtype == "fp16" and float(f.get("loss_scale", 0) or 0) != 1.0
+    return c.dtype == "fp16" and c.ds.fp16.loss_scale != 1.0
 
 
 def _muon_update_in_scaled_buffer(c: Case) -> bool:
@@ -150,10 +147,10 @@ def _z3_muon_skipped(c: Case) -> bool:
     stage3.py:1552-1569)."""
     if c.stage != 3 or not _has_muon(c):
         return False
-    z = c.config.get("zero_optimization", {})
-    if not z.get("contiguous_gradients", True):
+    z = c.ds.zero
+    if not z.contiguous_gradients:
         return True
-    bucket = int(z.get("reduce_bucket_size", 500_000_000))
+    bucket = z.reduce_bucket_size
     return any(p.numel > bucket for p in c.params if p.uses_muon)
 
 
@@ -236,7 +233,7 @@ def _z12_momentum_dtype_mismatch(c: Case) -> bool:
     differ in dtype: stage 2 with grad_accum_dtype fp32, or any resumed run whose gradient is 16-bit."""
     if c.stage not in (1, 2) or c.offload != "none" or c.dtype == "fp32" or not _has_muon(c):
         return False
-    gad32 = c.config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+    gad32 = c.ds.grad_accum_dtype == "fp32"
     grad_is_16bit = not (c.stage == 1 and gad32)
     return (c.stage == 2 and gad32) or (c.checkpoint_at is not None and grad_is_16bit)
 
@@ -251,20 +248,17 @@ def _muon_sees_overflow(c: Case) -> bool:
 def _z12_nocontig_unreduced(c: Case) -> bool:
     """ZeRO-1/2 without optimizer offload (offload forces contiguous gradients, 0.19.7 stage_1_and_2.py:274),
     contiguous_gradients off, world size >= 2, on the CPU accelerator (on CUDA the type strings match)."""
-    z = c.config.get("zero_optimization", {})
     return (_z12_optimizer(c) and c.world_size >= 2
-            and not z.get("contiguous_gradients", True) and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
+            and not c.ds.zero.contiguous_gradients and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu")
 
 
 def _warmup_peak_from_first_group(c: Case) -> bool:
     """A WarmupLR/WarmupDecayLR schedule without warmup_max_lr over a Muon and an Adam group whose lrs differ."""
-    sched = c.config.get("scheduler") or {}
+    sched = c.ds.scheduler or {}
     if sched.get("type") not in ("WarmupLR", "WarmupDecayLR") or "warmup_max_lr" in sched.get("params", {}):
         return False
-    opt = c.config.get("optimizer", {}).get("params", {})
-    muon_lr = opt.get("muon_lr", opt.get("lr"))
-    adam_lr = opt.get("adam_lr", opt.get("lr"))
-    return _has_muon(c) and any(not p.uses_muon for p in c.params) and muon_lr != adam_lr
+    opt = c.ds.optimizer
+    return _has_muon(c) and any(not p.uses_muon for p in c.params) and opt.muon.lr != opt.adam.lr
 
 
 # fp16 flushes a value to zero below half its smallest subnormal (2^-24 / 2)
@@ -497,7 +491,7 @@ SPECS: tuple[dict, ...] = (
         symptom="AttributeError 'PipelinedOptimizerSwapper' object has no attribute 'release_swap_buffers' from "
                 "the public deepspeed.utils.safe_get_local_fp32_param on ZeRO-3 with pipeline_read/write NVMe.",
         trigger=lambda c: c.stage == 3 and c.offload == "nvme"
-        and bool(c.config["zero_optimization"]["offload_optimizer"].get("pipeline_read")),
+        and c.ds.zero.offload_optimizer.pipeline_read,
         quantities=frozenset({"crash"}),
         where="0.19.7 stage3.py:2965 get_local_fp32_param -> 2890 _get_fp32_opt_state_partition -> 2508 "
               "_release_swap_buffers calls optimizer_swapper.release_swap_buffers, which the pipelined "
@@ -547,7 +541,7 @@ SPECS: tuple[dict, ...] = (
                 "while initialize_optimizer_states swaps the first Muon sub-group in, with "
                 "save_muon_momentum_buffer_in_memory on and the optimizer offloaded to NVMe.",
         trigger=lambda c: c.stage == 3 and c.offload == "nvme" and _has_muon(c)
-        and bool(c.config["zero_optimization"].get("save_muon_momentum_buffer_in_memory")),
+        and bool(c.ds.zero.save_muon_momentum_buffer_in_memory),
         quantities=frozenset({"crash"}),
         where="0.19.7 stage3.py:1285 initialize_optimizer_states -> 2446 _optimizer_states_and_gradient_swap_in -> "
               "partitioned_optimizer_swapper.py:182 -> swap_tensor/utils.py:21; _create_momentum_buffer "
@@ -576,7 +570,7 @@ SPECS: tuple[dict, ...] = (
                 "with gradient_accumulation_steps k each Muon matrix is orthogonalised k times per step, on each "
                 "micro-batch's averaged gradient, its momentum advances k times, and the partition accumulates the "
                 "sum of the k updates (capture: 'muon_update ran 2 times', z3-nvme-part-fp32-ws1-ga2 on 0.19.7).",
-        trigger=lambda c: c.stage == 3 and _has_muon(c) and c.config.get("gradient_accumulation_steps", 1) > 1
+        trigger=lambda c: c.stage == 3 and _has_muon(c) and c.grad_accum > 1
         and not _z3_muon_skipped(c),
         quantities=frozenset({"capture", "muon_calls", "grad", "momentum", "update", "master", "model",
                               "global_norm"}),
@@ -605,7 +599,7 @@ SPECS: tuple[dict, ...] = (
         symptom="deepspeed.initialize raises a bare AssertionError (len(swap_paths) == len(swap_buffers)) while "
                 "initialize_optimizer_states swaps the optimizer state out through PipelinedOptimizerSwapper.",
         trigger=lambda c: c.stage == 3 and c.offload == "nvme" and _has_muon(c)
-        and bool(c.config["zero_optimization"]["offload_optimizer"].get("pipeline_write")),
+        and c.ds.zero.offload_optimizer.pipeline_write,
         quantities=frozenset({"crash"}),
         where="0.18.9 stage3.py:1214 initialize_optimizer_states -> 2329 _optimizer_states_and_gradient_swap_out -> "
               "pipelined_optimizer_swapper.py:140 swap_out_optimizer_state -> :191 _swap_out_optimizer_state",
@@ -702,7 +696,7 @@ SPECS: tuple[dict, ...] = (
                 "nothing is submitted and the swapper then waits on an empty queue (0.19.3 z3-nvme-part-fp32-ws1-ga2, "
                 "every z3-nvme-part case without the in-memory momentum).",
         trigger=lambda c: c.stage == 3 and c.offload == "nvme"
-        and not c.config["zero_optimization"]["offload_optimizer"].get("pipeline_write")
+        and not c.ds.zero.offload_optimizer.pipeline_write
         and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu",
         quantities=frozenset({"crash"}),
         where="0.19.3 partitioned_optimizer_swapper.py:106-107 _swap_out_optimizer_state: swap_out_tensors over "

@@ -537,17 +537,15 @@ def _offload_straddles(c: Case) -> bool:
 
 
 def _bf16_route(c: Case) -> bool:
-    """bf16 + grad_accum_dtype fp32 + ZeRO-1 without offload runs BF16_Optimizer (engine.py:2305)."""
-    gad = c.config.get("data_types", {}).get("grad_accum_dtype")
-    return c.stage == 1 and c.dtype == "bf16" and c.offload == "none" and str(gad).lower() in ("fp32", "float32")
+    return c.ds.bf16_optimizer_route
 
 
 def _clip(c: Case) -> float:
-    return float(c.config.get("gradient_clipping", 0.0))
+    return c.ds.gradient_clipping
 
 
 def _wd(c: Case) -> float:
-    return float(c.config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
+    return c.ds.optimizer.muon.weight_decay
 
 
 def _tall(c: Case) -> bool:
@@ -859,7 +857,7 @@ def _z3_several_muon_subgroups(c: Case) -> bool:
     a sub-group closes once its per-rank partition elements reach ``sub_group_size``, default 1e9)."""
     if c.stage != 3:
         return False
-    size = int(c.config.get("zero_optimization", {}).get("sub_group_size", 10**9))
+    size = c.ds.zero.sub_group_size
     n, acc = 0, 0
     for p in _muon(c):
         if acc == 0:
@@ -920,7 +918,7 @@ def _z3_muon_in_several_buckets(c: Case) -> bool:
     ``reduce_bucket_size`` chunk (stage3.py _apply_muon_to_accumulated_grads)."""
     if c.stage != 3 or c.offload != "none" or _z3_several_muon_subgroups(c):
         return False
-    bucket = int(c.config.get("zero_optimization", {}).get("reduce_bucket_size", 5 * 10**8))
+    bucket = c.ds.zero.reduce_bucket_size
     muon = _muon(c)
     return len(muon) > 1 and sum(p.numel for p in muon) > bucket
 

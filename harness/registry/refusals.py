@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.case import dsconfig
+
 
 @dataclass(frozen=True)
 class DsRefusal:
@@ -33,12 +35,12 @@ class DsRefusal:
         return raised_in(traceback, self.etype, self.fragment, func, file=file)
 
 
-def _zero(cfg: dict) -> dict:
-    return cfg.get("zero_optimization", {}) or {}
+def _zero(cfg: dict) -> dsconfig.Zero:
+    return dsconfig.resolve(cfg).zero
 
 
 def _muon(cfg: dict) -> bool:
-    return str((cfg.get("optimizer") or {}).get("type", "")).lower() == "muon"
+    return dsconfig.resolve(cfg).optimizer.kind == "muon"
 
 
 def _tp_heads_cut(c, cfg: dict) -> bool:
@@ -48,7 +50,7 @@ def _tp_heads_cut(c, cfg: dict) -> bool:
     from harness.case import tp as tp_case
 
     tp = tp_case.autotp_size(c)
-    if tp <= 1 or not (cfg.get("optimizer") or {}).get("params", {}).get("per_head_muon", False):
+    if tp <= 1 or not dsconfig.resolve(cfg).optimizer.per_head_muon:
         return False
     geo = tp_case.geometry(c)
     return geo["attn"] == tp_case.LINEAR_ATTN and (geo["heads"] * geo["head_dim"] // tp) % geo["head_dim"] != 0
@@ -61,7 +63,7 @@ def _muon_group_betas(c, cfg: dict) -> set:
     from harness.registry.historical import groups_flattened
     from oracles.layout import deepspeed_uses_muon
 
-    default = (cfg.get("optimizer") or {}).get("params", {}).get("momentum", 0.95)
+    default = dsconfig.resolve(cfg).optimizer.muon.momentum
     if groups_flattened():
         return {default}
     shapes = {p.name: p.shape for p in c.params}
@@ -75,16 +77,16 @@ REFUSALS: tuple[DsRefusal, ...] = (
     DsRefusal("z3-muon-reduce-scatter", "ValueError", "Muon and reduce scatter cannot be used together",
               "stage3.py:__init__",
               "runtime/zero/stage3.py:360-361 (0.19.8), :352-353 (0.19.7), :337-338 (0.18.9)",
-              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
-              and _zero(cfg).get("reduce_scatter", True) is not False,
+              lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3
+              and _zero(cfg).reduce_scatter is not False,
               lo="0.18.9"),
     # zero_quantized_gradients makes the engine build a local all-to-all group (engine.py:2159-2161) that
     # it hands the ZeRO-3 optimizer as all2all_process_group (engine.py:2769).
     DsRefusal("z3-muon-all2all", "ValueError", "Muon and all2all process group cannot be used together",
               "stage3.py:__init__",
               "runtime/zero/stage3.py:362-363 (0.19.8), :354-355 (0.19.7), :339-340 (0.18.9)",
-              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3
-              and bool(_zero(cfg).get("zero_quantized_gradients", False)),
+              lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3
+              and bool(_zero(cfg).zero_quantized_gradients),
               lo="0.18.9"),
     # Per-head Muon (a parameter's muon_num_heads, original_muon.py:170-177) refuses, at the first step, a
     # head count the parameter cannot hold: not a 2-D matrix, or rows not divisible by the count.
@@ -102,7 +104,7 @@ REFUSALS: tuple[DsRefusal, ...] = (
     DsRefusal("z3-muon-group-betas", "ValueError", "All Muon parameter groups must have the same momentum",
               "stage3.py:_create_fp16_partitions_with_defragmentation",
               "runtime/zero/stage3.py:927-929 (0.19.8); the same check from 0.18.9",
-              lambda c, cfg: _muon(cfg) and _zero(cfg).get("stage") == 3 and len(_muon_group_betas(c, cfg)) > 1,
+              lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3 and len(_muon_group_betas(c, cfg)) > 1,
               lo="0.18.9"),
     # Per-head Muon under AutoTP: every tagged projection's shard cuts a head, so nothing stays per-head
     # after the re-resolution on the shards; DeepSpeed raises rather than train without it.

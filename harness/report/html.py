@@ -16,6 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
+from harness.case import dsconfig
 from harness.report.plots import HUGE, MAX_CELLS, _finite, heatmap_svg, steps_svg
 from harness.report.results import CaseRecord, CheckRow, strength_line, strength_summary
 
@@ -543,8 +544,8 @@ def _lazy(svg: str) -> str:
 
 def _stage(r: CaseRecord) -> int:
     try:
-        return int(json.loads(r.case_json)["ds_config"].get("zero_optimization", {}).get("stage", 0))
-    except (ValueError, KeyError, TypeError, AttributeError):
+        return dsconfig.resolve(json.loads(r.case_json)["ds_config"]).zero.stage
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
         return 0
 
 
