@@ -209,3 +209,18 @@ def test_check_prints_each_resolved_value_with_its_source(given):
     assert f"clipping {want if want else 'off'}," in check._pipeline_text(case)
     assert any(ln.startswith("    optimizer.muon.lr = 0.02  (config (optimizer.params.lr))") for ln in lines)
     assert not any(ln.startswith("    fp16.hysteresis") for ln in lines)  # not an fp16 pipeline
+
+
+def test_check_warns_of_keys_deepspeed_does_not_know():
+    from deepspeed.runtime import constants
+
+    from harness.case.spec import Case, canonical_json
+    from harness.cli import check
+
+    cfg = _cfg(gradient_cliping=0.5, train_mirco_batch_size_per_gpu=2)
+    lines = check.unknown_key_lines(Case(name="x", params=(), ds_config=canonical_json(cfg)))
+    assert len(lines) == 2
+    for typo, meant in (("gradient_cliping", constants.GRADIENT_CLIPPING),
+                        ("train_mirco_batch_size_per_gpu", constants.TRAIN_MICRO_BATCH_SIZE_PER_GPU)):
+        assert any(f"warning: {typo} " in ln and f"did you mean {meant}?" in ln for ln in lines), typo
+    assert check.unknown_key_lines(Case(name="x", params=(), ds_config=canonical_json(_cfg()))) == []

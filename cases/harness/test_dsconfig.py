@@ -228,3 +228,142 @@ def test_help_reads_no_defaults_and_imports_no_deepspeed():
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, False]
+
+
+def _fake_release(tmp_path, files: dict[str, str]) -> dsconfig.Defaults:
+    """The defaults of a fake DeepSpeed package holding only ``files`` (path -> source)."""
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return dsconfig.defaults_of(str(tmp_path), "0.0.2")
+
+
+def test_an_option_the_release_lacks_is_none_not_false(tmp_path):
+    old = _fake_release(tmp_path, {"runtime/constants.py": "GRADIENT_CLIPPING_DEFAULT = 1.0\n"})
+    v = dsconfig._Resolver({}, old).view()
+    for key, value in (("managed_gradient_accumulation", v.managed_gradient_accumulation),
+                       ("optimizer.params.adam_w_mode", v.optimizer.adam_w_mode),
+                       ("optimizer.params.per_head_muon", v.optimizer.per_head_muon),
+                       ("optimizer.params.torch_adam", v.optimizer.torch_adam)):
+        assert value is None and v.source(key) == "not documented by DeepSpeed 0.0.2", key
+    # what the config gives is still read, documented or not
+    given = dsconfig._Resolver({"managed_gradient_accumulation": False}, old).view()
+    assert given.managed_gradient_accumulation is False and given.source("managed_gradient_accumulation") == "config"
+
+
+def test_opt_in_flags_and_autotp_are_read_from_the_release(tmp_path):
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+
+    release = metadata.version("deepspeed")
+    v = dsconfig.resolve(EMPTY)
+    assert v.autotp_size == TPTrainingConfig().autotp_size and v.tp_size == max(1, TPTrainingConfig().autotp_size)
+    for key in ("optimizer.params.per_head_muon", "optimizer.params.torch_adam", "tensor_parallel.autotp_size"):
+        assert v.source(key) == f"DeepSpeed {release} default", key
+    # a release whose fallbacks differ is read as it is: the values come from its source, not from here
+    other = _fake_release(tmp_path, {
+        "__init__.py": "def set_optimizer_flags(c, m):\n    return c.get('per_head_muon', True)\n",
+        "runtime/engine.py": "class E:\n    def get_optimizer_configuration(self, p):\n"
+                             "        return p.pop(TORCH_ADAM_PARAM, True)\n",
+        "runtime/tensor_parallel/config.py": "class TPTrainingConfig:\n    autotp_size: int = 4\n"})
+    w = dsconfig._Resolver({}, other).view()
+    assert (w.optimizer.per_head_muon, w.optimizer.torch_adam, w.autotp_size, w.tp_size) == (True, True, 4, 4)
+
+
+def _deepspeed_steps(tb, mb, world):
+    """gradient_accumulation_steps as DeepSpeedConfig's own batch rule derives it at ``world`` ranks."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ref = DeepSpeedConfig({"train_batch_size": tb, "train_micro_batch_size_per_gpu": mb})
+    ref.world_size, ref.gradient_accumulation_steps = world, None
+    ref.train_batch_size, ref.train_micro_batch_size_per_gpu = tb, mb
+    ref._set_batch_related_parameters()
+    return ref.gradient_accumulation_steps
+
+
+def test_accumulation_steps_need_the_world_size_when_derived():
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}
+    v = dsconfig.resolve(cfg)
+    assert v.gradient_accumulation_steps is None
+    assert v.source("gradient_accumulation_steps").startswith("unresolved")
+    for world in (1, 2, 4):
+        assert dsconfig.resolve(cfg, world).gradient_accumulation_steps == _deepspeed_steps(8, 1, world)
+    c = pipeline_case(1, "none", "fp32", 2)
+    cfg = c.config
+    del cfg["gradient_accumulation_steps"]
+    cfg["train_batch_size"] = 8
+    assert c.replace(ds_config=canonical_json(cfg)).grad_accum == _deepspeed_steps(8, 1, c.dp_size)
+
+
+STRING_BOOLS = ("true", "false", "False", "TRUE", "1", "0", "yes", "No", "on", "OFF", "t", "f", "y", "n",
+                "maybe", "", " true", "2")
+
+
+@pytest.mark.parametrize("text", STRING_BOOLS)
+def test_string_booleans_parse_as_deepspeeds_config_classes_parse_them(text):
+    import pydantic
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    try:
+        want = DeepSpeedFP16Config(enabled=text).enabled
+    except pydantic.ValidationError:
+        with pytest.raises(ValueError, match="fp16.enabled"):
+            dsconfig.resolve({"fp16": {"enabled": text}})
+        return
+    assert dsconfig.resolve({"fp16": {"enabled": text}}).model_dtype == ("fp16" if want else "fp32")
+
+
+def test_a_string_for_a_flag_deepspeed_reads_unparsed_is_refused():
+    from deepspeed.runtime.config import get_managed_gradient_accumulation
+
+    # DeepSpeed keeps the string, which is true even when it says "false"
+    assert get_managed_gradient_accumulation({"managed_gradient_accumulation": "false"})
+    with pytest.raises(ValueError, match="managed_gradient_accumulation.*as written"):
+        dsconfig.resolve({"managed_gradient_accumulation": "false"})
+    assert dsconfig.resolve({"managed_gradient_accumulation": False}).managed_gradient_accumulation is False
+
+
+def test_no_optimizer_section_is_no_muon():
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.constants import OPTIMIZER_TYPE_DEFAULT
+
+    assert DeepSpeedConfig(dict(EMPTY)).optimizer_name == OPTIMIZER_TYPE_DEFAULT
+    v = dsconfig.resolve(EMPTY)
+    assert v.optimizer.type == OPTIMIZER_TYPE_DEFAULT and not v.names_muon
+    assert dsconfig.resolve({"optimizer": {"type": "muon"}}).names_muon
+    c = pipeline_case(1, "none", "fp32", 1)
+    assert c.runs_muon
+    cfg = c.config
+    del cfg["optimizer"]
+    assert not c.replace(ds_config=canonical_json(cfg)).runs_muon
+
+
+def test_unknown_keys_are_listed_with_the_closest_known_one():
+    from deepspeed.runtime import constants
+
+    cfg = dict(EMPTY, gradient_cliping=1.0, train_mirco_batch_size_per_gpu=2,
+               zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memroy": True}})
+    got = {u.key: u.closest for u in dsconfig.resolve(cfg).unknown_keys}
+    assert got == {"gradient_cliping": constants.GRADIENT_CLIPPING,
+                   "train_mirco_batch_size_per_gpu": constants.TRAIN_MICRO_BATCH_SIZE_PER_GPU,
+                   "zero_optimization.offload_optimizer.pin_memroy": "zero_optimization.offload_optimizer.pin_memory"}
+
+
+def test_the_known_section_keys_are_the_config_classes_fields_and_aliases():
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+
+    d = dsconfig.defaults()
+    for section, cls in (("zero_optimization", DeepSpeedZeroConfig), ("fp16", DeepSpeedFP16Config),
+                         ("bf16", DeepSpeedBF16Config), ("bfloat16", DeepSpeedBF16Config),
+                         ("zero_optimization.offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
+                         ("zero_optimization.offload_param", DeepSpeedZeroOffloadParamConfig)):
+        fields = cls.model_fields
+        assert d.known_keys(section) == set(fields) | {f.alias for f in fields.values() if f.alias}, section
+
+
+@pytest.mark.parametrize("stage,offload,dtype", [(1, "cpu", "fp16"), (2, "none", "bf16"), (3, "nvme", "fp32")])
+def test_the_harness_own_configs_have_no_unknown_keys(stage, offload, dtype):
+    c = pipeline_case(stage, offload, dtype, 2, grad_accum=2, clip=1.0)
+    assert c.ds.unknown_keys == ()

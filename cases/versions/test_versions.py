@@ -239,3 +239,14 @@ def test_measure_release_names_must_all_be_gate_cases(monkeypatch, tmp_path):
     names.write_text("z1-none-fp32-ws1\nno-such-case\n")
     with pytest.raises(SystemExit, match="no-such-case"):
         measure_release.main(["--slice", "gate", "--names", str(names), "--exclude-absent"])
+
+
+def test_release_rules_ask_whether_muon_runs_not_whether_a_matrix_is_muon_shaped():
+    """A non-Muon optimizer on Muon-shaped matrices runs no Muon, so no rule about Muon's paths applies."""
+    muon = pipeline_case(1, "cpu", "fp32", 2)
+    cfg = muon.config
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    adamw = muon.replace(ds_config=json.dumps(cfg))
+    assert any(p.uses_muon for p in adamw.params) and not adamw.runs_muon
+    assert versions.adapt(muon, "0.19.7").changes == ("z12-offload-reduce-scatter-off",)
+    assert versions.adapt(adamw, "0.19.7").changes == ()

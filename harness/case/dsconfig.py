@@ -9,8 +9,11 @@ config without the key was judged against an unclipped oracle.
 Why ``ast``: the defaults are read from the installed package's source files (found through
 ``importlib.util.find_spec``, never imported). ``import deepspeed.runtime.constants`` imports the whole
 ``deepspeed`` package -- torch, accelerator detection and its logging -- about 5 s on this machine
-(measured 2026-12-01), which ``python -m harness --help`` and the parent process must not pay; parsing
-the seven files takes milliseconds, has no side effects and runs once per release (``defaults``).
+(measured 2026-12-01), which ``python -m harness --help`` and the parent process must not pay. Parsing
+the source files (the defaults' files, runtime/engine.py for ``torch_adam``, and the config modules
+whose keys ``unknown_keys`` checks against) has no side effects and runs once per release
+(``defaults``): 0.8-1.1 s for the first call, measured 2026-12-01 with time.perf_counter on this
+machine's 2 cores at load average 10 (0.10-0.15 s before engine.py and the config modules were read).
 ``cases/harness/test_dsconfig.py`` checks the parsed values against DeepSpeed's own objects. A key
 the installed release does not document (an older release without it) resolves to None with the
 source "not documented by DeepSpeed X", never to a value of ours.
@@ -18,6 +21,7 @@ source "not documented by DeepSpeed X", never to a value of ours.
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import importlib.util
 import json
@@ -72,8 +76,17 @@ def _places() -> dict[str, list[tuple[str, str, str]]]:
         for k in keys:
             out[f"{half}.{k}"] = [("runtime/zero/muon/original_muon.py", "muon", f"{half}.{k}")]
     out["optimizer.params.adam_w_mode"] = [("runtime/config.py", "const", "ADAM_W_MODE_DEFAULT")]
+    # opt-in flags DeepSpeed reads with a literal fallback at the point of use, not through a constant
+    out["optimizer.params.per_head_muon"] = [("__init__.py", "call", "set_optimizer_flags.get(per_head_muon)")]
+    out["optimizer.params.torch_adam"] = [("runtime/engine.py", "call", f"{f}.pop(TORCH_ADAM_PARAM)")
+                                          for f in ("get_optimizer_configuration", "_configure_basic_optimizer")]
+    out["tensor_parallel.autotp_size"] = [("runtime/tensor_parallel/config.py", "field",
+                                           "TPTrainingConfig.autotp_size")]
     out["aio.block_size"] = [("runtime/swap_tensor/constants.py", "const", "AIO_BLOCK_SIZE_DEFAULT")]
     return out
+
+
+UNDOCUMENTED = object()  # what ``Defaults.get`` returns for a key the release does not document
 
 
 class _Opaque(Exception):
@@ -96,15 +109,16 @@ def _literal(node):
     raise _Opaque(ast.dump(node))
 
 
-def _read_file(path: Path) -> dict[tuple[str, str], object]:
-    """Every default one source file documents, keyed by (kind, name) as in ``_places``."""
-    tree = ast.parse(path.read_text())
+def _read_tree(tree: ast.Module) -> dict[tuple[str, str], object]:
+    """Every module-level default of one source file, keyed by (kind, name) as in ``_places``; besides,
+    each class's field names and aliases (("keys", class))."""
     out: dict[tuple[str, str], object] = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             with _skip_opaque():
                 out[("const", node.targets[0].id)] = _literal(node.value)
         elif isinstance(node, ast.ClassDef):
+            out[("keys", node.name)] = _class_keys(node)
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
                     with _skip_opaque():
@@ -112,6 +126,36 @@ def _read_file(path: Path) -> dict[tuple[str, str], object]:
             if node.name == "MuonWithAuxAdam":
                 out.update(_muon_defaults(node))
     return out
+
+
+def _class_keys(cls: ast.ClassDef) -> tuple[str, ...]:
+    """A pydantic config class's field names and their ``Field(alias=...)`` names: the keys it accepts
+    (DeepSpeedConfigModel sets ``populate_by_name``, so both)."""
+    keys = []
+    for item in cls.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            keys.append(item.target.id)
+            if isinstance(item.value, ast.Call):
+                keys += [k.value.value for k in item.value.keywords
+                         if k.arg == "alias" and isinstance(k.value, ast.Constant)]
+    return tuple(keys)
+
+
+def _call_default(tree: ast.Module, spec: str):
+    """``spec`` "function.method(KEY)": the default of ``x.method(KEY, default)`` inside the module-level
+    function or method ``function``; KEY a string literal or a constant's name. UNDOCUMENTED if none."""
+    func, _, rest = spec.partition(".")
+    method, _, key = rest.rstrip(")").partition("(")
+    tops = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    defs = [n for n in tree.body + [m for c in tops for m in c.body]
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == func]
+    for node in (n for d in defs for n in ast.walk(d)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method
+                and len(node.args) == 2 and key in (getattr(node.args[0], "value", None),
+                                                    getattr(node.args[0], "id", None))):
+            with _skip_opaque():
+                return _literal(node.args[1])
+    return UNDOCUMENTED
 
 
 class _skip_opaque:
@@ -137,35 +181,135 @@ def _muon_defaults(cls: ast.ClassDef) -> dict:
     return out
 
 
-UNDOCUMENTED = object()  # what ``Defaults.get`` returns for a key the release does not document
+# The sections whose keys the view checks, and the pydantic class of the release that reads each (the
+# top level has no class: ``_top_level_keys``).
+_SECTION_CLASSES = {"zero_optimization": ("runtime/zero/config.py", "DeepSpeedZeroConfig"),
+                    "fp16": ("runtime/precision_config.py", "DeepSpeedFP16Config"),
+                    "bf16": ("runtime/precision_config.py", "DeepSpeedBF16Config"),
+                    "bfloat16": ("runtime/precision_config.py", "DeepSpeedBF16Config"),
+                    "zero_optimization.offload_optimizer": ("runtime/zero/offload_config.py",
+                                                            "DeepSpeedZeroOffloadOptimizerConfig"),
+                    "zero_optimization.offload_param": ("runtime/zero/offload_config.py",
+                                                        "DeepSpeedZeroOffloadParamConfig")}
 
 
 @dataclass(frozen=True)
 class Defaults:
-    """The documented defaults of one DeepSpeed release, by dotted config key."""
+    """The documented defaults of one DeepSpeed release, by dotted config key; ``read_by``: the kind of
+    place (``_places``) each was found in, which says how DeepSpeed parses a value given for it (a
+    pydantic "field" is validated, the rest is used as written); ``known``: section ("" the top level)
+    -> the keys the release reads there (empty: not read, and then nothing is reported unknown)."""
 
     release: str
     values: tuple[tuple[str, object], ...]
+    read_by: tuple[tuple[str, str], ...] = ()
+    known: tuple[tuple[str, frozenset], ...] = ()
 
     def get(self, key: str):
         return dict(self.values).get(key, UNDOCUMENTED)
+
+    def kind(self, key: str) -> str | None:
+        return dict(self.read_by).get(key)
+
+    def known_keys(self, section: str) -> frozenset:
+        return dict(self.known).get(section, frozenset())
+
+
+class _Files:
+    """The source files of one DeepSpeed package, each parsed once, each question of it asked once."""
+
+    def __init__(self, root: Path):
+        self.root, self.trees, self.read = root, {}, {}
+
+    def tree(self, rel: str) -> ast.Module | None:
+        if rel not in self.trees:
+            path = self.root / rel
+            self.trees[rel] = ast.parse(path.read_text()) if path.is_file() else None
+        return self.trees[rel]
+
+    def value(self, rel: str, kind: str, name: str):
+        """The default ``_places`` names, or UNDOCUMENTED."""
+        tree = self.tree(rel)
+        if tree is None:
+            return UNDOCUMENTED
+        if kind == "call":
+            return _call_default(tree, name)
+        if rel not in self.read:
+            self.read[rel] = _read_tree(tree)
+        return self.read[rel].get((kind, name), UNDOCUMENTED)
+
+    def strings(self, rel: str) -> frozenset:
+        tree = self.tree(rel)
+        return frozenset() if tree is None else frozenset(
+            n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value.isidentifier())
+
+
+def _imported(files: _Files, rel: str) -> list[str]:
+    """The package's own modules ``rel`` imports (relative, or absolute under ``deepspeed``), as files."""
+    tree, out = files.tree(rel), []
+    for node in ast.walk(tree) if tree is not None else ():
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = Path(rel).parent
+            for _ in range(node.level - 1):
+                base = base.parent
+        elif (node.module or "").split(".")[0] == "deepspeed":
+            base = Path()
+            node = ast.ImportFrom(module=node.module.partition(".")[2], names=node.names, level=0)
+        else:
+            continue
+        mod = base.joinpath(*node.module.split(".")) if node.module else base
+        # the module itself, or (``from . import x``) the submodules it names
+        for m in [mod] * bool(node.module) + [mod / a.name for a in node.names]:
+            cand = next((c for c in (Path(f"{m}.py"), m / "__init__.py") if (files.root / c).is_file()), None)
+            if cand is not None:
+                out.append(cand.as_posix())
+    return out
+
+
+def _config_module(rel: str) -> bool:
+    """A module that holds config keys or reads a config section: constants, ``*config``, a package's
+    ``__init__`` re-exporting one."""
+    name = Path(rel).name
+    return name in ("constants.py", "__init__.py") or name.endswith("config.py")
+
+
+def _top_level_keys(files: _Files) -> frozenset:
+    """Every key DeepSpeedConfig (runtime/config.py) can read at the top level: the identifier-like strings
+    of that file and of the config modules it imports, three levels deep (its constants files, the
+    section readers such as ``get_tensor_parallel_config``). A superset: some of those strings are no
+    key, which can only hide a misspelling that happens to be one of them."""
+    seen, todo = set(), ["runtime/config.py"]
+    for _depth in range(4):
+        todo = [f for f in dict.fromkeys(todo) if f not in seen and _config_module(f)]
+        seen.update(todo)
+        todo = [g for f in todo for g in _imported(files, f)]
+    return frozenset().union(*(files.strings(f) for f in seen))
+
+
+def _known(files: _Files) -> tuple[tuple[str, frozenset], ...]:
+    out = [("", _top_level_keys(files))]
+    for sec, (rel, cls) in _SECTION_CLASSES.items():
+        keys = files.value(rel, "keys", cls)
+        out.append((sec, frozenset(() if keys is UNDOCUMENTED else keys)))
+    return tuple((sec, keys) for sec, keys in out if keys)
 
 
 @functools.cache
 def defaults_of(package_dir: str, release: str) -> Defaults:
     """The defaults the DeepSpeed package at ``package_dir`` documents (cached per release and place)."""
-    root = Path(package_dir)
-    files: dict[str, dict] = {}
-    values = []
+    files = _Files(Path(package_dir))
+    values, read_by = [], []
     for key, places in _places().items():
         for rel, kind, name in places:
-            if rel not in files:
-                files[rel] = _read_file(root / rel) if (root / rel).is_file() else {}
-            if (kind, name) in files[rel]:
-                v = files[rel][(kind, name)]
+            v = files.value(rel, kind, name)
+            if v is not UNDOCUMENTED:
                 values.append((key, tuple(v) if isinstance(v, list) else v))
+                read_by.append((key, kind))
                 break
-    return Defaults(release, tuple(values))
+    return Defaults(release, tuple(values), tuple(read_by), _known(files))
 
 
 @functools.cache
@@ -202,6 +346,33 @@ class Setting:
     key: str
     value: object
     source: str
+
+
+@dataclass(frozen=True)
+class UnknownKey:
+    """A key of the config the installed release does not read there (DeepSpeed ignores an unknown
+    top-level key silently), with the closest key it does read (None: nothing close)."""
+
+    key: str  # dotted, from the top level
+    closest: str | None
+
+
+def unknown_keys(cfg: dict, d: Defaults) -> tuple[UnknownKey, ...]:
+    """The config's keys, at the top level and in the sections of ``_SECTION_CLASSES``, that release
+    ``d`` does not know; a section whose known keys could not be read is not judged."""
+    out = []
+    for section in ("", *_SECTION_CLASSES):
+        given = cfg
+        for part in section.split(".") if section else ():
+            given = _section(given, part)
+        known = d.known_keys(section)
+        if not known or not isinstance(given, dict):
+            continue
+        for k in sorted(str(k) for k in given if str(k) not in known):
+            close = difflib.get_close_matches(k, sorted(known), n=1)
+            out.append(UnknownKey(f"{section}.{k}" if section else k,
+                                  (f"{section}.{close[0]}" if section else close[0]) if close else None))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -272,9 +443,10 @@ class Optimizer:
     params_json: str  # the section's params as written, for optimizers other than Muon
     muon: MuonHalf
     adam: AdamHalf
-    adam_w_mode: bool
-    per_head_muon: bool
-    torch_adam: bool
+    # None: the release has no such option
+    adam_w_mode: bool | None
+    per_head_muon: bool | None
+    torch_adam: bool | None
 
     @property
     def kind(self) -> str | None:
@@ -296,13 +468,14 @@ class DSConfig:
     communication_data_type: str  # DeepSpeed's default (None) is the model dtype
     fp16: LossScaler
     gradient_clipping: float
-    gradient_accumulation_steps: int
-    managed_gradient_accumulation: bool
+    gradient_accumulation_steps: int | None  # None: not resolvable (``Setting.source`` says why)
+    managed_gradient_accumulation: bool | None  # None: the release has no such option
     optimizer: Optimizer
     aio_block_size: int
-    autotp_size: int
+    autotp_size: int  # tensor_parallel.autotp_size as DeepSpeed holds it (0: AutoTP off); see ``tp_size``
     scheduler_json: str | None
     settings: tuple[Setting, ...]
+    unknown_keys: tuple[UnknownKey, ...] = ()
 
     @classmethod
     def of(cls, case) -> "DSConfig":
@@ -326,10 +499,16 @@ class DSConfig:
                 and self.zero.offload_optimizer.device != "cpu")
 
     @property
+    def tp_size(self) -> int:
+        """The tensor-parallel world AutoTP shards over: engine.py takes ``max(autotp_size, 1)`` (0, the
+        default, is AutoTP off: one rank) and shards only when ``autotp_size() > 1``."""
+        return max(1, self.autotp_size or 0)
+
+    @property
     def names_muon(self) -> bool:
-        """Whether the config's optimizer is Muon (a case without one takes Muon unless the user passes
-        a client optimizer: ``Case.runs_muon``)."""
-        return self.optimizer.kind in (None, "muon")
+        """Whether the config's optimizer is Muon. No optimizer section is DeepSpeed's
+        ``OPTIMIZER_TYPE_DEFAULT`` (None): no optimizer of the config's, so not Muon."""
+        return self.optimizer.kind == "muon"
 
     def source(self, key: str) -> str:
         return next(s.source for s in self.settings if s.key == key)
@@ -361,7 +540,38 @@ def _convert(key: str, value, conv):
     try:
         return conv(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key}: {value!r} is not a {conv.__name__}") from None
+        raise ValueError(f"{key}: {value!r} is not a {getattr(conv, 'what', conv.__name__)}") from None
+
+
+# pydantic's lax bool (pydantic-core's string table, case-insensitive, no stripping; 0/1 as numbers):
+# how DeepSpeed's config classes (DeepSpeedConfigModel) parse a boolean field.
+_PYDANTIC_BOOLS = {**dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
+                   **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False)}
+
+
+def _pydantic_bool(v) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in _PYDANTIC_BOOLS:
+        return _PYDANTIC_BOOLS[v.lower()]
+    raise ValueError(v)
+
+
+_pydantic_bool.what = "boolean (DeepSpeed's config classes take true/false, 1/0, yes/no, on/off, t/f, y/n)"
+
+
+def _raw_bool(v) -> bool:
+    """A boolean DeepSpeed reads unparsed (``get_scalar_param``, ``dict.get``/``pop``) and tests by truth:
+    a string there is true whatever it says, so the view takes only what means one thing."""
+    if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+        return bool(v)
+    raise ValueError(v)
+
+
+_raw_bool.what = ("JSON boolean (DeepSpeed uses this key as written, without parsing: any string, "
+                  "\"false\" too, counts as true there)")
 
 
 def _pair(v) -> tuple[float, float]:
@@ -384,6 +594,8 @@ class _Resolver:
         ``default_key`` (``key``); None where the release documents none. ``path``: where ``given`` sits
         in the config (default: ``key``'s parent), for the key a message names."""
         path = key.rpartition(".")[0] if path is None else path
+        if conv is bool:  # parsed as DeepSpeed parses it: validated in a pydantic class, else as written
+            conv = _pydantic_bool if self.d.kind(default_key or key) == "field" else _raw_bool
         for name in (names,) if isinstance(names, str) else names:
             if given.get(name) is not None:
                 written = f"{path}.{name}" if path else name
@@ -444,22 +656,30 @@ class _Resolver:
                         eps=self.take("optimizer.adam.eps", p, "eps", float, "adam.eps", P),
                         weight_decay=self.take("optimizer.adam.weight_decay", p, "weight_decay", float,
                                                "adam.weight_decay", P))
-        # per_head_muon and torch_adam are opt-in flags DeepSpeed pops with False (engine.py)
+        flags = {f: self.take(f"{P}.{f}", p, f, bool) for f in ("adam_w_mode", "per_head_muon", "torch_adam")}
         return Optimizer(type=o.get("type"), params_json=json.dumps(p, sort_keys=True), muon=muon, adam=adam,
-                         adam_w_mode=bool(self.take("optimizer.params.adam_w_mode", p, "adam_w_mode", bool)),
-                         per_head_muon=bool(p.get("per_head_muon", False)), torch_adam=bool(p.get("torch_adam", False)))
+                         **flags)
 
-    def accumulation(self) -> int:
-        """DeepSpeed's batch rule (config.py ``_set_batch_related_parameters``): the steps given, else
-        train_batch_size // micro // world when both batch sizes are, else 1."""
-        cfg, key = self.cfg, "gradient_accumulation_steps"
+    def accumulation(self) -> int | None:
+        """DeepSpeed's batch rule (config.py ``_set_batch_related_parameters``): the steps given; else
+        ``train_batch_size // micro // world`` when both batch sizes are, which needs the data-parallel
+        world size (None, said so, without one); else 1 when one batch size is; else DeepSpeed refuses."""
+        cfg, key, rule = self.cfg, "gradient_accumulation_steps", f"{self.label} batch rule"
         if cfg.get(key) is not None and cfg[key] != "auto":
             return self.note(key, _convert(key, cfg[key], int), "config")
-        tb, mb = cfg.get("train_batch_size"), cfg.get("train_micro_batch_size_per_gpu")
-        if isinstance(tb, int) and isinstance(mb, int) and self.world_size:
-            return self.note(key, max(1, tb // mb // self.world_size),
-                             f"{self.label} batch rule: train_batch_size / (micro x world)")
-        return self.note(key, 1, f"{self.label} batch rule: 1")
+        tb, mb = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu"))
+        tb, mb = (None if v is None or v == "auto" else _convert(k, v, int)
+                  for k, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb)))
+        if tb is not None and mb is not None:
+            if not self.world_size:
+                return self.note(key, None, f"unresolved: {rule} is train_batch_size // (micro x data-parallel "
+                                            "world size), and no world size was given")
+            steps = tb // mb // self.world_size
+            return self.note(key, steps or None, f"{rule}: train_batch_size // (micro x world {self.world_size})"
+                             + ("" if steps else " is 0, which DeepSpeed refuses"))
+        if tb is not None or mb is not None:
+            return self.note(key, 1, f"{rule}: 1 (one batch size given)")
+        return self.note(key, None, f"{rule}: neither batch size given, which DeepSpeed refuses")
 
     def view(self) -> DSConfig:
         cfg = self.cfg
@@ -467,7 +687,6 @@ class _Resolver:
         bf = _section(cfg, "bf16") or _section(cfg, "bfloat16")  # "bfloat16": DeepSpeed's older key, still read
         bf16_on = bool(self.take("bf16.enabled", bf, "enabled", bool))
         model = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
-        tp = _section(cfg, "tensor_parallel").get("autotp_size") or 0  # 0: DeepSpeed's "no AutoTP"
         sched = cfg.get("scheduler")
         return DSConfig(
             release=self.d.release, zero=self.zero(), model_dtype=model,
@@ -476,9 +695,11 @@ class _Resolver:
             communication_data_type=self.dtype("communication_data_type", cfg, "communication_data_type", model),
             fp16=self.scaler(), gradient_clipping=self.take("gradient_clipping", cfg, "gradient_clipping", float),
             gradient_accumulation_steps=self.accumulation(),
-            managed_gradient_accumulation=bool(self.take("managed_gradient_accumulation", cfg,
-                                                         "managed_gradient_accumulation", bool)),
+            managed_gradient_accumulation=self.take("managed_gradient_accumulation", cfg,
+                                                    "managed_gradient_accumulation", bool),
             optimizer=self.optimizer(),
             aio_block_size=self.take("aio.block_size", _section(cfg, "aio"), "block_size", int),
-            autotp_size=max(1, int(tp)), scheduler_json=None if sched is None else json.dumps(sched, sort_keys=True),
-            settings=tuple(self.settings))
+            autotp_size=self.take("tensor_parallel.autotp_size", _section(cfg, "tensor_parallel"), "autotp_size",
+                                  int),
+            scheduler_json=None if sched is None else json.dumps(sched, sort_keys=True),
+            settings=tuple(self.settings), unknown_keys=unknown_keys(cfg, self.d))

@@ -12,7 +12,8 @@ Facts (DeepSpeed 0.19.8):
 * Sub-groups: one list per optimizer param group -- the Muon group first (its params sorted by
   ``p.size()`` descending, ``original_muon.py:380``), then the Adam group in model order -- cut
   greedily once the running sum of per-rank partition numels reaches ``sub_group_size``
-  (default 1e9), ``stage3.py:_create_fp16_sub_groups``. A parameter's per-rank partition is
+  (the installed release's default where the config leaves it out: ``Case.ds.zero.sub_group_size``),
+  ``stage3.py:_create_fp16_sub_groups``. A parameter's per-rank partition is
   ``ceil(numel / W)`` elements.
 
 So at world size W a single Muon matrix needs ``numel >= W * 262144`` (1 MiB per rank) to be

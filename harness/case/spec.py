@@ -276,12 +276,10 @@ class Case:
 
     @functools.cached_property
     def runs_muon(self) -> bool:
-        """Muon is the optimizer (neither a client optimizer nor a configured one of
-        ``NON_MUON_OPTIMIZERS``) and at least one parameter takes its route: what every bug of Muon's
-        own paths needs. A non-Muon case has Muon-shaped matrices but no Muon step."""
-        kind = self.ds.optimizer.kind
-        return (self.client_optimizer is None and kind not in {n.lower() for n in NON_MUON_OPTIMIZERS}
-                and any(p.uses_muon for p in self.params))
+        """The config's optimizer is Muon (``DSConfig.names_muon``; no client optimizer) and at least one
+        parameter takes its route: what every bug of Muon's own paths needs. A non-Muon case has
+        Muon-shaped matrices but no Muon step, and a config without an optimizer section has no Muon."""
+        return self.client_optimizer is None and self.ds.names_muon and any(p.uses_muon for p in self.params)
 
     def replace(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)

@@ -21,8 +21,9 @@ def tp_plan(attn: str) -> dict:
 
 
 def autotp_size(case: Case) -> int:
-    """The case's ``tensor_parallel.autotp_size`` (1: not a tensor-parallel case)."""
-    return case.ds.autotp_size
+    """The number of ranks AutoTP shards the case over (1: not a tensor-parallel case; DeepSpeed's
+    ``autotp_size`` default 0 means the same, ``DSConfig.tp_size``)."""
+    return case.ds.tp_size
 
 
 def geometry(case: Case) -> dict:

@@ -281,6 +281,13 @@ def resolved_lines(case: Case) -> list[str]:
     return [f"    {s.key} = {s.value!r}  ({s.source})" for s in ds.settings if _shown(s, ds)]
 
 
+def unknown_key_lines(case: Case) -> list[str]:
+    """A warning for each key of the config the installed DeepSpeed does not know: DeepSpeed ignores an
+    unknown top-level key without a word, so a misspelt ``gradient_clipping`` runs at the default."""
+    return [f"  warning: {u.key} is no key DeepSpeed {case.ds.release} reads"
+            + (f" (did you mean {u.closest}?)" if u.closest else "") for u in case.ds.unknown_keys]
+
+
 @contextlib.contextmanager
 def _stdout_to_stderr():
     """--json: fd 1 carries only the final JSON object; anything else printed (DeepSpeed's logger, C
@@ -542,6 +549,7 @@ class CheckResult:
             "rewrites": plan.notes,
             "resolved": {s.key: {"value": list(s.value) if isinstance(s.value, tuple) else s.value,
                                  "source": s.source} for s in case.ds.settings},
+            "unknown_keys": [{"key": u.key, "closest": u.closest} for u in case.ds.unknown_keys],
             "worst_ratio": {q: _finite(v) for q, v in worst.items()},
             "first_divergence": None if first is None else {
                 "param": first.param, "quantity": first.quantity, "step": first.step,
@@ -571,6 +579,8 @@ def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out
     bugs = known_bug_info(plan.case)
     for line in _plan_lines(plan, bugs):
         out(line)
+    for line in unknown_key_lines(plan.case):
+        out(line, essential=True)
     columns = ["stock", "patched"] if patched else ["stock"]
     t_all = time.perf_counter()
     outcomes = _run_columns(plan, columns, out)

@@ -129,10 +129,6 @@ def _offloads_optimizer(cfg: dict) -> bool:
     return _zero(cfg).offload_optimizer.device != "none"
 
 
-def _has_muon(case) -> bool:
-    return any(p.uses_muon for p in case.params)
-
-
 @dataclass(frozen=True)
 class ConfigRule:
     """A config change one version range needs for a case to mean what it means on 0.19.8.
@@ -173,7 +169,7 @@ CONFIG_RULES: tuple[ConfigRule, ...] = (
     ConfigRule("z12-offload-reduce-scatter-off", "0.19.3", "0.19.8",
                "this release refuses Muon with reduce_scatter and optimizer offload on ZeRO-1/2",
                lambda c, cfg: _zero(cfg).stage in (1, 2) and _offloads_optimizer(cfg)
-               and _zero(cfg).reduce_scatter and _has_muon(c),
+               and _zero(cfg).reduce_scatter and c.runs_muon,
                _set_reduce_scatter_off),
     # Before 0.19.0 Muon has no ns_method (0.18.9 original_muon.py:66 muon_update(grad, momentum, beta,
     # ns_steps, nesterov): always the standard quintic); cases that ask for "standard" mean exactly that.
@@ -223,7 +219,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("param-group-dicts-with-muon", None, "0.19.2",
             "this release's Muon takes a flat parameter list: param-group dicts raise AttributeError "
             "\"'dict' object has no attribute 'use_muon'\" (engine.py _configure_basic_optimizer)",
-            lambda c, cfg: _has_muon(c) and _passes_group_dicts(c)),
+            lambda c, cfg: c.runs_muon and _passes_group_dicts(c)),
     Refusal("per-head-muon", None, "0.19.8",
             "per-head Muon (a parameter's muon_num_heads) reached muon_update in 0.19.8; this release "
             "orthogonalizes the whole matrix",
@@ -233,7 +229,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("bf16-optimizer-route", "0.19.7", "0.19.8",
             "Muon cannot be used with the BF16_Optimizer, which this configuration selects: bf16 with "
             "grad_accum_dtype fp32 at ZeRO stage 1 (the release's own ZeRORuntimeException)",
-            lambda c, cfg: _has_muon(c) and dsconfig.resolve(cfg).bf16_optimizer_route),
+            lambda c, cfg: c.runs_muon and dsconfig.resolve(cfg).bf16_optimizer_route),
     # 0.19.8 original_muon.py looks the Newton-Schulz compute dtype up through ``ns_compute_dtype`` at call
     # time, the hook the high-precision-NS mode (``Case.ns_dtype``, ``-compiled-hpns``) replaces; 0.18.9-0.19.7
     # pick it inline from the accelerator (0.19.7 original_muon.py:50 bf16 / :90 fp16, else fp32), so float64
@@ -269,7 +265,7 @@ REFUSALS: tuple[Refusal, ...] = (
             and _offloads_optimizer(cfg)),
     Refusal("gram-newton-schulz", None, "0.19.0",
             "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
-            lambda c, cfg: _has_muon(c) and "gram" in _ns_methods(c, cfg, default_ns_method("0.18.9"))),
+            lambda c, cfg: c.runs_muon and "gram" in _ns_methods(c, cfg, default_ns_method("0.18.9"))),
 )
 
 
