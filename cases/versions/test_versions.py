@@ -199,7 +199,7 @@ def test_without_a_muon_group_only_bugs_outside_muon_code_are_expected(monkeypat
 @pytest.mark.parametrize("release, want", [("0.18.9", "standard"), ("0.19.0", "gram"), ("0.19.8", "gram")])
 def test_the_oracle_runs_the_releases_default_newton_schulz_when_the_key_is_absent(monkeypatch, release, want):
     """0.18.9 has no ns_method (the key is dropped for it) and runs the standard quintic: judging it as gram
-    held its bf16 Newton-Schulz to gram's fp16 allowance (session 5's F-5)."""
+    held its bf16 Newton-Schulz to gram's fp16 allowance (measured at 84925e7)."""
     from harness.judge import verdict
 
     from harness.case import dsconfig

@@ -29,7 +29,7 @@ DeepSpeed's ranks (with optimizer offload every rank orthogonalises every matrix
 oracle's bit-exact emulation of them. The iteration costs about ``numel x min(rows, cols)``
 multiply-adds, so the swap threshold is met with the smallest short side: measured here (one thread,
 a loaded machine), the oracle's emulated gram iteration took 16 s on a 1536x512 matrix (the earlier
-shape at W=3) and 1.3 s on 24x32768; halving the short side again (12x65536 at W=3, session 8) took
+shape at W=3) and 1.3 s on 24x32768; halving the short side again (12x65536 at W=3, measured at 6b5929e) took
 a 3-rank NVMe resume case from 12.3 to 10.4 s (the emulation 0.93 -> 0.40 s). A shorter side still
 (2W rows) gained nothing: the data drawn per micro-batch grows with the long side. The swap path only
 cares about the bytes; tall, square and transposed shapes are covered by the small matrices beside it.

@@ -31,7 +31,7 @@ def warm_compiled_muon_update() -> None:
     # float64 Newton-Schulz only where the release has the hook that forces it (its cases are deselected
     # elsewhere: on 0.19.6 this warm-up raised AttributeError on ``ns_compute_dtype``)
     hpns = () if versions.refuses("ns-compute-dtype-hook") else ("float64",)
-    # 0.18.9's muon_update takes no ns_method (the warm-up raised TypeError there, session 9)
+    # 0.18.9's muon_update takes no ns_method (the warm-up raised TypeError there; measured at ab24026)
     ns = {"ns_method": "gram"} if versions.has_ns_method() else {}
     for ns_dtype in (None, *hpns):
         with force_ns_dtype(ns_dtype):

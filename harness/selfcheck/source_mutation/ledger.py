@@ -3,7 +3,7 @@ or ``$MUON_HARNESS_LEDGER``): an output of ``python -m harness mutate``, never c
 
 Why it exists: the whole scope is ~3800 mutants, ~3000 of them judged by running cases (the rest are
 not reached, listed equivalent, or replaced by a fix); at a few seconds per kill and a minute or more
-per survivor that is most of a working day on two cores, longer than any one sitting of this machine,
+per survivor that is most of a working day on two cores, longer than a machine is usually kept,
 and the engine's sqlite sessions live in a per-machine cache that a fresh machine does not have. So
 every judged result (killed or survived) of any session, sample or ``--only`` run is appended there, and
 a session built without ``--fresh`` takes its results for those keys from here instead of judging them

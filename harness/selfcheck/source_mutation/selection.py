@@ -10,7 +10,7 @@ A mutation on a function's signature (a default argument value) runs at import, 
 so line coverage never sees it: it is reached by every case that executed the function's body. A
 mutation on a continuation line of a statement head (``while (a\n and b):``, a call over lines) is
 reached by every case that executed any line of that head: a case whose ``a`` short-circuited never ran
-line 2, yet ``and`` -> ``or`` there changes what it does (session 10: ``stage_1_and_2.py:1998`` survived
+line 2, yet ``and`` -> ``or`` there changes what it does (measured at 1bc3b90: ``stage_1_and_2.py:1998`` survived
 the one case it needed, which never executed that line).
 
 Standard library only (the engine's virtual environment reads the map to mark unreached mutants).
