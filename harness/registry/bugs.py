@@ -643,7 +643,7 @@ BUGS: tuple[Bug, ...] = (
                 "ceil(n/W) elements; the momentum write-back slices buffer[:n - r q], which for a rank starting "
                 "past the end (r q > n) is a negative bound: 'RuntimeError: The expanded size of the tensor (1) "
                 "must match the existing size (0)' on that rank at the first step. Smallest: n = 5 on 4 ranks "
-                "(1x5, 5x1); found by the layout sweep (sweep-z3-none-ws4-L0-ga2, a 1x5 among 3x1 and 1x1 "
+                "(1x5, 5x1); shown by the layout sweep's sweep-z3-none-ws4-L0-ga2 (a 1x5 among 3x1 and 1x1 "
                 "matrices). Offload and ZeRO-1/2 are unaffected; world sizes 2 and 3 cannot trigger it.",
         trigger=_z3_momentum_tail_past_end,
         quantities=frozenset({"crash"}),
@@ -681,7 +681,7 @@ BUGS: tuple[Bug, ...] = (
               "receive their gradient",
         symptom="With one data-parallel rank, every non-Muon parameter (biases, norms, embeddings) reaches "
                 "the optimizer with a zero gradient, so Adam never moves it; the Muon matrices train. "
-                "safe_get_full_grad returns the same zeros. Found by the --full gate's gradient check "
+                "safe_get_full_grad returns the same zeros. Measured by the --full gate's gradient check "
                 "(z2-none-bf16-ws1-knob-gad32: layer0.bias grad 0 vs 0.788, 19.7x its allowance); by hand, "
                 "a Linear(5, 6) bias moved 0.0 in one step (0.02 without grad_accum_dtype). Two or three "
                 "ranks, CPU offload or not, train normally; the patched runtime does not fix it.",
@@ -701,7 +701,7 @@ BUGS: tuple[Bug, ...] = (
         title="Without ZeRO (stage 0) per-head Muon is dropped",
         symptom="MuonWithAuxAdam.step calls muon_update without num_heads, so a parameter tagged per-head "
                 "(muon_num_heads) is orthogonalised as one matrix on the non-ZeRO path, in every dtype; "
-                "ZeRO-1/2/3 pass it. Found in session 7 by a tensor-parallel helper probe; measured on "
+                "ZeRO-1/2/3 pass it. Measured on "
                 "z0-none-fp32-ws2-heads (update 0.675 off against 8.7e-08 allowed).",
         trigger=lambda c: (c.stage == 0 and any(_is_muon(p) and (p.num_heads or 1) > 1 for p in c.params)),
         quantities=frozenset({"update", "master", "model", "global_norm"}),
@@ -723,8 +723,7 @@ BUGS: tuple[Bug, ...] = (
                 "(z3-nvme-part-fp32-ws1-sortedlast): the gradient DeepSpeed hands muon_update is the true "
                 "one moved by 51 elements (their total size), 1.5e4x its allowance; without the harness's "
                 "capture, the same run's weights after two steps differ from CPU offload's by 8.4e-4 in "
-                "that matrix and are bit-identical with an 8x32768 matrix (sorted first). Found in session "
-                "8 when a shorter swapped matrix was tried for speed.",
+                "that matrix and are bit-identical with an 8x32768 matrix (sorted first).",
         trigger=lambda c: c.dtype in ("fp32", "fp16") and nvme.swapped_muon_matrix_not_first(c),
         # Teacher forcing feeds the oracle DeepSpeed's own (misplaced) gradient, so the update, momentum
         # and weights agree with it; the gradient check is where the bug shows. Not modelled yet (which
@@ -750,8 +749,8 @@ BUGS: tuple[Bug, ...] = (
                 "order) gets a gradient that is not its own: measured (z3-nvme-part-fp32-ws1-bigadam) 2.13 "
                 "where the gradient is 2.1e-5, 262142 of 262144 elements, from step 1; the reported norm is "
                 "taken over it (3.8 against 5.3). Adam then steps on it, so every embedding on NVMe that is "
-                "not first in its sub-group trains on garbage. Found in session 10 by the case written for "
-                "a swapper mutant (a buffer count off by one for three tensors).",
+                "not first in its sub-group trains on garbage. The case is the one that kills a swapper mutant "
+                "(a buffer count off by one for three tensors).",
         trigger=lambda c: c.dtype in ("fp32", "fp16") and nvme.swapped_adam_param_not_first(c),
         # Teacher forcing feeds the oracle DeepSpeed's own gradient, so Adam's moments and the weights agree
         # with it; the gradient and the norm over it are where the bug shows. Not modelled: excused by quantity.
@@ -774,8 +773,8 @@ BUGS: tuple[Bug, ...] = (
                 "(z3-nvme-pipe-fp32-ws1-bigadam: a swapped Muon matrix beside the Adam sub-group): every element "
                 "of the 262144-element vector unchanged after the first step, and moved by Adam's step size with "
                 "the wrong sign on part of it after the next; with the Adam sub-group swapped alone (nothing "
-                "prefetched) the same case shows DSM-022 only, its weights following the gradient read. Found "
-                "in session 11 by the case written for the pipelined swapper's prefetch, which no case had run.",
+                "prefetched) the same case shows DSM-022 only, its weights following the gradient read. The "
+                "case is the one that runs the pipelined swapper's prefetch.",
         trigger=lambda c: c.dtype in ("fp32", "fp16") and nvme.prefetches_swapped_adam(c)
         and nvme.swapped_adam_param_not_first(c),
         # Not modelled: measured, the first step reads zeros (no move) and later ones a gradient that is neither
@@ -802,8 +801,8 @@ BUGS: tuple[Bug, ...] = (
                 "momentum and orthogonalises a second time. The reported norm is taken over them. Measured "
                 "(z1-cpu-fp32-ws2-skiplayer, a layer unused at step 2): the bias's gradient 0.488 where it "
                 "is 0, the norm 3.62 against 3.73; the same on ZeRO-2 offload, ZeRO-3 with and without "
-                "offload (NVMe too), and with managed_gradient_accumulation false. Found in session 11 by the cases "
-                "written for the source-mutation survivors of the unused-parameter branches.",
+                "offload (NVMe too), and with managed_gradient_accumulation false. The "
+                "-skiplayer cases are those that kill the source mutants of the unused-parameter branches.",
         trigger=lambda c: (any(k > 1 for _, k in c.unused)
                            and (c.stage == 3 or (c.stage in (1, 2) and c.offload != "none"))),
         quantities=frozenset({"grad", "global_norm"}),

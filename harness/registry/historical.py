@@ -1,4 +1,4 @@
-"""Bugs of DeepSpeed releases older than 0.19.8, found by running the gate on them.
+"""Bugs of DeepSpeed releases older than 0.19.8, shown by running the gate on them.
 
 Why a module of its own: ``harness.registry.bugs`` is the registry of 0.19.8, with oracle models and fixes in
 the patched runtime written against that release. The bugs here exist only in older releases (the
@@ -81,7 +81,7 @@ def muon_in_z3_reduce() -> bool:
 def muon_update_returns_2d_for_4d() -> bool:
     """Whether the release judged hands a 4-D (conv) Muon update back as the 2-D matrix it orthogonalised
     (0.18.9-0.19.6; 0.19.7 added the ``torch.where`` against the 4-D gradient that raises, DSM-012's crash in
-    ``muon_update``). ZeRO-1/2 flatten that 2-D update into the partition unharmed (measured, session 10:
+    ``muon_update``). ZeRO-1/2 flatten that 2-D update into the partition unharmed (measured:
     ``z1-none-fp32-ws2-conv2d-unpadded`` matches the oracle on 0.19.3-0.19.6); ZeRO-3's reduce copies it into
     the 4-D gradient and raises there (``_apply_distributed_muon_update``)."""
     return _judged_release_in("0.18.9", "0.19.7")
@@ -336,13 +336,13 @@ INTERMITTENT: tuple[dict, ...] = (
                 "handle (its comment: 'Wait ensures the operation is enqueued'), which orders the others on one "
                 "NCCL stream but not on gloo, whose handles are independent. The gathered weights of an earlier "
                 "parameter are then read before they arrive: model weights of 1e-38 or 9.8e37 at some step, the "
-                "gradients computed from them, everything after (session 9's F-12).",
+                "gradients computed from them, everything after.",
         releases=("0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7"),
         trigger=lambda c: c.stage == 3 and c.world_size > 1,
         where="partition_parameters.py _allgather_params (0.19.7 :2091-2092, launch_handles[-1].wait(); the same "
               "line in every sdist from 0.18.9); 0.19.8 waits for every handle (:2109-2112)",
         measured="z3-none-fp32-ws3-onematrix on 0.19.7: 13 of 48 runs; with that one line waiting for every "
-                 "handle in a copy of the 0.19.7 sdist, 0 of 16 (session 10); F-12's earlier rates: 0.19.3 "
+                 "handle in a copy of the 0.19.7 sdist, 0 of 16; earlier rates: 0.19.3 "
                  "onematrix 2/30, 0.19.1 nocontig 1/20, 0.19.7 groups 1/10; 0.19.8 0/30",
     ),
 )
@@ -527,7 +527,7 @@ SPECS: tuple[dict, ...] = (
                 "matrix that the two ranks' partitions share.",
         trigger=_z12_muon_matrix_straddles,
         # global_norm: the norm counts each Muon matrix's update O (DeepSpeed's clip_norm_source), made from
-        # that gradient (session 9, 0.19.0's whole gate: the norm alone diverged in 8 such cases)
+        # that gradient (0.19.0's whole gate: the norm alone diverged in 8 such cases)
         quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model", "global_norm"}),
         where="0.19.0-0.19.2 stage_1_and_2.py get_flat_partition (0.19.0: lines 2003-2013): muon_update over "
               "the whole matrix's self.all_grad_tensors entry on each rank; which part of it holds the averaged "
@@ -641,7 +641,7 @@ SPECS: tuple[dict, ...] = (
                 "(Conventions.muon_as_sgd: with DSM-013's clip of the raw gradients before the step on the "
                 "BF16_Optimizer route; at stage 0 "
                 "with the fp16 wrapper's own accidents DSM-014..016 where they apply, measured on 0.19.5 and "
-                "0.19.6's stage-0 gate cases, session 8).",
+                "0.19.6's stage-0 gate cases).",
         trigger=_muon_stepped_as_sgd,
         quantities=MUON_NOT_RUN,
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
@@ -675,7 +675,7 @@ SPECS: tuple[dict, ...] = (
                 "set_optimizer_flags (p.ndim >= 2) tags no parameter use_muon: the optimizer has no Muon group "
                 "(the capture reads no Muon group lr: NaN), muon_update is never called, and the matrices are "
                 "stepped by the auxiliary Adam with adam_lr (0.18.9 z3-none-fp32-ws2-standard-zinit, "
-                "z3-cpu-fp32-ws2-standard-zinit, resnet-z3-none-bf16-ws2-standard-zinit: F-2 of session 5).",
+                "z3-cpu-fp32-ws2-standard-zinit, resnet-z3-none-bf16-ws2-standard-zinit).",
         trigger=_zinit_muon,
         quantities=MUON_NOT_RUN | frozenset({"lr", "capture"}),
         where="0.18.9-0.19.6 deepspeed/__init__.py set_optimizer_flags (0.18.9 :71-77, 0.19.6 :84-90) tests "
