@@ -35,3 +35,20 @@ def measured(yes: str = "", no: str = "") -> dict[str, bool]:
     if both:
         raise ValueError(f"measured both present and absent on {both}")
     return {r: r in present for r in versions.RELEASES if r in present or r in absent}
+
+
+def spans(releases) -> str:
+    """The inverse of ``measured``'s reading: ``["0.19.0", "0.19.1", "0.19.8"]`` -> ``"0.19.0-0.19.1 0.19.8"``
+    (runs of consecutive known releases)."""
+    idx = sorted(versions.RELEASES.index(r) for r in releases)
+    out: list[str] = []
+    start = prev = None
+    for i in idx + [None]:
+        if prev is not None and (i is None or i != prev + 1):
+            lo, hi = versions.RELEASES[start], versions.RELEASES[prev]
+            out.append(lo if lo == hi else f"{lo}-{hi}")
+            start = None
+        if start is None:
+            start = i
+        prev = i
+    return " ".join(out)
