@@ -8,7 +8,8 @@ DeepSpeed.
 
 Modules: ``newton_schulz`` (float64 NS, the Muon direction), ``emulate`` (DeepSpeed's 16-bit NS bit for
 bit), ``momentum``, ``adam``, ``loss_scaler``, ``clipping``, ``layout`` (ZeRO partitions), ``step`` (the
-full step), ``checkpoint``, ``mp`` (mpmath twins), ``tolerance`` (allowed errors per quantity).
+full step), ``replay`` (how a teacher-forced replay reads the conventions), ``checkpoint``, ``mp``
+(mpmath twins), ``tolerance`` (allowed errors per quantity).
 """
 from .adam import AdamResult, adam_step
 from .checkpoint import CHECKPOINT_FIELDS, StateDifference, StateField, checkpoint_state, compare_states, restore_state

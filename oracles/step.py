@@ -573,92 +573,141 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
     if conv.muon_momentum_lost_after is not None and state.step_count == conv.muon_momentum_lost_after:
         state = replace(state, momentum={n: torch.zeros_like(m) for n, m in state.momentum.items()})
-    S = float(state.scaler.scale)
-    lp = _model_torch_dtype(cfg)
     G = accumulate(grads, cfg)
-
-    # -- 1. skip test on the raw gradients ------------------------------------------------------
-    nonfinite = any(not bool(torch.isfinite(g).all()) for g in G.values())
-    if nonfinite and (conv.skip_on_nonfinite == "always" or cfg.model_dtype == "fp16"):
-        return _skip(state, cfg, conv, G, "nonfinite_grad")
-    backward_scale = S if conv.backward_loss_scaled else 1.0
-    if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, backward_scale):
-        return _skip(state, cfg, conv, G, "fp16_overflow")
-
-    # -- 2. the gradient the optimizer reads (storage rounding in DeepSpeed's x S units) -----------
-    gdt = _resolve_dtype(conv.grad_dtype, cfg)
-    Gs = {n: (round_to(g * backward_scale, gdt) / backward_scale if gdt != torch.float64 else g) for n, g in G.items()}
-    # the raw-loss backward divided by S anyway (DSM-015): the optimizer reads G / S, norms included
-    read = 1.0 if conv.backward_loss_scaled else 1.0 / S
-    Gs = {n: g * read for n, g in Gs.items()}
-
-    muon_specs = [p for p in cfg.params if p.use_muon]
-    adam_specs = [p for p in cfg.params if not p.use_muon]
-    normed_adam = [p for p in adam_specs if p.name not in conv.norm_excluded]
-    c = cfg.gradient_clipping
-
+    reason = _raw_skip_reason(G, grads, cfg, conv, float(state.scaler.scale))
+    if reason is not None:
+        return _skip(state, cfg, conv, G, reason)
+    Gs, read = _gradient_read(G, cfg, conv, float(state.scaler.scale))
     # -- 3. textbook clipping happens before Muon (clip_norm_source="gradient") -------------------
-    pre_k = 1.0
-    norm = None
+    pre_k, norm = 1.0, None
     if conv.clip_norm_source == "gradient":
         norm = global_norm(Gs.values()) if shared_norm is None else shared_norm
         # the growth-step accident divides by S' where S was meant
         grow = _scale_ratio(state, cfg, conv)
-        pre_k = clip_coefficient(norm * grow, c) if forced_clip_coef is None else forced_clip_coef
+        pre_k = clip_coefficient(norm * grow, cfg.gradient_clipping) if forced_clip_coef is None else forced_clip_coef
+    new_mom, directions = _muon_directions(state, cfg, conv, Gs, pre_k, ns_mode)
+    S = float(state.scaler.scale)
+    if (conv.scaled_update_dtype == "model" and cfg.model_dtype == "fp16"
+            and any(bool((d.abs() * S >= FP16_OVERFLOW).any()) for d in directions.values())):
+        return _skip(state, cfg, conv, G, "update_overflow", momentum=new_mom)
+    clip = _norm_and_clip(state, cfg, conv, Gs, directions, norm, pre_k, shared_norm, norm_directions)
+    if clip is None:
+        return _skip(state, cfg, conv, G, "nonfinite_norm")
+    new_state, recs = _apply(state, cfg, conv, G, Gs, new_mom, directions, clip, norm_directions)
+    backward_scale = S if conv.backward_loss_scaled else 1.0
 
-    # -- 4. Muon momentum and direction ------------------------------------------------------------
-    mdt = _resolve_dtype(conv.momentum_dtype, cfg)
-    units = S if conv.momentum_units == "scaled" else 1.0
+    def as_reported(n: float) -> float:
+        return {"norm": n, "clip_norm": n * clip.ratio, "raw": n / read * backward_scale}[conv.reported_norm]
+
+    return new_state, StepRecord(False, None, S, clip.scaler.scale, clip.norm, clip.clip_norm, clip.k, recs,
+                                 as_reported(clip.norm), None if clip.own is None else as_reported(clip.own))
+
+
+def _raw_skip_reason(G: Mapping[str, torch.Tensor], grads, cfg: StepConfig, conv: Conventions,
+                     S: float) -> Optional[str]:
+    """-- 1. the skip test on the raw gradients: why the step is skipped before anything reads them."""
+    nonfinite = any(not bool(torch.isfinite(g).all()) for g in G.values())
+    if nonfinite and (conv.skip_on_nonfinite == "always" or cfg.model_dtype == "fp16"):
+        return "nonfinite_grad"
+    backward_scale = S if conv.backward_loss_scaled else 1.0
+    if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, backward_scale):
+        return "fp16_overflow"
+    return None
+
+
+def _gradient_read(G: Mapping[str, torch.Tensor], cfg: StepConfig, conv: Conventions,
+                   S: float) -> tuple[dict[str, torch.Tensor], float]:
+    """-- 2. the gradient the optimizer reads (storage rounding in DeepSpeed's x S units), and the factor
+    the read carries: a raw-loss backward divided by S anyway (DSM-015) reads G / S, norms included."""
+    backward_scale = S if conv.backward_loss_scaled else 1.0
+    gdt = _resolve_dtype(conv.grad_dtype, cfg)
+    Gs = {n: (round_to(g * backward_scale, gdt) / backward_scale if gdt != torch.float64 else g) for n, g in G.items()}
+    read = 1.0 if conv.backward_loss_scaled else 1.0 / S
+    return {n: g * read for n, g in Gs.items()}, read
+
+
+def _muon_directions(state: OracleState, cfg: StepConfig, conv: Conventions, Gs: Mapping[str, torch.Tensor],
+                     pre_k: float, ns_mode: str) -> tuple[dict, dict]:
+    """-- 4. each Muon parameter's new momentum and direction ``O`` (in the step's order)."""
     new_mom, directions = {}, {}
-    for spec in muon_specs:
+    for spec in cfg.params:
+        if not spec.use_muon:
+            continue
         n = spec.name
         if conv.muon_as_sgd:  # the (clipped) gradient is the step's direction; the momentum is untouched
-            new_mom[n] = state.momentum[n].to(torch.float64)
-            directions[n] = Gs[n] / pre_k
+            new_mom[n], directions[n] = state.momentum[n].to(torch.float64), Gs[n] / pre_k
             continue
-        hp = cfg.hyper(spec)
-        if conv.muon_ns_method is not None:
-            hp = {**hp, "ns_method": conv.muon_ns_method}
-        beta = hp["momentum"]
-        g = Gs[n] / pre_k * units
-        heads = spec.num_heads if conv.honor_num_heads else None
-        if ns_mode == "emulated" and mdt != torch.float64:
-            m_new, U, _ = emulate.emulated_momentum(state.momentum[n].to(mdt), g.to(mdt), beta)
-        elif mdt == torch.float64:
-            m_new, U = muon_momentum(state.momentum[n].to(torch.float64), g, beta)
-        else:
-            # storage rounding: the gradient is held in mdt, each of the two blends is rounded once
-            g = round_to(g, mdt)
-            m_new = round_to(beta * state.momentum[n].to(torch.float64) + (1.0 - beta) * g, mdt)
-            U = round_to((1.0 - beta) * g + beta * m_new, mdt)
-        if conv.gram_input_dtype is not None and hp["ns_method"] == "gram":
-            U = round_to(U, MODEL_DTYPES[conv.gram_input_dtype])  # DSM-119: cast before the normalisation
-        if ns_mode == "emulated":
-            O = emulate.emulated_direction(U.to(mdt), hp["ns_method"], heads, out_dtype=mdt,
-                                           conv_aspect=conv.conv_aspect, steps=cfg.ns_steps,
-                                           compute_dtype=emulate.ns_compute_dtype(hp["ns_method"], cfg.device_fp16,
-                                                                                  cfg.device_bf16))
-        else:
-            O = muon_direction(U.to(torch.float64), hp["ns_method"], heads, steps=cfg.ns_steps,
-                               conv_aspect=conv.conv_aspect)
-            if conv.momentum_dtype == "model" and mdt != torch.float64:
-                # 16-bit Muon state (DSM-001's model): muon_update hands O back in the 16-bit dtype of
-                # the gradient it was given, which is what the step applies (the emulated branch
-                # rounds it through out_dtype); float64 or compiled Newton-Schulz does not change that.
-                O = round_to(O, mdt)
-        m_new = m_new.to(torch.float64)
-        if conv.padded_tail_momentum_dtype is not None:
-            m_new = _round_padded_tail(m_new, cfg.world_size, MODEL_DTYPES[conv.padded_tail_momentum_dtype])
-        new_mom[n] = m_new
-        directions[n] = O.to(torch.float64)
-        if conv.update_store_dtype is not None:
-            directions[n] = round_to(directions[n], MODEL_DTYPES[conv.update_store_dtype])
+        new_mom[n], directions[n] = _muon_direction(state, cfg, conv, spec, Gs[n] / pre_k, ns_mode)
+    return new_mom, directions
 
-    if (conv.scaled_update_dtype == "model" and cfg.model_dtype == "fp16"
-            and any(bool((directions[p.name].abs() * S >= FP16_OVERFLOW).any()) for p in muon_specs)):
-        return _skip(state, cfg, conv, G, "update_overflow", momentum=new_mom)
 
-    # -- 5. norm, second skip test, scaler ---------------------------------------------------------
+def _muon_direction(state: OracleState, cfg: StepConfig, conv: Conventions, spec: ParamSpec, g: torch.Tensor,
+                    ns_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Muon parameter's (new momentum, direction) from its (clipped) gradient ``g``."""
+    n = spec.name
+    mdt = _resolve_dtype(conv.momentum_dtype, cfg)
+    hp = cfg.hyper(spec)
+    if conv.muon_ns_method is not None:
+        hp = {**hp, "ns_method": conv.muon_ns_method}
+    beta = hp["momentum"]
+    g = g * (float(state.scaler.scale) if conv.momentum_units == "scaled" else 1.0)
+    heads = spec.num_heads if conv.honor_num_heads else None
+    if ns_mode == "emulated" and mdt != torch.float64:
+        m_new, U, _ = emulate.emulated_momentum(state.momentum[n].to(mdt), g.to(mdt), beta)
+    elif mdt == torch.float64:
+        m_new, U = muon_momentum(state.momentum[n].to(torch.float64), g, beta)
+    else:
+        # storage rounding: the gradient is held in mdt, each of the two blends is rounded once
+        g = round_to(g, mdt)
+        m_new = round_to(beta * state.momentum[n].to(torch.float64) + (1.0 - beta) * g, mdt)
+        U = round_to((1.0 - beta) * g + beta * m_new, mdt)
+    if conv.gram_input_dtype is not None and hp["ns_method"] == "gram":
+        U = round_to(U, MODEL_DTYPES[conv.gram_input_dtype])  # DSM-119: cast before the normalisation
+    if ns_mode == "emulated":
+        O = emulate.emulated_direction(U.to(mdt), hp["ns_method"], heads, out_dtype=mdt,
+                                       conv_aspect=conv.conv_aspect, steps=cfg.ns_steps,
+                                       compute_dtype=emulate.ns_compute_dtype(hp["ns_method"], cfg.device_fp16,
+                                                                              cfg.device_bf16))
+    else:
+        O = muon_direction(U.to(torch.float64), hp["ns_method"], heads, steps=cfg.ns_steps,
+                           conv_aspect=conv.conv_aspect)
+        if conv.momentum_dtype == "model" and mdt != torch.float64:
+            # 16-bit Muon state (DSM-001's model): muon_update hands O back in the 16-bit dtype of
+            # the gradient it was given, which is what the step applies (the emulated branch
+            # rounds it through out_dtype); float64 or compiled Newton-Schulz does not change that.
+            O = round_to(O, mdt)
+    m_new = m_new.to(torch.float64)
+    if conv.padded_tail_momentum_dtype is not None:
+        m_new = _round_padded_tail(m_new, cfg.world_size, MODEL_DTYPES[conv.padded_tail_momentum_dtype])
+    O = O.to(torch.float64)
+    if conv.update_store_dtype is not None:
+        O = round_to(O, MODEL_DTYPES[conv.update_store_dtype])
+    return m_new, O
+
+
+@dataclass(frozen=True)
+class _Clip:
+    """The step's norm and what it divides by: ``k`` (the record's clip coefficient), the Muon and Adam
+    divisors, the divisor the implementation's own updates call for, the scale-update ratio ``S / S'``
+    and the scaler after the step."""
+    norm: float
+    own: Optional[float]
+    clip_norm: float
+    k: float
+    muon_div: float
+    adam_div: float
+    muon_div_own: Optional[float]
+    ratio: float
+    scaler: LossScalerState
+    unscaled: float  # the factor a Muon update carries in true units (1 / S where it lacks S: DSM-108)
+
+
+def _norm_and_clip(state: OracleState, cfg: StepConfig, conv: Conventions, Gs, directions, norm, pre_k: float,
+                   shared_norm, norm_directions) -> Optional[_Clip]:
+    """-- 5. the norm, the second skip test (None: a non-finite norm skips the step), the scaler."""
+    S = float(state.scaler.scale)
+    muon_specs = [p for p in cfg.params if p.use_muon]
+    normed_adam = [p for p in cfg.params if not p.use_muon and p.name not in conv.norm_excluded]
     # DSM-108's model: O carries no S, so in true units it counts (and steps) as O / S (of the backward)
     unscaled = 1.0 / S if conv.muon_update_unscaled else 1.0
     own = None
@@ -672,61 +721,58 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     elif shared_norm is None:
         own = norm  # the fed gradients' norm: the implementation's own by construction
     if not math.isfinite(norm):
-        return _skip(state, cfg, conv, G, "nonfinite_norm")
+        return None
     scaler = update_scale(state.scaler, False, cfg.loss_scaler)
     ratio = S / scaler.scale if conv.scale_update_before_unscale else 1.0
-    clip_norm = norm * ratio
+    c = cfg.gradient_clipping
     if conv.clip_norm_source == "muon_update":
-        k = clip_coefficient(clip_norm, c)
-        muon_div, adam_div = k, k
+        k = clip_coefficient(norm * ratio, c)
         # the divisor the implementation's own updates call for: the clip of their own norm
-        muon_div_own = clip_coefficient(own * ratio, c) if own is not None and math.isfinite(own) else None
-    else:
-        k = pre_k
-        muon_div, adam_div = 1.0, k
-        muon_div_own = 1.0
+        div_own = clip_coefficient(own * ratio, c) if own is not None and math.isfinite(own) else None
+        return _Clip(norm, own, norm * ratio, k, k, k, div_own, ratio, scaler, unscaled)
+    return _Clip(norm, own, norm * ratio, pre_k, 1.0, pre_k, 1.0, ratio, scaler, unscaled)
 
-    # -- 6. apply ----------------------------------------------------------------------------------
+
+def _apply(state: OracleState, cfg: StepConfig, conv: Conventions, G, Gs, new_mom, directions, clip: _Clip,
+           norm_directions) -> tuple[OracleState, dict]:
+    """-- 6. apply: Muon's and Adam's updates to the masters (and the records of both)."""
+    lp = _model_torch_dtype(cfg)
     master, momentum = dict(state.master), dict(state.momentum)
     adam_m, adam_v = dict(state.adam_m), dict(state.adam_v)
     t = state.adam_step + 1
     recs = {}
-    muon_factor = (ratio if conv.muon_update_in_old_scale else 1.0) * (unscaled * ratio if conv.muon_update_unscaled
-                                                                         else 1.0)
-    for spec in muon_specs:
+    muon_factor = (clip.ratio if conv.muon_update_in_old_scale else 1.0) * (
+        clip.unscaled * clip.ratio if conv.muon_update_unscaled else 1.0)
+    for spec in cfg.params:
         n = spec.name
         theta = state.master[n].to(torch.float64)
         hp = cfg.hyper(spec)
-        lr, wd = hp["lr"], hp["weight_decay"]
-        theta_new = theta * (1.0 - lr * wd) - lr * (directions[n] * (muon_factor / muon_div))
-        master[n] = round_master(theta_new, conv)
-        momentum[n] = new_mom[n]
-        own_master = None
-        if norm_directions is not None and n in norm_directions and muon_div_own is not None:
-            O_own = norm_directions[n].to(torch.float64)
-            if conv.update_store_dtype is not None:
-                O_own = round_to(O_own, MODEL_DTYPES[conv.update_store_dtype])
-            own_master = round_master(theta * (1.0 - lr * wd) - lr * (O_own * (muon_factor / muon_div_own)), conv)
-        recs[n] = ParamRecord(n, True, G[n], new_mom[n], directions[n], theta_new - theta, master[n],
-                              round_to(master[n], lp), master_own=own_master)
-    for spec in adam_specs:
-        n = spec.name
-        theta = state.master[n].to(torch.float64)
-        g = Gs[n] * (ratio / adam_div)
-        hp = cfg.hyper(spec)
-        res = adam_step(theta, g, state.adam_m[n], state.adam_v[n], t, lr=hp["lr"], betas=cfg.betas,
-                        eps=cfg.eps, weight_decay=hp["weight_decay"],
+        if spec.use_muon:
+            lr, wd = hp["lr"], hp["weight_decay"]
+            theta_new = theta * (1.0 - lr * wd) - lr * (directions[n] * (muon_factor / clip.muon_div))
+            master[n] = round_master(theta_new, conv)
+            momentum[n] = new_mom[n]
+            own_master = None
+            if norm_directions is not None and n in norm_directions and clip.muon_div_own is not None:
+                O_own = norm_directions[n].to(torch.float64)
+                if conv.update_store_dtype is not None:
+                    O_own = round_to(O_own, MODEL_DTYPES[conv.update_store_dtype])
+                own_master = round_master(theta * (1.0 - lr * wd) - lr * (O_own * (muon_factor / clip.muon_div_own)),
+                                          conv)
+            recs[n] = ParamRecord(n, True, G[n], new_mom[n], directions[n], theta_new - theta, master[n],
+                                  round_to(master[n], lp), master_own=own_master)
+            continue
+        res = adam_step(theta, Gs[n] * (clip.ratio / clip.adam_div), state.adam_m[n], state.adam_v[n], t,
+                        lr=hp["lr"], betas=cfg.betas, eps=cfg.eps, weight_decay=hp["weight_decay"],
                         adam_w_mode=cfg.adam_w_mode or conv.adam_l2_decoupled)
         master[n] = round_master(res.theta, conv)
         adam_m[n], adam_v[n] = res.m, res.v
         recs[n] = ParamRecord(n, False, G[n], None, res.direction, res.delta, master[n],
                               round_to(master[n], lp), res.m, res.v)
-    new_state = OracleState(master, momentum, adam_m, adam_v, t, scaler, state.step_count + 1, state.skipped_steps)
-    def as_reported(n: float) -> float:
-        return {"norm": n, "clip_norm": n * ratio, "raw": n / read * backward_scale}[conv.reported_norm]
-
-    return new_state, StepRecord(False, None, S, scaler.scale, norm, clip_norm, k, recs, as_reported(norm),
-                                 None if own is None else as_reported(own))
+    recs = {**{p.name: recs[p.name] for p in cfg.params if p.use_muon},
+            **{p.name: recs[p.name] for p in cfg.params if not p.use_muon}}
+    return OracleState(master, momentum, adam_m, adam_v, t, clip.scaler, state.step_count + 1,
+                       state.skipped_steps), recs
 
 
 def _round_padded_tail(m: torch.Tensor, world_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -491,16 +491,9 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
     n = world_size * gas
     T = steps
 
-    # -- grad
-    rtol_g = (n + 1) * u_g + backward_rel_err
-    atol_g = ((n + 1) * u_g + backward_term_err) * grad_term_scale if grad_term_scale else 0.0
-    sub_g = (n + 1) * subnormal_half_spacing(grad_dtype or model_dtype) / grad_units
-    grad = Allowance(atol_g + sub_g, rtol_g, f"(W*GAS+1) u_g = ({n}+1)*{u_g:.3g}"
-                     + (f" + backward {backward_rel_err:.3g}" if backward_rel_err else "")
-                     + (f"; atol ((W*GAS+1) u_g + {backward_term_err:.3g}) * term {grad_term_scale:.3g}"
-                        if grad_term_scale else "")
-                     + (f" + subnormals (W*GAS+1) {subnormal_half_spacing(grad_dtype or model_dtype):.3g}"
-                        f" / {grad_units:g}" if sub_g > 1e-30 else ""))
+    grad = _grad_allowance(n, u_g, grad_dtype or model_dtype, backward_rel_err, backward_term_err, grad_term_scale,
+                           grad_units)
+    rtol_g = grad.rtol
 
     # -- momentum
     rho = (1.0 / (1.0 - beta)) if grad_to_momentum is None else grad_to_momentum
@@ -509,36 +502,9 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
     momentum = Allowance(0.0, rtol_m, f"((1-b) rtol_g rho + 2u_m) (1-b^T)/(1-b), rho={rho:.3g}, T={T}")
 
     # -- Newton-Schulz direction
-    delta_u = rtol_m + 2.0 * u_m  # U = lerp(g, M', beta), one more rounding
-    rows, cols = int(shape[-2]) if len(shape) >= 2 else 1, int(shape[-1])
-    if len(shape) == 4:
-        rows, cols = int(shape[0]), int(math.prod(shape[1:]))
-    if num_heads:
-        rows = rows // num_heads
-    s = aspect_scale(rows, cols)
-    long_dim = max(rows, cols)
-    cap = 2.0 * ns_output_bound() * s
-    u_c = unit_roundoff(NS_DTYPE[ns_method])
-    exact_ns = ns_relative_error(u_c, sigma_lo, long_dim=long_dim, u_accumulate=UNIT_ROUNDOFF["fp32"],
-                                 input_rel_err=delta_u)
-    if mode == "exact":
-        rtol_o = exact_ns + u_g
-        how = (f"KAPPA[(C_IN u_c + dU) G0 + C_ITER (u_c + m u_acc) sum G], u_c={u_c:.3g}, "
-               f"sigma_lo={sigma_lo:.3g}, m={long_dim}; + u_out")
-        direction = Allowance(0.0, rtol_o, how, cap)
-    elif mode == "hpns":
-        norm_in = 2.0 * u_g if ns_method == "gram" else 0.0
-        rtol_o = ns_relative_error(u64, sigma_lo, long_dim=long_dim, input_rel_err=delta_u + norm_in) + u_g
-        direction = Allowance(0.0, rtol_o, f"float64 NS on fp32-stored input: KAPPA (dU + norm) G0 + ..., "
-                                           f"sigma_lo={sigma_lo:.3g}", cap)
-    else:
-        if ns_inputs_identical:
-            rtol_o = 2.0 * u_g
-            direction = Allowance(0.0, rtol_o, "bit-faithful emulation: one ulp of the output dtype")
-        else:
-            rtol_o = 2.0 * exact_ns + u_g
-            direction = Allowance(0.0, rtol_o, "emulated with differing inputs: 2x exact-mode NS bound "
-                                               "(a flipped 16-bit rounding cascades)", cap)
+    direction = _direction_allowance(mode, shape, num_heads, ns_method, sigma_lo, rtol_m + 2.0 * u_m, u_g,
+                                     ns_inputs_identical)
+    cap = direction.cap
 
     # -- norm and clip coefficient
     if mode == "emulated" and ns_inputs_identical:
@@ -572,3 +538,49 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
     loss_scale = Allowance(0.0, 0.0, "deterministic power of two: exact")
     return Allowances(grad, momentum, direction, adam_direction, update, adam_update, master, model,
                       loss_scale, norm, clip_coef)
+
+
+def _grad_allowance(n: int, u_g: float, grad_dtype: str, backward_rel_err: float, backward_term_err: float,
+                    grad_term_scale: Optional[float], grad_units: float) -> Allowance:
+    """The averaged gradient's: ``n + 1`` roundings of the ``n = W * GAS`` addends' sum, the backward's own
+    error, and the subnormals' half spacing in the stored gradient's units."""
+    rtol_g = (n + 1) * u_g + backward_rel_err
+    atol_g = ((n + 1) * u_g + backward_term_err) * grad_term_scale if grad_term_scale else 0.0
+    sub_g = (n + 1) * subnormal_half_spacing(grad_dtype) / grad_units
+    return Allowance(atol_g + sub_g, rtol_g, f"(W*GAS+1) u_g = ({n}+1)*{u_g:.3g}"
+                     + (f" + backward {backward_rel_err:.3g}" if backward_rel_err else "")
+                     + (f"; atol ((W*GAS+1) u_g + {backward_term_err:.3g}) * term {grad_term_scale:.3g}"
+                        if grad_term_scale else "")
+                     + (f" + subnormals (W*GAS+1) {subnormal_half_spacing(grad_dtype):.3g}"
+                        f" / {grad_units:g}" if sub_g > 1e-30 else ""))
+
+
+def _direction_allowance(mode: str, shape: Sequence[int], num_heads: Optional[int], ns_method: str, sigma_lo: float,
+                         delta_u: float, u_g: float, ns_inputs_identical: bool) -> Allowance:
+    """The Newton-Schulz direction's, per comparison mode, from the NS input's relative error ``delta_u``
+    (``U = lerp(g, M', beta)``: the momentum's allowance and one more rounding)."""
+    rows, cols = int(shape[-2]) if len(shape) >= 2 else 1, int(shape[-1])
+    if len(shape) == 4:
+        rows, cols = int(shape[0]), int(math.prod(shape[1:]))
+    if num_heads:
+        rows = rows // num_heads
+    s = aspect_scale(rows, cols)
+    long_dim = max(rows, cols)
+    cap = 2.0 * ns_output_bound() * s
+    u_c = unit_roundoff(NS_DTYPE[ns_method])
+    exact_ns = ns_relative_error(u_c, sigma_lo, long_dim=long_dim, u_accumulate=UNIT_ROUNDOFF["fp32"],
+                                 input_rel_err=delta_u)
+    if mode == "exact":
+        how = (f"KAPPA[(C_IN u_c + dU) G0 + C_ITER (u_c + m u_acc) sum G], u_c={u_c:.3g}, "
+               f"sigma_lo={sigma_lo:.3g}, m={long_dim}; + u_out")
+        return Allowance(0.0, exact_ns + u_g, how, cap)
+    if mode == "hpns":
+        norm_in = 2.0 * u_g if ns_method == "gram" else 0.0
+        rtol_o = ns_relative_error(UNIT_ROUNDOFF["fp64"], sigma_lo, long_dim=long_dim,
+                                   input_rel_err=delta_u + norm_in) + u_g
+        return Allowance(0.0, rtol_o, f"float64 NS on fp32-stored input: KAPPA (dU + norm) G0 + ..., "
+                                      f"sigma_lo={sigma_lo:.3g}", cap)
+    if ns_inputs_identical:
+        return Allowance(0.0, 2.0 * u_g, "bit-faithful emulation: one ulp of the output dtype")
+    return Allowance(0.0, 2.0 * exact_ns + u_g, "emulated with differing inputs: 2x exact-mode NS bound "
+                                                "(a flipped 16-bit rounding cascades)", cap)

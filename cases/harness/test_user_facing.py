@@ -169,7 +169,7 @@ def test_fixes_for_filters_by_stage():
     from harness import fixes as patched_runtime
 
     assert set(patched_runtime.fixes_for("DSM-001")) == {"z12-fp32-muon-state", "z3-fp32-muon-state"}
-    assert patched_runtime.fixes_for("DSM-009", 3) == ["z3-fp32-muon-state"]  # an also_fixes entry
+    assert patched_runtime.fixes_for("DSM-009", 3) == ["z3-fp32-muon-state"]  # one of several bugs the fix removes
     assert patched_runtime.fixes_for("DSM-009", 1) == []
     assert patched_runtime.fixes_for("DSM-003", 1) == patched_runtime.fixes_for("DSM-003", 3) != []
 

@@ -2,7 +2,8 @@
 
 On 0.19.7 each case is a strict xfail carrying exactly its bug id (the divergence or crash the bug
 says, nothing else); on 0.19.8 the same case passes. Which of the two is expected comes from the
-measured table (``harness.env.versions.AFFECTED``), so the test runs on either release's venv:
+measured table (``harness.registry.bugs.AFFECTED``, each entry's releases), so the test runs on
+either release's venv:
 ``<venv>/bin/python -m pytest cases/versions/test_fixed_in_0198.py``; CI runs it on 0.19.8.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from harness.env import device, versions
 from harness.case.spec import canonical_json
 from harness.gate.decide import evaluate
+from harness.registry import bugs
 from harness.catalog.matrix import gate_cases, tiny_grad_cases
 from harness.case.scenarios import pipeline_case
 
@@ -60,7 +62,7 @@ ON_0198 = {"DSM-123": ["DSM-021"]}
 
 
 def test_every_bug_fixed_in_0198_has_a_case():
-    fixed = sorted(b for b, row in versions.AFFECTED.items() if row.get("0.19.7") and row.get("0.19.8") is False)
+    fixed = sorted(b for b, row in bugs.AFFECTED.items() if row.get("0.19.7") and row.get("0.19.8") is False)
     assert fixed == sorted(FIXED_IN_0198)
 
 
@@ -72,7 +74,7 @@ def test_fails_on_0197_passes_on_0198(bug_id, pool_manager):
     if bug_id == "DSM-119" and not device.half_support()[0]:
         pytest.skip("DSM-119 needs an accelerator with fp16: without it the gram iteration runs in fp32")
     o = evaluate(FIXED_IN_0198[bug_id], "stock", pool_manager)
-    if versions.excuses(bug_id, release):
+    if bugs.excuses(bug_id, release):
         assert o.status == "xfailed" and sorted(o.bug_ids) == sorted([bug_id, *ALSO.get(bug_id, [])]), o.message
     elif bug_id in ON_0198:
         assert o.status == "xfailed" and sorted(o.bug_ids) == ON_0198[bug_id], o.message

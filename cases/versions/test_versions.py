@@ -9,6 +9,7 @@ import pytest
 
 from harness.rank import capture_adapters
 from harness.env import versions
+from harness.registry import bugs as registry
 from harness.registry.bugs import BUGS, HISTORICAL
 from harness.case.scenarios import pipeline_case
 from harness.case.spec import ParamShape
@@ -19,28 +20,28 @@ ALL_BUGS = BUGS + HISTORICAL
 def test_every_registered_bug_has_a_measured_row():
     ids = [b.id for b in ALL_BUGS]
     assert len(ids) == len(set(ids)), "a bug id is registered twice"
-    missing = sorted(set(ids) - set(versions.AFFECTED))
-    assert not missing, f"bugs without a row of measured releases in harness.env.versions.AFFECTED: {missing}"
-    stale = sorted(set(versions.AFFECTED) - set(ids))
+    missing = sorted(set(ids) - set(registry.AFFECTED))
+    assert not missing, f"bugs without a row of measured releases (Bug.releases): {missing}"
+    stale = sorted(set(registry.AFFECTED) - set(ids))
     assert not stale, f"AFFECTED rows for bugs nobody registered: {stale}"
 
 
 def test_rows_name_only_known_measured_releases():
-    for bug, row in versions.AFFECTED.items():
+    for bug, row in registry.AFFECTED.items():
         for rel in row:
             assert rel in versions.RELEASES, f"{bug}: {rel} is not a release the harness knows"
             assert rel in versions.MEASURED, f"{bug}: {rel} claims a measurement, but no gate run on it is recorded"
 
 
 def test_the_pinned_release_has_every_0198_bug_and_none_of_the_historical_ones():
-    assert all(versions.excuses(b.id, "0.19.8") for b in BUGS)
-    assert not any(versions.excuses(b.id, "0.19.8") for b in HISTORICAL)
+    assert all(registry.excuses(b.id, "0.19.8") for b in BUGS)
+    assert not any(registry.excuses(b.id, "0.19.8") for b in HISTORICAL)
 
 
 def test_an_unseen_release_excuses_nothing(monkeypatch):
     monkeypatch.setattr(versions, "installed", lambda: versions.Installed("0.20.3", False, "/x"))
     assert versions.judged_as() is None
-    assert not any(versions.excuses(b.id) for b in ALL_BUGS)
+    assert not any(registry.excuses(b.id) for b in ALL_BUGS)
     assert "NO bug excuses" in versions.banner()
     assert not versions.patched_applies()
 

@@ -3,10 +3,10 @@ release (``python -m harness.cli.measure_release --slice base-ws2``).
 
 Why a module and not a gate ``--only``: the comparison across releases needs exactly the same cases on
 each, and the base grid at world size 2 has no common name substring. Every registered bug is a
-candidate excuse (``MUON_HARNESS_MEASURE=1``, ``harness.env.versions.excuses``): xfailed with an id says the
+candidate excuse (``MUON_HARNESS_MEASURE=1``, ``harness.registry.bugs.excuses``): xfailed with an id says the
 bug showed as its model predicts, xpassed that it was expected and absent, failed/error a divergence no
 bug explains (a new finding). One line per case, then the counts and the ids seen; ``--json`` writes the
-outcomes for the README's version table (``versions.AFFECTED`` is filled from them by hand, with care).
+outcomes for the README's version table (each registry entry's ``releases`` is filled from them by hand, with care).
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--names", default=None, help="a file of exact case names, one a line (e.g. a gate run's "
                     "failures and errors)")
     ap.add_argument("--exclude-absent", action="store_true",
-                    help="bugs measured absent on this release (versions.AFFECTED False) are no candidates: an "
+                    help="bugs measured absent on this release (their registry entry's releases: False) are no "
+                         "candidates: an "
                     "unmodelled bug cannot then excuse a divergence its release was measured not to have")
     args = ap.parse_args(argv)
     os.environ["MUON_HARNESS_MEASURE"] = "1"
@@ -55,12 +56,13 @@ def main(argv=None) -> int:
     buildenv.apply_base_env()
     from harness.gate.decide import evaluate
     from harness.launch.pool import PoolManager
+    from harness.registry import bugs as registered_bugs
 
     # bugs set aside by hand (MUON_HARNESS_MEASURE_EXCLUDE as given), plus, with --exclude-absent, the measured-absent
     base_exclude = [b for b in os.environ.get("MUON_HARNESS_MEASURE_EXCLUDE", "").split(",") if b]
     if args.exclude_absent:
         rel = versions.judged_as()
-        base_exclude = sorted(set(base_exclude) | {b for b, row in versions.AFFECTED.items()
+        base_exclude = sorted(set(base_exclude) | {b for b, row in registered_bugs.AFFECTED.items()
                                                    if rel and row.get(rel) is False})
     os.environ["MUON_HARNESS_MEASURE_EXCLUDE"] = ",".join(base_exclude)
     print(f"measure: {versions.banner()}" + (f"; not candidates (measured absent): {base_exclude}"

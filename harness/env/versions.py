@@ -1,9 +1,9 @@
 """Which DeepSpeed the harness is running against, and what that release accepts.
 
 Why one module: the oracle does not depend on the DeepSpeed version, but the configs DeepSpeed
-accepts, the bugs it has and the patched runtime's fixes do. Every version fact lives here (config
-adaptation, refusals by design, the releases each bug was measured on) so the rest of the harness
-asks one place.
+accepts, the bugs it has and the patched runtime's fixes do. The version facts that are not about one
+bug live here (config adaptation, refusals by design, the releases a gate run was made on); the releases
+each bug was measured on are its registry entry's (``harness.registry.bugs.excuses`` reads them).
 
 The installed version is read from the package metadata, never by importing DeepSpeed (the parent
 process and the build cache key need it before any rank starts). A *source checkout* is DeepSpeed
@@ -319,175 +319,8 @@ def z3_distributed_muon(version: str | None = None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# which releases each registered bug affects, as MEASURED by running the gate on each release
-
-# bug id -> {release: affected?}. Only measurements go here: a release is listed for a bug when a gate
-# run on that release showed the bug (True: the case diverged exactly as the bug's model predicts, or
-# crashed/refused as it says) or showed its cases passing (False: fixed or never present). A release
-# absent from a bug's row was not measured for it; the bug then excuses nothing there.
-# 0.19.8: the release the registry was built on (every bug confirmed there, harness/registry/bugs.py).
-_ALL_0198 = {"0.19.8": True}
-AFFECTED: dict[str, dict[str, bool]] = {f"DSM-{i:03d}": dict(_ALL_0198) for i in range(1, 25)}
-# 0.19.7, measured with MUON_HARNESS_MEASURE=1 on the slices in MEASURED: xfailed carrying the id (True) or
-# xpassed (False). Bugs not listed: not measured.
-# DSM-012: the whole CI gate on 0.19.7 (session 5): resnet-z0-none-fp32-ws2-standard raised its exact crash
-# (RuntimeError "must match the size of tensor" in muon_update, original_muon.py:174 torch.where on a 4-D grad).
-# Session 9 corrects DSM-014 and DSM-016 to True there: the whole CI gate on 0.19.7 failed its seven 16-bit
-# stage-0 cases on the Adam masters and the reported norm; measured by name (DSM-114 set aside: 0.19.7 runs
-# muon_update at stage 0) every one xfailed [DSM-014, DSM-016] (and DSM-015 on fp16) with the models on, at full
-# strength. The earlier False came from bf16 slices judged before those models covered stage 0.
-for _bug, _present in {"DSM-001": True, "DSM-002": True, "DSM-003": True, "DSM-006": True, "DSM-012": True,
-                       "DSM-014": True, "DSM-015": True, "DSM-016": True}.items():
-    AFFECTED[_bug]["0.19.7"] = _present
-# 0.18.9, the whole CI gate (session 5): DSM-001 (z1-none-bf16-ws1-clip0.05-standard) as modelled.
-AFFECTED["DSM-001"]["0.18.9"] = True
-AFFECTED["DSM-002"]["0.18.9"] = True  # z1/z2-nvme-pipe-fp32-ws1: no swap file touched, with DSM-101
-AFFECTED["DSM-012"]["0.18.9"] = True  # resnet-z3-none-fp32-ws2-standard: its crash in the ZeRO-3 reduce
-# session 8: with DSM-114 modelled at stage 0 its 16-bit stage-0 cases no longer hid the fp16 wrapper's accidents
-# (excused wholesale before): z0-none-fp16-ws3-ga2-standard and the three z0-none-bf16 cases, measured by name,
-# xfailed with DSM-014 and DSM-016 (and DSM-015 on fp16) beside DSM-114, every model on, at full strength
-for _bug in ("DSM-014", "DSM-015", "DSM-016"):
-    AFFECTED[_bug]["0.18.9"] = True
-# Bugs of older releases (harness/registry/historical.py); absent from 0.19.8 as measured there.
-AFFECTED.update({
-    "DSM-101": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
-    "DSM-102": {"0.18.9": True, "0.19.7": True, "0.19.8": False},
-    "DSM-103": {"0.19.7": True, "0.19.8": False},
-    # measured present on the source checkout (README "DeepSpeed versions"); the groups cases pass their
-    # lr checks on 0.19.7 and 0.19.8
-    "DSM-104": {"0.19.7": False, "0.19.8": False},
-    "DSM-105": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
-    "DSM-106": {"0.19.7": True, "0.19.8": False},
-    # DSM-108..112: the whole CI gate on 0.19.7 (session 5), judged again with them registered; DSM-108 also on
-    # 0.19.3-0.19.6: the base-ws2 slice's z1-none-fp16-ws2 and z2-none-fp16-ws2-clip0.05 (F-1) xfailed at full
-    # strength with its model (judged normally, not measuring: DSM-107, unmodelled, measured absent there)
-    # (0.18.9: z3-cpu-fp16-ws1-standard matches DSM-001 + DSM-108 apart from an update 1.06x its allowance at
-    # step 2, README F-5)
-    "DSM-108": {"0.18.9": True, "0.19.3": True, "0.19.4": True, "0.19.5": True, "0.19.6": True, "0.19.7": True,
-                "0.19.8": False},
-    "DSM-109": {"0.19.7": True, "0.19.8": False},
-    "DSM-110": {"0.19.7": True, "0.19.8": False},
-    "DSM-111": {"0.19.7": True, "0.19.8": False},
-    "DSM-112": {"0.19.7": True, "0.19.8": False},
-    "DSM-113": {"0.18.9": True, "0.19.7": False, "0.19.8": False},  # 0.19.7: the pipelined cases reach DSM-106
-    # 0.18.9: its stage-0 cases (F-6 of session 5); 0.19.7: the stage-0 cases pass
-    "DSM-114": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
-    # F-4 of session 5: z1-none-fp32-ws2-knob-nocontig on 0.19.7 (and 0.19.7 with 0.19.8's
-    # split_half_float_double: xfailed with DSM-103 alone); 0.19.8: the same case passes
-    "DSM-115": {"0.19.7": True, "0.19.8": False},
-    # F-2 of session 5: 0.18.9's three zero.Init cases of the whole CI gate (session 6); 0.19.7 and 0.19.8: their
-    # zero.Init cases call muon_update (the whole CI gate)
-    "DSM-116": {"0.18.9": True, "0.19.7": False, "0.19.8": False},
-    # the whole CI gate on 0.19.6 (session 6): z2-none-bf16-ws2-knob-gad32, z2-none-bf16-ws3-resume,
-    # z1-none-fp16-ws2-resume-overflow crash exactly so; 0.19.7 and 0.19.8 run them (their whole CI gates)
-    "DSM-117": {"0.19.6": True, "0.19.7": False, "0.19.8": False},
-    # the two fp16 ZeRO-1/2 -overflow cases of the whole CI gate on 0.19.6; 0.19.7 and 0.19.8 pass them (modelled)
-    "DSM-118": {"0.19.6": True, "0.19.7": False, "0.19.8": False},
-    # session 8: z1-none-fp32-ws2-tinygrad (gram, every gradient x1e-10) on 0.19.5, 0.19.6 and 0.19.7 (with DSM-103
-    # there) xfailed with its model at full strength; 0.19.8 passes it (its whole CI gate)
-    "DSM-119": {"0.19.5": True, "0.19.6": True, "0.19.7": True, "0.19.8": False},
-    # session 8: the whole CI gate on 0.19.3, its six z3-nvme-part cases without in-memory momentum (the pool now
-    # reports the abort's Python stack); 0.19.4's whole CI gate runs them past initialize
-    "DSM-120": {"0.19.3": True, "0.19.4": False},
-    # session 8: F-11 of 0.19.3's whole CI gate (z0-none-fp32-ws2-sched-warmup); 0.19.4 xfails it [DSM-114] alone
-    "DSM-121": {"0.19.3": True, "0.19.4": False},
-    # session 9: the whole CI gate on 0.19.0, its two ZeRO-3 -mp2 cases (rank 0 raised in the all_gather);
-    # 0.19.1 and 0.19.2 (same code) below; 0.19.3's whole gate runs them past the backward
-    "DSM-122": {"0.19.0": True, "0.19.3": False},
-    # session 9: z2-none-fp32-ws2-adam-l2 (added this session) in the whole CI gate on 0.19.5, then by name on
-    # the others; 0.19.6's op keeps one optimizer per mode (its fused_adam.cpp equals 0.19.8's)
-    # session 9: z3-nvme-part-fp32-ws1-sortedlast in the whole CI gates on 0.19.4-0.19.7, measured by name with
-    # DSM-021 set aside (its gradient is right there); 0.19.8 shows DSM-021 instead (masters right). 0.19.0-0.19.3
-    # crash at initialize first (DSM-120)
-    "DSM-123": {"0.19.4": True, "0.19.5": True, "0.19.6": True, "0.19.7": True, "0.19.8": False},
-    "DSM-124": {"0.19.0": True, "0.19.1": True, "0.19.2": True, "0.19.3": True, "0.19.4": True, "0.19.5": True,
-                "0.19.6": False, "0.19.7": False, "0.19.8": False},
-})
-# The whole CI gate on 0.19.3 (session 8), its 78 failures/errors re-measured by name (--exclude-absent): the 0.19.4
-# set less DSM-106 (its pipelined cases crash first at initialize, as DSM-113 says: measured present there, and
-# absent on 0.19.4, whose pipelined cases reach DSM-106), plus DSM-113 and DSM-120.
-for _bug in ("DSM-002", "DSM-003", "DSM-004", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-104", "DSM-109",
-             "DSM-110", "DSM-111", "DSM-113", "DSM-114", "DSM-115", "DSM-116", "DSM-117", "DSM-118", "DSM-119"):
-    AFFECTED.setdefault(_bug, {})["0.19.3"] = True
-AFFECTED["DSM-113"]["0.19.4"] = False
-# The whole CI gates on 0.19.0, 0.19.1 and 0.19.2 (session 9), their failures re-measured by name
-# (--exclude-absent, after DSM-107's trigger was narrowed and DSM-122 registered): every case xfailed with these
-# ids except the ones expecting DSM-103 (the AdamW cases and the two L1 sweep layouts, which have two Muon matrices
-# in a group), which xpassed: DSM-103 is absent there, and DSM-112 (DSM-103 on a split matrix) with it.
-# 0.19.2 runs the param-group cases the two before refuse, and merges the groups (DSM-104).
-for _rel in ("0.19.0", "0.19.1", "0.19.2"):
-    for _bug in ("DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-108",
-                 "DSM-109", "DSM-110", "DSM-111", "DSM-113", "DSM-114", "DSM-115", "DSM-116", "DSM-117", "DSM-118",
-                 "DSM-119", "DSM-120", "DSM-121", "DSM-122"):
-        AFFECTED.setdefault(_bug, {})[_rel] = True
-    AFFECTED["DSM-103"][_rel] = False
-    AFFECTED["DSM-112"][_rel] = False
-AFFECTED["DSM-104"]["0.19.2"] = True
-
-# The whole CI gate on 0.19.6 (session 6), its failures re-measured one by one
-# (python -m harness.cli.measure_release --slice gate --names ... --exclude-absent): each xfailed with these ids
-# as the only candidates that explain it (README "DeepSpeed versions").
-for _bug in ("DSM-002", "DSM-003", "DSM-004", "DSM-012", "DSM-014", "DSM-015", "DSM-016", "DSM-104", "DSM-106",
-             "DSM-109", "DSM-110", "DSM-111", "DSM-114", "DSM-115", "DSM-116"):
-    AFFECTED.setdefault(_bug, {})["0.19.6"] = True
-
-# F-7 of session 6 (session 7): the three z1-none-bf16-*-gad32 cases on 0.19.6 (the BF16_Optimizer route, read
-# by capture_adapters.bf16_grad_index) xfailed [DSM-013, DSM-114] with both models, at full strength.
-AFFECTED["DSM-013"]["0.19.6"] = True
-
-# The whole CI gate on 0.19.5 (session 7), its 74 failures/errors re-measured by name (--exclude-absent): each
-# xfailed with these ids (DSM-112, offered by measuring on moe-z2-none-fp32-ws2-standard beside DSM-104, is left
-# out: DSM-103, which it shows with, was measured absent there).
-for _bug in ("DSM-002", "DSM-003", "DSM-004", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-104", "DSM-106",
-             "DSM-109", "DSM-110", "DSM-111", "DSM-114", "DSM-115", "DSM-116", "DSM-117", "DSM-118"):
-    AFFECTED.setdefault(_bug, {})["0.19.5"] = True
-
-# The whole CI gate on 0.19.4 (session 8), its 73 failures/errors re-measured by name (--exclude-absent): the same
-# set as 0.19.5's, DSM-119 too (DSM-112 offered beside DSM-104 on moe-z2-none-fp32-ws2-standard is left out, as there).
-for _bug in ("DSM-002", "DSM-003", "DSM-004", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-104", "DSM-106",
-             "DSM-109", "DSM-110", "DSM-111", "DSM-114", "DSM-115", "DSM-116", "DSM-117", "DSM-118", "DSM-119"):
-    AFFECTED.setdefault(_bug, {})["0.19.4"] = True
-
-# 0.19.0-0.19.6 and 0.19.7 again, on one slice (python -m harness.cli.measure_release --slice base-ws2, the
-# 18 base-grid cases at world size 2 without per-head matrices; README "DeepSpeed versions"). Recorded: a
-# bug True where a case xfailed with it as the only candidate that can explain it (a crash bug: its exact
-# crash), False where a case expecting it xpassed (or its crash did not happen). DSM-001 is True where its
-# bf16 cases xfailed and the other candidates there (DSM-103/107) were measured absent in the fp32 cases.
-_SLICE = {
-    "0.19.0": {"DSM-101": True, "DSM-102": True, "DSM-105": False, "DSM-107": True},
-    "0.19.1": {"DSM-101": True, "DSM-102": True, "DSM-105": False, "DSM-107": True},
-    "0.19.2": {"DSM-101": True, "DSM-102": True, "DSM-105": False, "DSM-107": True},
-    "0.19.3": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
-               "DSM-107": False},
-    "0.19.4": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
-               "DSM-107": False},
-    "0.19.5": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
-               "DSM-107": False},
-    "0.19.6": {"DSM-001": True, "DSM-101": True, "DSM-102": True, "DSM-103": False, "DSM-105": False,
-               "DSM-107": False},
-    "0.19.7": {"DSM-107": False},
-}
-AFFECTED["DSM-107"] = {"0.19.8": False}
-for _rel, _row in _SLICE.items():
-    for _bug, _present in _row.items():
-        AFFECTED[_bug][_rel] = _present
-
-# Session 10, the cases added for the source-mutation survivors, measured by name on every release
-# (measure_release --slice gate --names ... --exclude-absent): DSM-017's crash in the reduce's Muon update,
-# offload or not (z3-none/cpu-fp32-ws4-emptyshare, 0.19.0-0.19.7), and DSM-012's on a 3x3 filter with
-# offload (z3-cpu-fp32-ws2-conv2d, 0.19.0-0.19.6; 0.19.7 raised it in muon_update as already recorded).
-for _rel in ("0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7"):
-    AFFECTED["DSM-017"][_rel] = True
-    AFFECTED["DSM-012"][_rel] = True
-# DSM-022 (session 10, z3-nvme-part-fp32-ws1-bigadam measured by name): the same wrong Adam gradient on
-# 0.19.4 and 0.19.7 (xfailed with it as the only candidate); 0.19.0-0.19.3 never get that far (DSM-120).
-for _rel in ("0.19.4", "0.19.5", "0.19.6", "0.19.7"):
-    AFFECTED["DSM-022"][_rel] = True
-
-# DSM-023 (session 11, the -skiplayer cases measured by name, measure_release --names): ZeRO-1/2 offload
-# xfailed with it as modelled on 0.19.4 and 0.19.7; their ZeRO-3 cases crash first there (DSM-102).
-for _rel in ("0.19.4", "0.19.7"):
-    AFFECTED["DSM-023"][_rel] = True
+# the releases the gate was run on (which bugs each one showed: each registry entry's ``releases``,
+# harness.registry.bugs)
 
 # Releases a gate run was made on (so a bug without a measurement there is reported, not silently
 # ignored): release -> the slice that was run (README "DeepSpeed versions").
@@ -517,21 +350,6 @@ def judged_as() -> str | None:
     """The release whose measured bug table applies to the installed DeepSpeed (None: unseen)."""
     rel = installed().release
     return rel if rel in MEASURED else None
-
-
-def excuses(bug_id: str, release: str | None = None) -> bool:
-    """Whether bug ``bug_id`` may excuse a divergence on ``release`` (default: the installed one):
-    only when a gate run on that release measured it there. On an unseen release nothing is excused."""
-    if release is None and os.environ.get("MUON_HARNESS_MEASURE") == "1":
-        # Measuring a release: every registered bug is a candidate, so the gate says which ones show
-        # (xfailed with the id: present and as modelled; xpassed: expected and absent). A crash bug found
-        # not to crash is set aside for the case's re-judgement (MUON_HARNESS_MEASURE_EXCLUDE, set by
-        # harness.cli.measure_release), so the other candidates, numerical ones too, still judge it.
-        return bug_id not in os.environ.get("MUON_HARNESS_MEASURE_EXCLUDE", "").split(",")
-    release = release if release is not None else judged_as()
-    if release is None:
-        return False
-    return AFFECTED.get(bug_id, {}).get(release, False)
 
 
 def patched_applies() -> bool:

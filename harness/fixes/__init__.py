@@ -6,8 +6,9 @@
 
 ``apply(names=None)`` installs every fix (or the named ones) and returns the names now active;
 ``remove(names=None)`` restores stock behaviour (all, or the named fixes); ``applied()`` lists the active
-fixes; ``fix_names()`` lists all fixes; ``FIXES`` maps a name to its ``Fix`` (bug id, symptom, trigger,
-the DeepSpeed functions it replaces). ``describe()`` prints that table.
+fixes; ``fix_names()`` lists all fixes; ``FIXES`` maps a name to its ``Fix`` (the bug ids it removes, the
+DeepSpeed functions it replaces). ``describe()`` prints that table; what each bug is lives in the registry
+(``python -m harness.registry.docs`` writes docs/bugs.md, one entry per bug with its fix).
 
 Guards: ``apply`` refuses (``PatchedRuntimeError``) on a DeepSpeed other than 0.19.8, and before it
 replaces a function it checks the function's source hash against 0.19.8's, so it never overwrites
@@ -38,12 +39,12 @@ _STAGE_MODULES = {"deepspeed.runtime.zero.stage_1_and_2": (1, 2), "deepspeed.run
 
 
 def fixes_for(bug_id: str, stage: int | None = None) -> list[str]:
-    """The fixes that remove ``bug_id`` (as its main bug or one it also fixes), restricted to those
+    """The fixes that remove ``bug_id``, restricted to those
     that act on ZeRO ``stage`` when given: a fix whose every target lives in one stage's module does
     nothing for the other stages (DSM-001 has a ZeRO-1/2 and a ZeRO-3 fix)."""
     out = []
     for f in _ORDER:
-        if bug_id != f.bug_id and bug_id not in f.also_fixes:
+        if bug_id not in f.bugs:
             continue
         stages = {s for t in f.targets for s in _STAGE_MODULES.get(t.module, (1, 2, 3))}
         if stage is None or stage in stages:
@@ -104,8 +105,8 @@ def describe() -> str:
     lines = []
     for f in FIXES.values():
         state = "active" if f.name in ACTIVE else "inactive"
-        lines.append(f"{f.name} [{f.bug_id}{', ' + ', '.join(f.also_fixes) if f.also_fixes else ''}] ({state})")
-        lines.append(f"    symptom: {f.symptom}")
-        lines.append(f"    trigger: {f.trigger}")
+        lines.append(f"{f.name} [{', '.join(f.bugs)}] ({state})")
         lines.append("    replaces: " + ", ".join(f.replaces))
+        if f.notes:
+            lines.append(f"    notes: {f.notes}")
     return "\n".join(lines)

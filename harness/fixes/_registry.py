@@ -1,6 +1,7 @@
 """The machinery behind ``harness.fixes``: version guard, source-hash guard, install/restore.
 
-A *fix* is a named behaviour change tied to one registered bug. It needs one or more *targets*: a
+A *fix* is a named behaviour change tied to the registered bugs it removes (by id only: what each bug is,
+and how a fix joins it, is the registry's to say, ``harness.registry``). It needs one or more *targets*: a
 DeepSpeed function (module attribute or class attribute) replaced by a patched version. Several
 fixes may share a target (one patched ``_muon_update_sub_group`` carries both the fp32-state fix and
 the per-group ``ns_method`` fix); a target is installed while at least one fix that needs it is
@@ -21,7 +22,7 @@ import importlib
 import inspect
 import textwrap
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 EXPECTED_DEEPSPEED = "0.19.8"
@@ -85,12 +86,9 @@ class Target:
 @dataclass(frozen=True)
 class Fix:
     name: str
-    bug_id: str
-    symptom: str
-    trigger: str  # in words: which configurations hit the bug
+    bugs: tuple[str, ...]  # the registered bug ids this change removes (harness.registry.bugs holds their text)
     targets: tuple[Target, ...]
-    notes: str = ""
-    also_fixes: tuple[str, ...] = field(default=())  # further bug ids the same change removes
+    notes: str = ""  # about the change itself (how it acts, what it costs), never the bug's symptom
 
     @property
     def replaces(self) -> tuple[str, ...]:

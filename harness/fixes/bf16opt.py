@@ -65,9 +65,6 @@ def make_step(orig):
 T_STEP = Target("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.step", "2106bc88c518d5fb", make_step)
 
 FIXES = (
-    Fix(name=NAME, bug_id="DSM-013",
-        symptom="BF16_Optimizer clips the raw gradients before Muon and reports their norm; every ZeRO path "
-                "takes the norm over the Muon updates and Adam gradients.",
-        trigger="bf16 + data_types.grad_accum_dtype fp32 + ZeRO-1 without offload, Muon optimizer",
+    Fix(name=NAME, bugs=("DSM-013",),
         targets=(T_STEP,)),
 )

@@ -231,21 +231,10 @@ T_LOAD_CKPT = Target(ENGINE_MOD, "DeepSpeedEngine.load_checkpoint", "b06341e8eb5
 T_DESTROY = Target(Z3_MOD, f"{Z3}.destroy", "1c8f6a96609fe60e", make_destroy)
 
 FIXES = (
-    Fix(name=INMEM, bug_id="DSM-007",
-        symptom="ZeRO-3 with save_muon_momentum_buffer_in_memory: after load_checkpoint the Muon update reads the "
-                "fresh engine's zero momentum, not the restored one (and then overwrites the restored one).",
-        trigger="stage 3 (offload none or cpu), save_muon_momentum_buffer_in_memory, resume from a checkpoint",
+    Fix(name=INMEM, bugs=("DSM-007",),
         targets=(T_RIGID_LOAD,)),
-    Fix(name=NVME_RESUME, bug_id="DSM-010",
-        symptom="ZeRO-3 NVMe optimizer offload: load_checkpoint restores only the swap files; sub-groups below the "
-                "1 MiB swap threshold keep the fresh engine's masters/weights/optimizer state, in-memory Muon "
-                "momentum is lost and the loss scaler restarts.",
-        trigger="stage 3, offload nvme, resume from a checkpoint, with a sub-group below the swap threshold, "
-                "or save_muon_momentum_buffer_in_memory, or an fp16 loss scale that moved before the save",
-        targets=(T_LOAD_CKPT,),
-        also_fixes=("DSM-007",)),
-    Fix(name=SWAP_CLEANUP, bug_id="DSM-011",
-        symptom="ZeRO-3 NVMe optimizer offload: the optimizer swap files stay on disk after engine.destroy().",
-        trigger="stage 3, offload nvme, a sub-group large enough to be swapped",
+    Fix(name=NVME_RESUME, bugs=("DSM-010", "DSM-007"),
+        targets=(T_LOAD_CKPT,)),
+    Fix(name=SWAP_CLEANUP, bugs=("DSM-011",),
         targets=(T_DESTROY,)),
 )

@@ -109,8 +109,6 @@ T_Z0_STEP = Target("deepspeed.runtime.zero.muon.muon_optimizer", "MuonWithAuxAda
                    make_z0_step)
 
 FIXES = (
-    Fix(name=CONV, bug_id="DSM-012",
-        symptom="Any 4-D (conv) parameter makes muon_update raise a broadcast RuntimeError at the first step.",
-        trigger="a parameter with 4 dims (tagged use_muon), any stage/offload/dtype",
+    Fix(name=CONV, bugs=("DSM-012",),
         targets=(T_MUON_UPDATE_Z0, T_MUON_UPDATE)),
 )

@@ -86,17 +86,9 @@ T_Z12_STEP = Target(Z12_MOD, f"{Z12}.step", "279ae7c6a4e87667", make_step(None))
 T_Z3_STEP = Target(Z3_MOD, f"{Z3}.step", "1dfecf4f2fb70970", make_step(sync_z3))
 
 FIXES = (
-    Fix(name=GROWTH, bug_id="DSM-003",
-        symptom="On a loss-scale growth step the new scale is applied before unscaling: Adam gradients and the "
-                "clip norm are halved (all stages), ZeRO-3 reports half the norm, and the offload paths' Muon "
-                "update is halved.",
-        trigger="fp16 with dynamic loss scaling and a step on which the scale grows (loss_scale_window + 1 "
-                "clean steps after the start or the last overflow), followed by nothing: the growth step itself",
+    Fix(name=GROWTH, bugs=("DSM-003",),
         targets=(T_Z12_UPDATE, T_Z3_UPDATE, T_Z12_STEP, T_Z3_STEP)),
-    Fix(name=UNITS, bug_id="DSM-004",
-        symptom="Without optimizer offload the Muon momentum holds loss-scaled gradients; after a scale change "
-                "old and new gradients are blended with weights skewed by S_new/S_old.",
-        trigger="fp16, offload none (any stage), a non-skipped step after the loss scale changed",
+    Fix(name=UNITS, bugs=("DSM-004",),
         targets=(GET_FLAT_PARTITION, T_Z3_STEP, T_SUBGROUP, T_MUON_UPDATE),
         notes="Also runs Muon on the true-unit gradient (divides gradient and momentum by S around muon_update and "
               "multiplies the momentum back, exactly): Newton-Schulz normalises by ||X|| + 1e-7, so S*U and U "

@@ -43,12 +43,7 @@ def clear_gradient_stores(opt) -> None:
 
 
 def fixes(step_targets) -> tuple:
-    return (Fix(name=STALE, bug_id="DSM-023",
-                symptom="A parameter that gets no gradient in a step (a skipped layer, an unchosen expert) steps on "
-                        "what its gradient buffer held from the step before (Adam: that gradient; Muon: that update), "
-                        "instead of zero.",
-                trigger="ZeRO-3 (offload none or cpu; NVMe is not covered), or ZeRO-1/2 with CPU offload, and a "
-                        "parameter unused in a step after one in which it was used",
+    return (Fix(name=STALE, bugs=("DSM-023",),
                 targets=tuple(step_targets),
                 notes="Zeroes ZeRO-3's gradient partition buffer and the offload paths' fp32 gradient partitions "
                       "after each step(), so the next window's copies start from zeros."),)

@@ -84,10 +84,6 @@ T_WB_PIPELINED = Target(_Q, "PipelinedOptimizerSwapper.writeback_optimizer_state
                         "2acaec008cc4b33d", make_writeback)
 
 FIXES = (
-    Fix(name=NAME, bug_id="DSM-021",
-        symptom="ZeRO-3 NVMe: a swapped Muon matrix not first in its sub-group reaches muon_update with a "
-                "misplaced gradient, and its Muon update is never written back to its swap file.",
-        trigger="stage 3, optimizer offload to nvme (either swapper), a swapped gradient at a nonzero offset "
-                "in its sub-group",
+    Fix(name=NAME, bugs=("DSM-021", "DSM-022", "DSM-024"),
         targets=(T_IN_PARTITIONED, T_IN_PIPELINED, T_WB_PARTITIONED, T_WB_PIPELINED)),
 )

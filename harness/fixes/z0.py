@@ -86,18 +86,10 @@ T_INIT_STATES = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_Unfused
 T_BACKWARD = Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "99280baf44808c23", make_backward)
 
 FIXES = (
-    Fix(name=INIT_STEP, bug_id="DSM-014",
-        symptom="fp16/bf16 without ZeRO: a warm-up optimizer step on zero gradients at initialize advances the "
-                "auxiliary Adam's step count (first step bias-corrected as step 2) and applies Muon weight decay once.",
-        trigger="stage 0, fp16 or bf16 (FP16_UnfusedOptimizer around MuonWithAuxAdam)",
+    Fix(name=INIT_STEP, bugs=("DSM-014",),
         targets=(T_INIT_STATES,)),
-    Fix(name=LOSS_SCALE, bug_id="DSM-015",
-        symptom="fp16 without ZeRO: engine.backward does not apply the loss scale but the optimizer divides by it: "
-                "every gradient reaches the optimizer as g/S.",
-        trigger="stage 0, fp16 (FP16_UnfusedOptimizer)",
+    Fix(name=LOSS_SCALE, bugs=("DSM-015",),
         targets=(T_BACKWARD,)),
-    Fix(name=Z0_HEADS, bug_id="DSM-020",
-        symptom="Without ZeRO a per-head Muon parameter (muon_num_heads) is orthogonalised as one matrix.",
-        trigger="stage 0, a Muon parameter tagged with muon_num_heads > 1, any dtype",
+    Fix(name=Z0_HEADS, bugs=("DSM-020",),
         targets=(T_MUON_UPDATE_Z0, T_Z0_STEP, T_INIT_STATES)),
 )

@@ -148,26 +148,14 @@ def make_init(orig):
 INIT = Target(MOD, "DeepSpeedZeroOptimizer.__init__", "a381470af4e9e679", make_init)
 
 FIXES = (
-    Fix(name=NVME_REFUSE, bug_id="DSM-002",
-        symptom="ZeRO-1/2 with offload_optimizer.device nvme: nothing is ever swapped; the optimizer state stays "
-                "in host memory as with cpu offload, silently.",
-        trigger="stage 1/2, offload_optimizer.device nvme",
+    Fix(name=NVME_REFUSE, bugs=("DSM-002",),
         targets=(INIT,),
         notes="A refusal, not an implementation: the engine raises ValueError naming the cause before anything "
               "is allocated."),
-    Fix(name=FP32, bug_id="DSM-001",
-        symptom="ZeRO-1/2 (no offload), fp16/bf16 model: Muon momentum, its Nesterov blend and the Muon update "
-                "are kept in the model dtype, so every step rounds the momentum to 16 bit (bf16 drops increments "
-                "below 2^-9 relative) and the update reaches the fp32 master rounded.",
-        trigger="stage 1/2, offload none, fp16 or bf16 (not the BF16_Optimizer route: ZeRO-1 + bf16 + "
-                "grad_accum_dtype fp32)",
+    Fix(name=FP32, bugs=("DSM-001",),
         targets=(GET_FLAT_PARTITION,),
         notes="Costs one fp32 copy of each Muon matrix gradient per step on the owning ranks, and an fp32 "
               "momentum (2x the 16-bit one)."),
-    Fix(name=HEADS, bug_id="DSM-008",
-        symptom="ZeRO-1/2 (no offload) with parameter_alignment and a padded Muon group: per-head Muon "
-                "(muon_num_heads) is silently replaced by whole-matrix orthogonalisation.",
-        trigger="stage 1/2, offload none, zero_optimization.parameter_alignment true, a Muon parameter with "
-                "num_heads > 1, and a Muon parameter (not the group's last) whose end is not 16-byte aligned",
+    Fix(name=HEADS, bugs=("DSM-008",),
         targets=(GET_FLAT_PARTITION,)),
 )

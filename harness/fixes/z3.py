@@ -362,27 +362,12 @@ T_OFFLOAD = Target(MOD, f"{CLS}._apply_muon_updates_cpu_offload", "8bf7b89176bda
                    make_apply_muon_updates_cpu_offload)
 
 FIXES = (
-    Fix(name=FP32, bug_id="DSM-001",
-        symptom="ZeRO-3, fp16/bf16 model: the Muon momentum lives in communication_data_type and Muon runs in "
-                "16 bit; without offload the update is rounded into the 16-bit gradient partition, with "
-                "offload g/S and S*O are formed in gradient_accumulation_dtype (fp16: S*O overflows -> spurious "
-                "skip and backoff; g/S underflows), and the padded tail of the last rank's momentum partition "
-                "is rounded to gradient_accumulation_dtype.",
-        trigger="stage 3, fp16 or bf16 (any offload) unless communication_data_type and (offload) "
-                "grad_accum_dtype are fp32",
+    Fix(name=FP32, bugs=("DSM-001", "DSM-005", "DSM-009"),
         targets=(T_CREATE, T_SUBGROUP, T_ACCUM, T_OFFLOAD),
-        also_fixes=("DSM-005", "DSM-009"),
         notes="fp32 momentum doubles the 16-bit buffer; NVMe-swapped momentum was already swapped through fp32 "
               "buffers."),
-    Fix(name=NS, bug_id="DSM-006",
-        symptom="ZeRO-3 without offload silently applies the last Muon param group's ns_method to every Muon "
-                "sub-group.",
-        trigger="stage 3, offload none, two or more Muon param groups with different ns_method",
+    Fix(name=NS, bugs=("DSM-006",),
         targets=(T_SUBGROUP,)),
-    Fix(name=TAIL, bug_id="DSM-017",
-        symptom="ZeRO-3 without offload: a rank whose share of a Muon matrix starts past the matrix's end "
-                "raises a RuntimeError (expanded size must match) writing its momentum at the first step.",
-        trigger="stage 3, offload none, a Muon matrix of n elements on W ranks with q = ceil(n/W), n % q != 0 "
-                "and ceil(n/q) < W (e.g. n = 5, W = 4)",
+    Fix(name=TAIL, bugs=("DSM-017",),
         targets=(T_SUBGROUP,)),
 )

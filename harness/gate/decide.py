@@ -184,56 +184,75 @@ def _evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     if autotp_size(c) > 1:
         return _judge_tp(c, column, manager)
     bugs = bugs_for(c, patched=patched)
-    ids = [b.id for b in bugs]
     refusals = refusals_for(c) if patched else []
-    crashes = [b for b in bugs if b.crash is not None]
     t0 = time.perf_counter()
     try:
         out = manager.run(c)
     except CaseFailure as exc:
-        text = str(exc)
-        if refusals and isinstance(exc, RankFailed) and all(b.refusal_matches(exc.details) for b in refusals):
-            names = ", ".join(b.id for b in refusals)
-            why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
-            return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "
-                           f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True,
-                           strength="refusal")
-        # a rank killed by a signal (a C++ assert in an op) is a crash too: its report carries faulthandler's stack
-        if crashes and isinstance(exc, (RankFailed, RankDied)) and any(b.crash_matches(exc.details) for b in crashes):
-            hit = [b.id for b in crashes if b.crash_matches(exc.details)]
-            return Outcome(c, column, "xfailed", hit, f"{c.name}: crashed exactly as {', '.join(hit)} predicts\n"
-                           + text[-1500:], time.perf_counter() - t0, strength="crash")
-        return Outcome(c, column, "error", ids, text, time.perf_counter() - t0, strength=None)
+        return _judge_failure(c, column, bugs, refusals, exc, t0)
+    ids = [b.id for b in bugs]
     if refusals:
         return Outcome(c, column, "failed", ids,
                        f"{c.name}: the patched runtime should have refused this case "
                        f"({', '.join(b.id for b in refusals)}) but ran it\n  reproduce: {reproduce_command(c)}",
                        time.perf_counter() - t0, trajectory=out.result)
-    traj = out.result
+    return _judge_trajectory(c, column, bugs, out.result, t0)
+
+
+def _judge_failure(c: Case, column: str, bugs, refusals, exc: CaseFailure, t0: float) -> Outcome:
+    """A case whose ranks failed: passed where it is the patched runtime's refusal, xfailed where it is
+    exactly a crash bug's crash (a rank killed by a signal, a C++ assert in an op, is a crash too: its
+    report carries faulthandler's stack), else an error."""
+    text = str(exc)
+    crashes = [b for b in bugs if b.crash is not None]
+    if refusals and isinstance(exc, RankFailed) and all(b.refusal_matches(exc.details) for b in refusals):
+        names = ", ".join(b.id for b in refusals)
+        why = next(line.strip() for line in text.splitlines() if refusals[0].refused_when_patched in line)
+        return Outcome(c, column, "passed", [], f"{c.name}: refused by the patched runtime as its fix for "
+                       f"{names} requires:\n  {why[:400]}", time.perf_counter() - t0, refused=True,
+                       strength="refusal")
+    if crashes and isinstance(exc, (RankFailed, RankDied)) and any(b.crash_matches(exc.details) for b in crashes):
+        hit = [b.id for b in crashes if b.crash_matches(exc.details)]
+        return Outcome(c, column, "xfailed", hit, f"{c.name}: crashed exactly as {', '.join(hit)} predicts\n"
+                       + text[-1500:], time.perf_counter() - t0, strength="crash")
+    return Outcome(c, column, "error", [b.id for b in bugs], text, time.perf_counter() - t0, strength=None)
+
+
+def _judge_trajectory(c: Case, column: str, bugs, traj, t0: float) -> Outcome:
+    """A case that ran: judged against the intended oracle; where bugs are expected, (a) they must show
+    there and (b) the run must match their models (``_judge_models``)."""
+    ids = [b.id for b in bugs]
+    crashes = [b for b in bugs if b.crash is not None]
     digest = traj.judged_digest()  # once: the bug model's judge of the same run keys on it too
     verdict = judged(c, traj, digest=digest)
     problems, extra_msgs = _problems(c, verdict, traj)
     seconds = time.perf_counter() - t0
+    swapped = traj.swapped_bytes if c.offload == "nvme" else None
     if crashes:
         return Outcome(c, column, "xpassed" if not problems else "failed", ids,
                        f"{c.name}: expected the crash of {', '.join(b.id for b in crashes)}, but the case ran\n"
                        + "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs),
-                       seconds, verdict, problems, traj.swapped_bytes if c.offload == "nvme" else None, traj)
-    swapped = traj.swapped_bytes if c.offload == "nvme" else None
+                       seconds, verdict, problems, swapped, traj)
     if not bugs:
         status = "failed" if problems else "passed"
         message = "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs) or verdict.message()
         return Outcome(c, column, status, ids, message, seconds, verdict, problems, swapped, traj)
-
-    modelled = [b for b in bugs if b.model is not None and b.model(c) is not None]
-    unmodelled = [b for b in bugs if b not in modelled]
     named = set().union(*(b.quantities for b in bugs))
     # (a) the bugs must show against the intended oracle, in the quantities they name
     if not any(q in named for _, q in problems):
         message = (f"expected bug(s) {', '.join(ids)} did not show: the bug registry is stale for {c.name}"
                    + ("" if not problems else "\n" + verdict.message()))
         return Outcome(c, column, "xpassed", ids, message, seconds, verdict, problems, swapped, traj)
-    # (b) DeepSpeed must match the bug models at full strength
+    return _judge_models(c, column, bugs, traj, digest, verdict, extra_msgs, swapped, t0)
+
+
+def _judge_models(c: Case, column: str, bugs, traj, digest: str, verdict: Verdict, extra_msgs: list, swapped,
+                  t0: float) -> Outcome:
+    """(b) DeepSpeed must match the bug models at full strength: any divergence the models leave, in a
+    quantity no bug excuses by name, fails the case."""
+    ids = [b.id for b in bugs]
+    modelled = [b for b in bugs if b.model is not None and b.model(c) is not None]
+    unmodelled = [b for b in bugs if b not in modelled]
     changes = model_changes(c, modelled)
     mverdict = verdict if not changes else judged(c, traj, bug_model(changes), digest=digest)
     seconds = time.perf_counter() - t0

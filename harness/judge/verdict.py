@@ -20,8 +20,8 @@ orthogonalised twice by one rank) is a failed check of its own.
 """
 from __future__ import annotations
 
+import functools
 import json
-import math
 import shlex
 from dataclasses import dataclass, field, replace
 
@@ -31,10 +31,12 @@ import torch
 import oracles
 from harness.env import device, versions
 from harness.case import synthetic as model_mod
-from oracles import schedules
+from oracles import replay, schedules
 from oracles.step import fresh_engine_state
 from harness.case.spec import Case
-from harness.judge.compare import Check, LayoutView, compare_arrays, describe, first_divergence, missing
+from harness.judge import checks
+from harness.judge.checks import Uncaptured, grad_allowance, grad_store_dtype  # noqa: F401 (their home was here)
+from harness.judge.compare import Check, describe, first_divergence, missing
 from harness.case.trajectory import Trajectory
 
 # Oracle-side hooks for the detection self-test: name -> function(StepConfig) -> StepConfig.
@@ -329,113 +331,6 @@ class Verdict:
         return "\n".join(out)
 
 
-class Uncaptured(ValueError):
-    """A captured quantity that holds no numbers (an object array: a parameter DeepSpeed never filled
-    in). The judge turns it into a failing check with no data, never a harness error."""
-
-
-def _t(a) -> torch.Tensor:
-    arr = np.asarray(a)
-    if arr.dtype == object:
-        raise Uncaptured(f"a captured quantity holds no numbers (shape {arr.shape}, elements "
-                         f"{sorted({type(x).__name__ for x in arr.ravel()[:8]})})")
-    return torch.as_tensor(arr, dtype=torch.float64)
-
-
-OWN_MODEL = oracles.Allowance(0.0, 0.0, "own master: the model weights are DeepSpeed's fp32 master rounded "
-                                        "once to the model dtype (deterministic)")
-
-
-def round_to_lp(w: torch.Tensor, case: Case) -> torch.Tensor:
-    """``w`` as the model-dtype weights of the case hold it (as float64)."""
-    return w.to(oracles.MODEL_DTYPES[case.dtype]).to(torch.float64)
-
-
-def _lp_weights(case: Case, traj: Trajectory, step: int) -> dict[str, torch.Tensor]:
-    """The model-dtype weights DeepSpeed's forward saw in ``step`` (as float64)."""
-    if step == 1:
-        lp = oracles.MODEL_DTYPES[case.dtype]
-        return {n: _t(a).to(lp).to(torch.float64) for n, a in traj.initial.items()}
-    return {n: _t(ps.model) for n, ps in traj.steps[step - 2].params.items()}
-
-
-def _start_weights(case: Case, traj: Trajectory, conv: oracles.Conventions) -> dict[str, torch.Tensor]:
-    """The weights the oracle starts from: the captured masters after initialize, except where the bug
-    model has DeepSpeed step at initialize (``Conventions.warmup_step_at_init``, DSM-014). There the
-    captured masters are already decayed once, and rounding them back to the model dtype does not undo
-    a decay above half a bf16/fp16 ulp (a user group's lr * weight_decay of 0.003 does not), so the model
-    starts from the harness's own weights (``harness.case.synthetic.initial_weights``) and applies the warm-up
-    itself. Module cases build their weights elsewhere: they keep the captured masters."""
-    if conv.warmup_step_at_init and not case.model:
-        return {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case).items()}
-    return {n: _t(a) for n, a in traj.initial.items()}
-
-
-class _OracleLayout(LayoutView):
-    def __init__(self, layout):
-        self.layout = layout
-        self._ranges: dict[str, dict] = {}
-
-    def locate(self, name: str, index: int) -> tuple[int, str]:
-        loc = oracles.locate(self.layout, name, index, ranges=self.ranges(name))
-        return loc.rank, loc.region
-
-    def ranges(self, name: str) -> dict[str, list[tuple[int, int]]]:
-        if name not in self._ranges:
-            self._ranges[name] = oracles.region_ranges(self.layout, name)
-        return self._ranges[name]
-
-
-def grad_store_dtype(case: Case) -> str:
-    """Where DeepSpeed stores the Muon input: fp32 on the Z1/2 offload paths, the model dtype elsewhere."""
-    return "fp32" if (case.offload != "none" and case.stage in (1, 2)) else case.dtype
-
-
-def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: str,
-                   magnitudes=None, grad_units: float = 1.0) -> oracles.Allowance:
-    """The allowance of the averaged gradient of parameter ``name`` (``grads[rank][micro][name]``: the
-    float64 per-micro gradients), from that parameter's own addends (``oracles.tolerance``, "grad").
-    ``magnitudes`` (same layout): the cancellation-free scale of each addend where the model can give
-    it (``harness.case.synthetic.gradient_magnitudes``); the backward's rounding is relative to that scale.
-    ``grad_units``: the scale DeepSpeed's stored gradient carries (``ParamStep.grad_scale``)."""
-    spec = sc.spec(name)
-    grad_store = grad_store_dtype(case)
-    term = oracles.grad_term_scale(g[name] for per_rank in (magnitudes or grads) for g in per_rank)
-    a = oracles.allowances(mode, model_dtype=case.dtype, shape=spec.shape, world_size=case.dp_size,
-                           gas=case.grad_accum, grad_dtype=grad_store if spec.use_muon else case.dtype,
-                           # The model-dtype backward rounds each of the ~4 intermediate results of the
-                           # loss term once (prediction, residual, product, output) before the sum: 4 u_lp
-                           # of the term scale, doubled for the two terms of a matrix loss.
-                           grad_term_scale=term, backward_term_err=8.0 * oracles.unit_roundoff(case.dtype),
-                           ns_method=next(sc.hyper(p) for p in sc.params if p.name == name).get(
-                               "ns_method", sc.ns_method), grad_units=grad_units)
-    return a.grad
-
-
-def _exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: float, step_size: float,
-                       momentum_dtype: str = "fp32"):
-    """Exact mode's allowances at the step's own spectrum: the Newton-Schulz gain taken over the
-    singular values the NS input can have (``oracles.perturbed_sigma_lo`` of the oracle's Nesterov blend
-    ``U = lerp(g, M', beta)``, widened by the momentum allowance plus the blend's rounding), instead of
-    the rank-deficient worst case 0, which puts the 16-bit allowance near its cap."""
-    beta = sc.hyper(p)["momentum"]
-    U = torch.lerp(_t(g).to(torch.float64), _t(m_new).to(torch.float64), beta)
-    if p.num_heads:
-        U = U.reshape(p.num_heads, -1, U.shape[-1])
-    elif U.ndim == 4:
-        U = U.reshape(U.shape[0], -1)
-    elif U.ndim < 2:
-        return a
-    sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff(momentum_dtype))
-    if sigma <= 0.0:
-        return a
-    return oracles.allowances("exact", model_dtype=case.dtype, shape=shape, world_size=case.dp_size,
-                              gas=case.grad_accum, ns_method=sc.hyper(p)["ns_method"], grad_dtype="fp64",
-                              momentum_dtype=momentum_dtype, num_heads=p.num_heads, weight_scale=weight_scale,
-                              step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
-                              clipping_active=sc.gradient_clipping > 0, sigma_lo=sigma)
-
-
 def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | None = None,
           mode: str | None = None, keep_maps: bool = True) -> Verdict:
     """The verdict of the case's run(s): with ``case.model_parallel`` > 1 every model-parallel replica
@@ -478,7 +373,7 @@ class _SharedGradients:
     gradients are taken at DeepSpeed's own captured weights on the case's fixed data, so they do not
     depend on the conventions being judged (only the overflow test's loss scale does, and it is part
     of that key). On a 1 MiB-per-rank NVMe matrix they were a third of each judge. Only the latest
-    trajectory is kept (the parent stays flat); a step whose weights a bug model replaces (DSM-010's
+    trajectory is kept (the parent stays flat); a step whose weights the conventions replace (a
     fresh engine) is never shared."""
 
     _latest: tuple | None = None  # (weak reference to the trajectory, its entries)
@@ -490,23 +385,6 @@ class _SharedGradients:
         if cls._latest is None or cls._latest[0]() is not traj:
             cls._latest = (weakref.ref(traj), {})
         return cls._latest[1]
-
-
-def stale_gradients(case: Case, step: int, prev, spec: dict) -> dict[str, torch.Tensor]:
-    """DSM-023's model: the gradient each parameter unused at ``step`` is stepped on, in true units, from
-    the previous step's record ``prev``: what its buffer held when that step ended (an Adam parameter's
-    gradient; a Muon matrix's update, which the step wrote over its gradient). Bit for bit what DeepSpeed
-    captured there: the buffer is read again, not recomputed."""
-    out = {}
-    for name, k in case.unused:
-        if k != step:
-            continue
-        ps = prev.params[name]
-        held = ps.update if spec[name].use_muon else ps.grad
-        if held is None:
-            continue  # nothing captured to predict from: the gradient check then holds it to zero and fails
-        out[name] = _t(held) / (1.0 if spec[name].use_muon else float(ps.grad_scale))
-    return out
 
 
 def _shared(entries: dict | None, key: tuple, fn, *args):
@@ -522,259 +400,90 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
     """One data-parallel run: model-parallel replica ``mp_rank`` of the case (its data from the global
     ranks ``case.data_rank(r, mp_rank)``). ``norm_of``: step -> the global norm this replica clips with
     and reports (replica 0's oracle norm), instead of its own. Returns the verdict and this run's
-    oracle global norm per step."""
+    oracle global norm per step. Each quantity's check is ``harness.judge.checks``'; the conventions
+    (the intended oracle's, or a bug model's) reach them only through ``oracles.replay``."""
     conv = conventions or INTENDED
-    # Momentum in loss-scaled units (DSM-004's model): the oracle's state holds DeepSpeed's raw buffer.
-    scaled_momentum = conv.momentum_units == "scaled"
     sc = step_config(case)
     layout = layout_for(case, sc)
-    view = _OracleLayout(layout)
     verdict = Verdict(case, mode)
-    ns_mode = "emulated" if mode == "emulated" else "exact"
     spec = {p.name: p for p in sc.params}
-    W, GAS = case.dp_size, case.grad_accum
     label = case.name if case.model_parallel == 1 else f"{case.name} (model-parallel rank {mp_rank})"
-    data_rank = [case.data_rank(r, mp_rank) for r in range(W)]
+    run = checks.Run(case, conv, mode, sc, spec, label,
+                     checks.add_check(verdict.checks, label, checks.OracleLayout(layout), spec, keep_maps),
+                     verdict.checks, verdict.notes,
+                     mo=_module_oracle().module_oracle_for(case, traj) if case.model else None,
+                     reports_norm=reports_global_norm(case), norm_disabled=grad_norm_disabled(case),
+                     muon_calls=replay.muon_calls(conv, expected_muon_calls(case, sc, layout)))
+    data_rank = [case.data_rank(r, mp_rank) for r in range(case.dp_size)]
     oracle_norms: dict[int, float | None] = {}
-    grad_store = grad_store_dtype(case)
-    state = oracles.initial_state(sc, _start_weights(case, traj, conv), conv)
-    # DSM-114's model: the release steps the Muon matrices without ever calling muon_update
-    n_muon_calls = 0 if conv.muon_as_sgd else expected_muon_calls(case, sc, layout)
-    # the Muon momentum's storage as the oracle can follow it: bit for bit (fp32 rounding left) unless a
-    # 16-bit momentum is rounded outside emulation (below)
-    mom_store = case.dtype if conv.momentum_dtype == "model" and mode != "emulated" else "fp32"
-    # Newton-Schulz method per parameter (user groups may differ); the norm takes the looser (bf16) one.
-    ns_of = {p.name: (sc.hyper(p)["ns_method"] if p.use_muon else sc.ns_method) for p in sc.params}
-    ns_norm = "standard" if any(ns_of[p.name] == "standard" for p in sc.params if p.use_muon) else sc.ns_method
-    mo = _module_oracle().module_oracle_for(case, traj) if case.model else None  # float64 autograd of the module
-
-    def add(param, quantity, step, actual, expected, allowance):
-        verdict.checks.append(compare_arrays(label, param, quantity, step, actual, expected, allowance,
-                                             view if param in spec else None, keep_map=keep_maps))
-
-    prev = None  # the previous step's record (DSM-023's model reads what it left in the buffers)
+    state = oracles.initial_state(sc, checks.start_weights(case, traj, conv), conv)
+    prev = None  # the previous step's record: what it left in the buffers
     for rec in traj.steps:
-        s = rec.step
-        lp = _lp_weights(case, traj, s)
-        fresh_here = conv.fresh_after is not None and s == conv.fresh_after + 1
-        if fresh_here:
-            # DSM-010's model: what the resume left of a fresh engine (built on the variant-1 init,
-            # harness.rank.ds_run) -- its masters, weights and optimizer state for the unrestored parameters.
-            fresh = {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case, variant=1).items()}
-            state = fresh_engine_state(state, sc, fresh, conv)
-            lp = {n: (round_to_lp(fresh[n], case) if n in conv.fresh_params else w) for n, w in lp.items()}
-        # DeepSpeed's own weights (teacher forcing) unless a bug model replaced them: then not shared
-        shared = _SharedGradients.of(traj) if not fresh_here else None
-        at = (id(case), mp_rank, s)
-        grads = mo.gradients(s, lp, float(state.scaler.scale)) if mo is not None else [
-            [dict(_shared(shared, ("grad",) + at + (r, mu), model_mod.local_gradients, lp, case, data_rank[r], s, mu))
-             for mu in range(GAS)] for r in range(W)]
-        mags = None if mo is not None else [
-            [_shared(shared, ("mag",) + at + (r, mu), model_mod.gradient_magnitudes, lp, case, data_rank[r], s, mu)
-             for mu in range(GAS)] for r in range(W)]
-        if case.dtype == "fp16" and mo is None:
-            # The oracle's fp16-overflow test sees only final gradients; an overflow inside the
-            # half-precision backward is the caller's to mark (oracles.step, detect_fp16_overflow).
-            # (a raw-loss backward, DSM-015's model, runs at scale 1 whatever the scaler says)
-            S = float(state.scaler.scale) if conv.backward_loss_scaled else 1.0
-            for r in range(W):
-                for mu in range(GAS):
-                    if _shared(shared, ("overflow",) + at + (r, mu, S), model_mod.backward_overflows,
-                               lp, case, data_rank[r], s, mu, S):
-                        grads[r][mu] = {n: torch.full_like(g, math.inf) for n, g in grads[r][mu].items()}
-        true_G = oracles.accumulate(grads, sc)
-        if conv.adam_grads_lost:  # DSM-019's model: what the Adam half receives is zero
-            true_G = {n: (g if spec[n].use_muon else torch.zeros_like(g)) for n, g in true_G.items()}
-        if conv.stale_unused_grads and prev is not None:
-            true_G.update(stale_gradients(case, s, prev, spec))
-
-        # DeepSpeed's own averaged gradient, in true units, where it captured one (teacher forcing).
-        forced = {}
-        for n, ps in rec.params.items():
-            if ps.grad is not None:
-                forced[n] = _t(ps.grad) / float(ps.grad_scale)
-        if not conv.backward_loss_scaled:
-            # The raw-loss backward divided by S anyway (DSM-015's model): DeepSpeed's gradient is G/S.
-            # Judged and fed in true units (times S, exact: a power of two); the oracle divides again.
-            forced = {n: g * float(state.scaler.scale) for n, g in forced.items()}
-        k_ds = None
-        if conv.clip_norm_source == "gradient" and sc.gradient_clipping > 0:
-            # Clip before Muon (the BF16_Optimizer route, DSM-013's model): what muon_update received is
-            # the clipped gradient G/k. Teacher forcing undoes DeepSpeed's own k (from the norm it
-            # reports, itself checked against the oracle's below), so the gradient check and the replay
-            # start from the averaged gradient, as on every other path.
-            if rec.global_norm is not None and math.isfinite(rec.global_norm):
-                # (a reported raw norm carries the backward's scale; the clip divides it by S: DSM-016)
-                k_units = float(state.scaler.scale) if conv.reported_norm == "raw" else 1.0
-                k_ds = oracles.clip_coefficient(float(rec.global_norm) / k_units, sc.gradient_clipping)
-                # (under DSM-114's model no muon_update call hands the Muon gradient over: it was read
-                # before the step, unclipped, as Adam's)
-                forced = {n: (g * k_ds if spec[n].use_muon and not conv.muon_as_sgd else g)
-                          for n, g in forced.items()}
-        feed = {n: forced.get(n, true_G[n]) for n in true_G}
-        feed_grads = [[feed] * GAS] * W  # averages to exactly ``feed``
-
-        # The reported norm is also judged against the norm of DeepSpeed's own Muon updates (teacher
-        # forcing; oracles.step ``norm_directions``), unless ranks kept different copies of an update.
-        own_updates = {n: _t(ps.update) for n, ps in rec.params.items() if ps.update is not None}
-        rank_split = False
-        for note in rec.notes:
-            if mode == "exact" and case.compiled and " update of " in note and " differs between rank" in note:
-                rank_split = True
-                # Inductor compiles muon_update per process and per first-seen shapes, so two ranks that
-                # orthogonalise the same matrix can run differently fused kernels and round apart; exact
-                # mode judges the update only to the 16-bit Newton-Schulz allowance, which the captured
-                # (lowest-rank) copy must meet. Kept visible, not a hole: the grad and momentum fed to
-                # both were bit-equal, or the capture would have said so.
-                verdict.notes.append(f"step {s}: {note} (compiled kernels per rank; judged on the captured copy)")
-                continue
-            verdict.checks.append(missing(label, "<step>", "capture", s, f"capture note: {note}"))
-
-        # Judge DeepSpeed's gradient against the float64 one (only on steps it was finite).
-        for n in spec:
-            if n in forced and bool(torch.isfinite(true_G[n]).all()):
-                a = grad_allowance(case, sc, n, grads, mode, mags, float(rec.params[n].grad_scale))
-                add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a if mo is None else mo.grad_allowance(n, a))
-
-        # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
-        sc_s = step_config(case, state.step_count - state.skipped_steps, conv) if case.schedule else sc
-        # ... and the replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input.
-        # A model-parallel replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
-        conv_s = conv
-        if conv.stale_unused_grads == "norm-drops-adam":  # DSM-023's model on the offload paths
-            conv_s = replace(conv, norm_excluded=frozenset(n for n, k in case.unused
-                                                           if k == s and not spec[n].use_muon))
-        new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv_s, ns_mode=ns_mode, forced_clip_coef=k_ds,
-                                              shared_norm=None if norm_of is None else norm_of.get(s),
-                                              norm_directions=None if rank_split else own_updates)
-        oracle_norms[s] = None if orec.skipped else orec.global_norm
-        # The lr each optimizer group really used (captured before the step), against the schedule:
-        # the same closed form evaluated in float64 in another order, a few roundings apart (16 u_64).
-        lr_allow = oracles.Allowance(0.0, 16 * 2.0 ** -53, "lr: float64 evaluation of the schedule's formula")
-        if rec.group_lr or case.schedule:  # a scheduled case without captured lrs fails (nan)
-            for gname, lr in expected_group_lrs(case, sc_s).items():
-                add(f"<group {gname}>", "lr", s, [rec.group_lr.get(gname, math.nan)], [lr], lr_allow)
-
-        # Step-level quantities.
-        exact = oracles.Allowance(0.0, 0.0, "deterministic")
-        add("<step>", "skipped", s, [float(rec.skipped)], [float(orec.skipped)], exact)
-        add("<step>", "loss_scale", s, [rec.loss_scale], [orec.loss_scale_used], exact)
-        add("<step>", "loss_scale_after", s, [rec.loss_scale_after], [orec.loss_scale_after], exact)
-        for n in spec:
-            if n not in forced and not orec.skipped:
-                verdict.checks.append(missing(label, n, "grad", s, "the gradient the optimizer read was not "
-                                              "captured, but the oracle applied this step"))
-        if not orec.skipped and rec.global_norm is None and reports_global_norm(case):
-            verdict.checks.append(missing(label, "<step>", "global_norm", s, "get_global_grad_norm() gave "
-                                          "nothing, but the oracle applied this step"))
-        if grad_norm_disabled(case):  # none by design: a reported norm contradicts the config
-            add("<step>", "global_norm_reported", s, [float(rec.global_norm is not None)], [0.0], exact)
-        if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
-            widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
-            a = oracles.allowances(mode, model_dtype=case.dtype, shape=widest,
-                                   world_size=W, gas=GAS, ns_method=ns_norm, grad_dtype=grad_store,
-                                   momentum_dtype="fp32")
-            add("<step>", "global_norm", s, [rec.global_norm], [orec.reported_norm], a.norm)
-            if orec.reported_norm_own is not None:
-                # the same norm from DeepSpeed's own updates: its norm arithmetic only (DSM-016 on compiled
-                # stage 0 is 56% off, inside a.norm's Newton-Schulz allowance there)
-                n_el = sum(math.prod(p.shape) for p in sc.params)
-                add("<step>", "global_norm", s, [rec.global_norm], [orec.reported_norm_own],
-                    oracles.own_norm_allowance(n_el, case.dtype, case.dtype))
-        if not orec.skipped:
-            add("<step>", "muon_calls", s, [rec.muon_calls], [n_muon_calls], exact)
-
-        for n, ps in rec.params.items():
-            p = spec[n]
-            o = orec.params[n]
-            weight_scale = float(state.master[n].abs().max())
-            step_size = float(o.update.abs().max())
-            # Downstream of the gradient the oracle was fed DeepSpeed's own averaged gradient, converted
-            # exactly (a power-of-two unscale), so no gradient error enters: grad_dtype="fp64". What
-            # remains is fp32 storage of the momentum and masters, and Newton-Schulz. A 16-bit Muon
-            # momentum (DSM-001's model) outside emulation: the oracle rounds each blend to 16 bit as
-            # DeepSpeed does, but from a float64 value, not from torch.lerp's fp32 one, so a stored element
-            # may land on the neighbouring 16-bit value (2 u_m; measured on 0.19.6, exact mode: gpt2 and
-            # llama ZeRO-1/2 bf16, 1-2 elements of 1024 one bf16 ulp apart at step 2).
-            shape = p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape)
-            # a Muon matrix stepped by its gradient (DSM-114's model) has no Newton-Schulz error in its step
-            newton_schulz = p.use_muon and not conv.muon_as_sgd
-            a = oracles.allowances(mode, model_dtype=case.dtype, shape=shape,
-                                   world_size=W, gas=GAS, ns_method=ns_of[n], grad_dtype="fp64",
-                                   momentum_dtype=mom_store, num_heads=p.num_heads, weight_scale=weight_scale,
-                                   step_to_weight=step_size / weight_scale if weight_scale > 0 else 1.0,
-                                   clipping_active=sc.gradient_clipping > 0,
-                                   use_muon=None if newton_schulz else False)  # Adam: no NS error in its step
-            if mode == "exact" and newton_schulz and o.direction is not None:
-                a = _exact_at_spectrum(a, case, sc, p, feed[n], o.momentum, shape, weight_scale, step_size,
-                                       momentum_dtype=mom_store)
-            # muon_update hands back O in the dtype of the gradient buffer it is written into (the model
-            # dtype on the non-offload paths): one rounding there is storage, not error (+2 u_store).
-            u_store = oracles.unit_roundoff(grad_store)
-            direction = oracles.Allowance(a.direction.atol, a.direction.rtol + 2.0 * u_store,
-                                          a.direction.derivation + f" + 2 u_store ({grad_store})", a.direction.cap)
-            # DeepSpeed creates the momentum buffer at the first applied step: before it, a skipped
-            # step has no momentum to capture, and the oracle's is still zero.
-            never_applied = orec.skipped and state.step_count == state.skipped_steps
-            if p.use_muon and conv.muon_as_sgd:
-                pass  # no muon_update, so no momentum or update to capture: the muon_calls check (0) says so
-            elif p.use_muon and ps.momentum is None:
-                if not (never_applied and not bool(o.momentum.any())):
-                    verdict.checks.append(missing(label, n, "momentum", s, "the Muon momentum was not captured"))
-            elif p.use_muon:
-                o_mom = o.momentum / (orec.loss_scale_used if scaled_momentum else 1.0)
-                add(n, "momentum", s, _t(ps.momentum).numpy() / float(ps.momentum_scale), o_mom.numpy(), a.momentum)
-            if not newton_schulz:
-                pass
-            elif o.direction is not None and ps.update is None:
-                verdict.checks.append(missing(label, n, "update", s, "muon_update's result was not captured, "
-                                              "but the oracle applied this step"))
-            elif o.direction is not None:
-                add(n, "update", s, ps.update, o.direction.numpy(), direction)
-            a_master, a_model = a.master, a.model
-            # The 16-bit O is applied (a 16-bit gradient buffer, or DSM-001's 16-bit Muon state, where
-            # the oracle rounds O too): outside emulation DeepSpeed's O and the oracle's differ by more
-            # than an ulp, so either may round to a neighbouring 16-bit value; one ulp of O (2 u_out)
-            # reaches the masters scaled by the step (step_to_weight).
-            u_out = max(u_store, oracles.unit_roundoff(case.dtype) if conv.momentum_dtype == "model" else 0.0)
-            if mode != "emulated" and newton_schulz and u_out > oracles.unit_roundoff("fp32"):
-                extra = 2.0 * u_out * (step_size / weight_scale if weight_scale > 0 else 1.0)
-                a_master, a_model = (oracles.Allowance(x.atol, x.rtol + extra, x.derivation
-                                                       + f" + 2 u_out ({u_out:.3g}) x step_to_weight", x.cap)
-                                     for x in (a.master, a.model))
-            add(n, "master", s, ps.master, o.master.numpy(), a_master)
-            if o.master_own is not None:
-                # the same master from DeepSpeed's own update and its own norm's clip: the step's
-                # arithmetic (lr, weight decay, clip) without Newton-Schulz's allowance in it
-                clip_rtol = (oracles.own_norm_allowance(sum(math.prod(q.shape) for q in sc.params), case.dtype,
-                                                        case.dtype).rtol if sc.gradient_clipping > 0 else 0.0)
-                own_step = float((o.master_own - state.master[n].to(torch.float64)).abs().max())
-                add(n, "master", s, ps.master, o.master_own.numpy(),
-                    oracles.own_master_allowance(own_step / weight_scale if weight_scale > 0 else 1.0,
-                                                 clip_rtol, u_store))
-            add(n, "model", s, ps.model, o.model.numpy(), a_model)
-            # ... and against DeepSpeed's own master rounded once to the model dtype, which is all the
-            # copy back to the module does (round to nearest): exact, whatever the Newton-Schulz mode
-            add(n, "model", s, ps.model, round_to_lp(_t(ps.master), case).numpy(), OWN_MODEL)
-
-        if mo is not None:
-            mo.check_buffers(rec, add)
-
-        # Teacher forcing: the next step starts from DeepSpeed's masters and momentum.
-        masters = {n: _t(ps.master) for n, ps in rec.params.items()}
-        moms = {n: _t(ps.momentum) / (1.0 if scaled_momentum else float(ps.momentum_scale))
-                for n, ps in rec.params.items() if spec[n].use_muon and ps.momentum is not None}
-        state = replace(new_state, master={**new_state.master, **masters}, momentum={**new_state.momentum, **moms})
+        state, orec = _judge_step(run, traj, rec, prev, state, data_rank, mp_rank, norm_of)
+        oracle_norms[rec.step] = None if orec.skipped else orec.global_norm
         prev = rec
     non_muon = non_muon_optimizer(case)
     if non_muon:
-        # Under another optimizer no parameter is Muon's: DeepSpeed's ``use_muon`` tags (read on rank 0
-        # after initialize, ``Trajectory.muon_params``) must name none. A leaked tag changes no AdamW
-        # number on 0.19.8 (every reader sits behind a MuonWithAuxAdam test) but routes the parameter
-        # through Muon for any code that trusts the tag, the capture's gradient read included.
-        tagged = sorted(traj.muon_params)
-        verdict.checks.append(compare_arrays(
-            label, "<case>", "use_muon", 0, [float(len(tagged))], [0.0],
-            oracles.Allowance(0.0, 0.0, f"count of parameters DeepSpeed tagged use_muon under {non_muon[0]} "
-                                        f"(none may be): {tagged or 'none'}")))
+        checks.check_no_muon_tags(run, traj, non_muon[0])
     return verdict, oracle_norms
+
+
+def _step_gradients(run: checks.Run, traj: Trajectory, state, s: int, data_rank: list, mp_rank: int):
+    """(state, the model weights the forward saw, the float64 per-micro gradients, their magnitudes) of
+    step ``s``: at DeepSpeed's own weights (teacher forcing), shared with the run's other judges, unless
+    the conventions put a fresh engine's weights there (then not shared)."""
+    case, conv, sc = run.case, run.conv, run.sc
+    lp = checks.lp_weights(case, traj, s)
+    fresh_here = replay.fresh_at(conv, s)
+    if fresh_here:
+        # what a resume left of a fresh engine (built on the variant-1 init, harness.rank.ds_run)
+        fresh = {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case, variant=1).items()}
+        state = fresh_engine_state(state, sc, fresh, conv)
+        lp = replay.fresh_model_weights(conv, lp, {n: checks.round_to_lp(w, case) for n, w in fresh.items()})
+    entries = _SharedGradients.of(traj) if not fresh_here else None
+    shared = functools.partial(_shared, entries)
+    at = (id(case), mp_rank, s)
+    W, GAS = case.dp_size, case.grad_accum
+    if run.mo is not None:
+        grads, mags = run.mo.gradients(s, lp, float(state.scaler.scale)), None
+    else:
+        grads = [[dict(shared(("grad",) + at + (r, mu), model_mod.local_gradients, lp, case, data_rank[r], s, mu))
+                  for mu in range(GAS)] for r in range(W)]
+        mags = [[shared(("mag",) + at + (r, mu), model_mod.gradient_magnitudes, lp, case, data_rank[r], s, mu)
+                 for mu in range(GAS)] for r in range(W)]
+    checks.overflowed_backward(run, shared, lp, state, s, at, data_rank, grads)
+    return state, grads, mags
+
+
+def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: list, mp_rank: int,
+                norm_of: dict | None):
+    """Judge one captured step against the oracle replayed from DeepSpeed's previous state; returns the
+    next (teacher-forced) state and the oracle's record."""
+    case, conv, sc, spec, s = run.case, run.conv, run.sc, run.spec, rec.step
+    state, grads, mags = _step_gradients(run, traj, state, s, data_rank, mp_rank)
+    use_muon = {n: p.use_muon for n, p in spec.items()}
+    true_G = replay.stepped_gradients(conv, oracles.accumulate(grads, sc), use_muon,
+                                      checks.held_buffers(case, s, prev, spec))
+    forced, k_ds = checks.teacher_forced(run, rec, state)
+    feed = {n: forced.get(n, true_G[n]) for n in true_G}
+    feed_grads = [[feed] * case.grad_accum] * case.dp_size  # averages to exactly ``feed``
+    # The reported norm is also judged against the norm of DeepSpeed's own Muon updates (teacher
+    # forcing; oracles.step ``norm_directions``), unless ranks kept different copies of an update.
+    own_updates = {n: checks._t(ps.update) for n, ps in rec.params.items() if ps.update is not None}
+    rank_split = checks.capture_notes(run, rec, s)
+    checks.check_gradients(run, rec, s, forced, true_G, grads, mags)
+    # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count); the
+    # replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input. A model-parallel
+    # replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
+    sc_s = step_config(case, state.step_count - state.skipped_steps, conv) if case.schedule else sc
+    conv_s = replay.step_conventions(conv, frozenset(n for n, k in case.unused if k == s and not spec[n].use_muon))
+    new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv_s, ns_mode=run.ns_mode, forced_clip_coef=k_ds,
+                                          shared_norm=None if norm_of is None else norm_of.get(s),
+                                          norm_directions=None if rank_split else own_updates)
+    checks.check_group_lrs(run, rec, s, expected_group_lrs(case, sc_s))
+    checks.check_step(run, rec, orec, s, forced)
+    for n, ps in rec.params.items():
+        checks.check_param(run, n, ps, orec, state, s, feed[n])
+    if run.mo is not None:
+        run.mo.check_buffers(rec, run.add)
+    return checks.forced_state(run, new_state, rec), orec

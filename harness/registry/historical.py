@@ -1,8 +1,8 @@
-"""Bugs of DeepSpeed releases older than 0.19.8, found by running the gate on them.
+"""Bugs of DeepSpeed releases older than 0.19.8, shown by running the gate on them.
 
 Why a module of its own: ``harness.registry.bugs`` is the registry of 0.19.8, with oracle models and fixes in
 the patched runtime written against that release. The bugs here exist only in older releases (the
-releases each one affects, as measured, are in ``harness.env.versions.AFFECTED``); they have no fix in
+releases each one affects, as measured, are in its ``releases``); they have no fix in
 this project (upgrade DeepSpeed) and, so far, no oracle model: a numerical one excuses the quantities
 it names (strength "excused", not full), a crash one only its exact exception, message and frame.
 Ids start at DSM-101 so they never collide with the 0.19.8 registry's. Each entry holds the fields of
@@ -15,6 +15,7 @@ import os
 
 from harness.case import nvme
 from harness.case.spec import Case
+from harness.registry.releases import measured
 
 
 def _has_muon(c: Case) -> bool:
@@ -64,7 +65,8 @@ def groups_flattened() -> bool:
     z3-none-bf16-ws2-groups and z3-cpu-fp32-ws2-groups crash as DSM-102 says)."""
     from harness.env import versions
 
-    return bool(versions.AFFECTED.get("DSM-104", {}).get(versions.judged_as() or "", False))
+    flattening = next(s for s in SPECS if s["id"] == "DSM-104")["releases"]
+    return bool(flattening.get(versions.judged_as() or "", False))
 
 
 def muon_in_z3_reduce() -> bool:
@@ -77,7 +79,7 @@ def muon_in_z3_reduce() -> bool:
 def muon_update_returns_2d_for_4d() -> bool:
     """Whether the release judged hands a 4-D (conv) Muon update back as the 2-D matrix it orthogonalised
     (0.18.9-0.19.6; 0.19.7 added the ``torch.where`` against the 4-D gradient that raises, DSM-012's crash in
-    ``muon_update``). ZeRO-1/2 flatten that 2-D update into the partition unharmed (measured, session 10:
+    ``muon_update``). ZeRO-1/2 flatten that 2-D update into the partition unharmed (measured:
     ``z1-none-fp32-ws2-conv2d-unpadded`` matches the oracle on 0.19.3-0.19.6); ZeRO-3's reduce copies it into
     the 4-D gradient and raises there (``_apply_distributed_muon_update``)."""
     return _judged_release_in("0.18.9", "0.19.7")
@@ -328,13 +330,13 @@ INTERMITTENT: tuple[dict, ...] = (
                 "handle (its comment: 'Wait ensures the operation is enqueued'), which orders the others on one "
                 "NCCL stream but not on gloo, whose handles are independent. The gathered weights of an earlier "
                 "parameter are then read before they arrive: model weights of 1e-38 or 9.8e37 at some step, the "
-                "gradients computed from them, everything after (session 9's F-12).",
+                "gradients computed from them, everything after.",
         releases=("0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7"),
         trigger=lambda c: c.stage == 3 and c.world_size > 1,
         where="partition_parameters.py _allgather_params (0.19.7 :2091-2092, launch_handles[-1].wait(); the same "
               "line in every sdist from 0.18.9); 0.19.8 waits for every handle (:2109-2112)",
         measured="z3-none-fp32-ws3-onematrix on 0.19.7: 13 of 48 runs; with that one line waiting for every "
-                 "handle in a copy of the 0.19.7 sdist, 0 of 16 (session 10); F-12's earlier rates: 0.19.3 "
+                 "handle in a copy of the 0.19.7 sdist, 0 of 16; earlier rates: 0.19.3 "
                  "onematrix 2/30, 0.19.1 nocontig 1/20, 0.19.7 groups 1/10; 0.19.8 0/30",
     ),
 )
@@ -370,6 +372,7 @@ MUON_NOT_RUN = frozenset({"grad", "momentum", "update", "muon_calls", "master", 
 SPECS: tuple[dict, ...] = (
     dict(
         id="DSM-101",
+        releases=measured(yes="0.18.9-0.19.7", no="0.19.8"),
         title="ZeRO-1/2 with optimizer offload never runs Muon",
         symptom="On ZeRO-1/2 with cpu/nvme optimizer offload (reduce_scatter off: the only setting the release "
                 "accepts with Muon and offload) muon_update is never called: Muon-tagged matrices are stepped "
@@ -383,6 +386,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-102",
+        releases=measured(yes="0.18.9-0.19.7", no="0.19.8"),
         title="ZeRO-3 distributed Muon crashes when a round holds matrices of different shapes",
         symptom="RuntimeError from all_gather ('invalid tensor size') in the first backward at world size >= 2 "
                 "whenever one round of the one-matrix-per-rank distribution mixes shapes.",
@@ -395,6 +399,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-122",
+        releases=measured(yes="0.19.0-0.19.2", no="0.19.3"),
         title="ZeRO-3 distributed Muon all-gathers over the whole world, not the data-parallel group",
         symptom="With model parallelism (a data-parallel group smaller than the world) the first backward raises "
                 "RuntimeError from gloo's all_gather ('invalid output tensor list at index 0 (expected length 4, "
@@ -412,6 +417,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-123",
+        releases=measured(yes="0.19.4-0.19.7", no="0.19.8"),
         title="ZeRO-3 NVMe before 0.19.8: the Muon update of a swapped matrix sorted after others never steps it",
         symptom="A swapped Muon matrix that DeepSpeed sorts after smaller ones in its sub-group (0.19.4-0.19.6 "
                 "z3-nvme-part-fp32-ws1-sortedlast, big.weight 8 x 32768) reaches muon_update with the right "
@@ -429,6 +435,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-124",
+        releases=measured(yes="0.19.0-0.19.5", no="0.19.6-0.19.8"),
         title="CPU FusedAdam ignores adam_w_mode=False: L2 weight decay is applied decoupled (AdamW)",
         symptom="An Adam asked for L2 weight decay (\"Adam\" with adam_w_mode false; Muon's auxiliary Adam with "
                 "it) steps as AdamW on the CPU accelerator: 0.19.5 z2-none-fp32-ws2-adam-l2, layer1.weight master "
@@ -444,6 +451,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-103",
+        releases=measured(yes="0.19.7", no="0.19.0-0.19.6 0.19.8"),
         title="ZeRO-1/2 keep the Muon momentum of only the last matrix of a group",
         symptom="Without offload every Muon matrix restages the group's momentum from the committed copy "
                 "(per parameter), wiping what the matrices before it wrote this step: their momentum never "
@@ -457,6 +465,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-104",
+        releases=measured(yes="0.19.2-0.19.6", no="0.19.7-0.19.8"),
         title="User parameter groups flattened into one Muon and one Adam group",
         symptom="The groups passed as model_parameters are merged (their parameters kept, their own lr, "
                 "weight_decay, momentum and ns_method dropped for the config's); the optimizer's groups are "
@@ -473,6 +482,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-105",
+        releases=measured(yes="0.18.9", no="0.19.0-0.19.8"),
         title="ZeRO-1/2 at world size >= 2 crash in the parameter all-gather (0.18.9 under torch 2.13)",
         symptom="RuntimeError 'Output 0 of Split is a view and is being modified inplace' from the all-gather "
                 "of the updated partitions at the first optimizer step, world size >= 2, with or without optimizer "
@@ -487,6 +497,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-106",
+        releases=measured(yes="0.19.4-0.19.7", no="0.19.8"),
         title="safe_get_local_fp32_param raises with the pipelined NVMe swapper (ZeRO-3)",
         symptom="AttributeError 'PipelinedOptimizerSwapper' object has no attribute 'release_swap_buffers' from "
                 "the public deepspeed.utils.safe_get_local_fp32_param on ZeRO-3 with pipeline_read/write NVMe.",
@@ -501,6 +512,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-107",
+        releases=measured(yes="0.19.0-0.19.2", no="0.19.3-0.19.8"),
         title="ZeRO-1/2 without offload: muon_update reads a different gradient on each rank",
         symptom="At world size >= 2 the gradient muon_update orthogonalises differs between the ranks and is not "
                 "the data-parallel average (0.19.0 z1-none-fp32-ws2-ga2, layer0.weight at (1, 3): -0.207 where "
@@ -509,7 +521,7 @@ SPECS: tuple[dict, ...] = (
                 "matrix that the two ranks' partitions share.",
         trigger=_z12_muon_matrix_straddles,
         # global_norm: the norm counts each Muon matrix's update O (DeepSpeed's clip_norm_source), made from
-        # that gradient (session 9, 0.19.0's whole gate: the norm alone diverged in 8 such cases)
+        # that gradient (0.19.0's whole gate: the norm alone diverged in 8 such cases)
         quantities=frozenset({"capture", "grad", "momentum", "update", "master", "model", "global_norm"}),
         where="0.19.0-0.19.2 stage_1_and_2.py get_flat_partition (0.19.0: lines 2003-2013): muon_update over "
               "the whole matrix's self.all_grad_tensors entry on each rank; which part of it holds the averaged "
@@ -518,6 +530,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-108",
+        releases=measured(yes="0.18.9-0.19.7", no="0.19.8"),
         title="fp16: the Muon step is divided by the loss scale",
         symptom="The Muon update O replaces the loss-scaled gradient without the factor S, and the step then "
                 "divides every gradient by S: the Muon step is O/S (1/256 of what it should be at the gate's "
@@ -536,6 +549,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-109",
+        releases=measured(yes="0.19.0-0.19.7", no="0.19.8"),
         title="ZeRO-3 NVMe offload with the Muon momentum kept in memory crashes at initialize",
         symptom="deepspeed.initialize raises a bare AssertionError (swap_in_tensors: async_pread did not return 0) "
                 "while initialize_optimizer_states swaps the first Muon sub-group in, with "
@@ -552,6 +566,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-110",
+        releases=measured(yes="0.19.0-0.19.7", no="0.19.8"),
         title="ZeRO-3: Muon silently skipped for a bucket reduced outside the contiguous path",
         symptom="With contiguous_gradients off or a Muon gradient larger than reduce_bucket_size, "
                 "the bucket is averaged by __avg_scatter_grads, which never calls muon_update: its Muon matrices "
@@ -565,6 +580,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-111",
+        releases=measured(yes="0.19.0-0.19.7", no="0.19.8"),
         title="ZeRO-3 with gradient accumulation runs Muon on every micro-batch",
         symptom="ZeRO-3 reduces each micro-batch's gradients, and before 0.19.8 Muon runs inside that reduce: "
                 "with gradient_accumulation_steps k each Muon matrix is orthogonalised k times per step, on each "
@@ -580,6 +596,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-112",
+        releases=measured(yes="0.19.7", no="0.19.0-0.19.2 0.19.8"),
         title="ZeRO-1/2: ranks end a step with different momentum for a matrix they share (DSM-103 on a "
               "straddling matrix)",
         symptom="A Muon matrix split between two ranks' partitions that is the last Muon matrix of one rank's "
@@ -595,6 +612,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-113",
+        releases=measured(yes="0.18.9-0.19.3", no="0.19.4 0.19.7-0.19.8"),
         title="ZeRO-3 with the pipelined NVMe swapper crashes at initialize (0.18.9)",
         symptom="deepspeed.initialize raises a bare AssertionError (len(swap_paths) == len(swap_buffers)) while "
                 "initialize_optimizer_states swaps the optimizer state out through PipelinedOptimizerSwapper.",
@@ -608,6 +626,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-114",
+        releases=measured(yes="0.18.9-0.19.6", no="0.19.7-0.19.8"),
         title="Without ZeRO, and on the BF16_Optimizer route, Muon parameters are stepped by plain SGD",
         symptom="At stage 0, and on the BF16_Optimizer route (ZeRO-1 bf16 with grad_accum_dtype fp32, whose param "
                 "groups are flat fp32 partitions), MuonWithAuxAdam.step moves each Muon parameter by lr times its "
@@ -616,7 +635,7 @@ SPECS: tuple[dict, ...] = (
                 "(Conventions.muon_as_sgd: with DSM-013's clip of the raw gradients before the step on the "
                 "BF16_Optimizer route; at stage 0 "
                 "with the fp16 wrapper's own accidents DSM-014..016 where they apply, measured on 0.19.5 and "
-                "0.19.6's stage-0 gate cases, session 8).",
+                "0.19.6's stage-0 gate cases).",
         trigger=_muon_stepped_as_sgd,
         quantities=MUON_NOT_RUN,
         where="0.18.9 muon_optimizer.py:25-31 (0.19.6 :61-67) MuonWithAuxAdam.step: 'we move the muon update part "
@@ -627,6 +646,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-115",
+        releases=measured(yes="0.19.0-0.19.7", no="0.19.8"),
         title="ZeRO-1/2 with contiguous_gradients off on the CPU accelerator: gradients never averaged across ranks",
         symptom="No gradient is data-parallel reduced: each rank steps its partition, and runs muon_update, on its "
                 "own micro-batches' gradient (0.19.7 z1-none-fp32-ws2-knob-nocontig: the capture finds the ranks' "
@@ -643,12 +663,13 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-116",
+        releases=measured(yes="0.18.9-0.19.6", no="0.19.7-0.19.8"),
         title="zero.Init: no parameter is tagged Muon, the whole model is stepped by Adam",
         symptom="Under deepspeed.zero.Init every partitioned parameter's data is a flat placeholder, so "
                 "set_optimizer_flags (p.ndim >= 2) tags no parameter use_muon: the optimizer has no Muon group "
                 "(the capture reads no Muon group lr: NaN), muon_update is never called, and the matrices are "
                 "stepped by the auxiliary Adam with adam_lr (0.18.9 z3-none-fp32-ws2-standard-zinit, "
-                "z3-cpu-fp32-ws2-standard-zinit, resnet-z3-none-bf16-ws2-standard-zinit: F-2 of session 5).",
+                "z3-cpu-fp32-ws2-standard-zinit, resnet-z3-none-bf16-ws2-standard-zinit).",
         trigger=_zinit_muon,
         quantities=MUON_NOT_RUN | frozenset({"lr", "capture"}),
         where="0.18.9-0.19.6 deepspeed/__init__.py set_optimizer_flags (0.18.9 :71-77, 0.19.6 :84-90) tests "
@@ -658,6 +679,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-117",
+        releases=measured(yes="0.19.0-0.19.6", no="0.19.7-0.19.8"),
         title="ZeRO-1/2 16-bit: muon_update crashes when the Muon momentum and the gradient differ in dtype",
         symptom="RuntimeError \"expected dtype float for `end` but got dtype c10::BFloat16\" (or c10::Half) from "
                 "momentum.lerp_(grad) in muon_update at the first step that reaches it: ZeRO-2 bf16/fp16 with "
@@ -674,6 +696,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-118",
+        releases=measured(yes="0.19.0-0.19.6", no="0.19.7-0.19.8"),
         title="An overflowed step leaves the Muon momentum non-finite",
         symptom="muon_update folds the gradient into the momentum (momentum.lerp_) before the loss scaler finds "
                 "the overflow and skips the step, so one inf/NaN gradient makes the Muon momentum non-finite for "
@@ -689,6 +712,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-120",
+        releases=measured(yes="0.19.0-0.19.3", no="0.19.4"),
         title="ZeRO-3 NVMe optimizer offload aborts the process at initialize on the CPU accelerator (0.19.3)",
         symptom="deepspeed.initialize kills the rank with SIGABRT (C++ assert `_num_pending_ops > 0' in the async_io "
                 "handle's wait(), no Python exception) while initialize_optimizer_states swaps the optimizer state "
@@ -709,6 +733,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-121",
+        releases=measured(yes="0.19.0-0.19.3", no="0.19.4"),
         title="WarmupLR without warmup_max_lr warms every param group up to the first group's lr (0.19.3)",
         symptom="Without warmup_max_lr, WarmupLR (and WarmupDecayLR, its subclass) takes the first param group's lr "
                 "as the peak of every group, so the Adam group warms up to Muon's lr (0.19.3 "
@@ -723,6 +748,7 @@ SPECS: tuple[dict, ...] = (
     ),
     dict(
         id="DSM-119",
+        releases=measured(yes="0.19.0-0.19.7", no="0.19.8"),
         title="Gram Newton-Schulz casts to fp16 before it normalises: tiny updates flush to zero",
         symptom="The gram iteration rounds its input to fp16 and only then divides by its norm, so a Muon matrix "
                 "whose momentum blend lies below fp16's flush point (2^-25, ~3e-8) becomes a zero matrix and its "

@@ -1,0 +1,34 @@
+"""docs/bugs.md and the README's bug table are generated from the registry entries
+(``harness.registry.docs``); a committed copy that differs from what the entries give is stale."""
+from __future__ import annotations
+
+import pytest
+
+from harness.registry import docs
+from harness.registry.bugs import BUGS, HISTORICAL
+
+
+def test_committed_bug_pages_match_the_registry():
+    stale = docs.stale_files()
+    assert not stale, f"{', '.join(stale)} differ from the registry entries: run `{docs.COMMAND}` and commit"
+
+
+def test_every_bug_has_its_section_and_every_0198_bug_its_table_row():
+    page, table = docs.bugs_md(), docs.readme_table()
+    for b in BUGS + HISTORICAL:
+        assert f"### {b.id}: {b.title}\n" in page, b.id
+    rows = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[2:]]
+    assert rows == [b.id for b in BUGS]
+
+
+def test_a_modelled_bug_lists_the_switches_its_model_sets():
+    by_id = {b.id: b for b in BUGS + HISTORICAL}
+    assert docs.switches(by_id["DSM-023"]) == ["stale_unused_grads"]
+    assert set(docs.switches(by_id["DSM-003"])) == {"scale_update_before_unscale", "muon_update_in_old_scale",
+                                                    "reported_norm"}
+    assert docs.switches(by_id["DSM-012"]) == []  # a crash bug: no model
+
+
+def test_a_readme_without_the_markers_is_refused():
+    with pytest.raises(ValueError, match="bugs:begin"):
+        docs.readme_with_table("# no table here\n")
