@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from harness.case.spec import Case
+from harness.cli.parser import build_parser
 from harness.launch.pool import CaseFailure, CaseOutcome
 from harness.case.scenarios import pipeline_case
 
@@ -91,8 +92,13 @@ class PrelaunchedManager:
         self.single.close()
 
 
+def main(argv=None) -> int:
+    """``python -m harness gpu ARGV``: its options are in the one tree (``harness.cli.parser``)."""
+    return run(build_parser().parse_args(["gpu", *(sys.argv[1:] if argv is None else argv)]))
+
+
 def run(args) -> int:
-    """``python -m harness gpu`` with its options parsed (``harness.cli.parser``)."""
+    """``python -m harness gpu`` with its options parsed."""
     from harness.env import buildenv
 
     buildenv.apply_base_env()  # the parent's own environment; each launch sets its ranks' (launch_env)
