@@ -12,9 +12,12 @@ Prints, for the same tiny cases at one world size:
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.case.spec import Case
@@ -112,36 +115,15 @@ class _TimedManager(PoolManager):
         return super().run(case, entry)
 
 
-def gate_bench(full: bool = False, only: str | None = None, write_times: bool = True) -> int:
-    """Run the gate's cases on both columns, once, and print where the time goes per group.
+BUCKETS = ("rank start", "engine build", "steps+capture", "shipping", "judge")
 
-    Buckets: ``rank start`` (spawning a pool: once per world size, and per compiled case),
-    ``engine build`` and ``steps+capture`` (in rank 0, from the trajectory's own timing notes),
-    ``shipping`` (the rest of the parent-observed run: pickling the trajectory, rendezvous waits),
-    ``judge`` (oracle replay + comparison), ``report`` (rendering the HTML once at the end).
-    """
-    import tempfile
 
-    from harness.launch import shard as sharding
-    from harness.gate.decide import columns, evaluate, record
-    from harness.catalog.matrix import gate_cases, group_of
-    from harness.report.build import render
-    from harness.report.results import ResultStore
-
-    cases = [c for c in gate_cases(full) if not only or only in c.name]
-    cols = columns()
-    buckets = ("rank start", "engine build", "steps+capture", "shipping", "judge")
-    per_group: dict[str, dict[str, float]] = {}
-    count: dict[str, int] = {}
-    per_case: dict[str, float] = {}
-    manager = _TimedManager()
-    tmp = Path(tempfile.mkdtemp(prefix="gate-bench-"))
-    store = ResultStore(tmp / "results", writer="bench")
-    t_all = time.perf_counter()
-    # The judge is timed by timing verdict.judge itself inside evaluate.
-    judged: list[float] = []
+@contextlib.contextmanager
+def _timed_judge():
+    """Time ``verdict.judge`` inside ``evaluate``: yields the list each call's seconds are appended to."""
     import harness.gate.decide as gate_mod
 
+    judged: list[float] = []
     real_judge = gate_mod.judge
 
     def timed_judge(*a, **k):
@@ -152,56 +134,106 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
             judged.append(time.perf_counter() - t0)
 
     gate_mod.judge = timed_judge
-    done = 0
     try:
-        for case in cases:  # the gate's order (harness.cli.main_job): a case's columns back to back
-            for col in cols:
-                judged.clear()
-                t0 = time.perf_counter()
-                o = evaluate(case, col, manager)
-                total = time.perf_counter() - t0
-                record(store, o)
-                g = group_of(case.name)
-                b = per_group.setdefault(g, dict.fromkeys(buckets, 0.0))
-                count[g] = count.get(g, 0) + 1
-                per_case[case.name] = per_case.get(case.name, 0.0) + total - manager.last_start
-                build = steps = 0.0
-                for note in getattr(o.trajectory, "notes", []) or []:
-                    m = _RANK_SECONDS.search(note)
-                    if m:
-                        build, steps = float(m.group(1)), float(m.group(2))
-                j = sum(judged)
-                b["rank start"] += manager.last_start
-                b["engine build"] += build
-                b["steps+capture"] += steps
-                b["judge"] += j
-                b["shipping"] += max(total - manager.last_start - build - steps - j, 0.0)
-                o.trajectory = None  # keep the parent flat
-                done += 1
-                if done % 100 == 0:  # a long --full bench says it is alive (and how fast) as it goes
-                    print(f"  ... {done}/{len(cases) * len(cols)} case-columns in {time.perf_counter() - t_all:.0f}s",
-                          flush=True)
+        yield judged
     finally:
         gate_mod.judge = real_judge
+
+
+@dataclass
+class _GateTimes:
+    """Seconds per group and bucket, case-columns per group, and the seconds of each case (over its columns)."""
+
+    per_group: dict = field(default_factory=dict)
+    count: dict = field(default_factory=dict)
+    per_case: dict = field(default_factory=dict)
+
+    def add(self, case_name: str, group: str, total: float, start: float, trajectory, judge: float) -> None:
+        b = self.per_group.setdefault(group, dict.fromkeys(BUCKETS, 0.0))
+        self.count[group] = self.count.get(group, 0) + 1
+        self.per_case[case_name] = self.per_case.get(case_name, 0.0) + total - start
+        build = steps = 0.0
+        for note in getattr(trajectory, "notes", []) or []:
+            m = _RANK_SECONDS.search(note)
+            if m:
+                build, steps = float(m.group(1)), float(m.group(2))
+        b["rank start"] += start
+        b["engine build"] += build
+        b["steps+capture"] += steps
+        b["judge"] += judge
+        b["shipping"] += max(total - start - build - steps - judge, 0.0)
+
+    def print_table(self) -> None:
+        n = sum(self.count.values())
+        print(f"  {'group':10s} {'n':>5s} {'s/case-col':>10s} " + " ".join(f"{b:>13s}" for b in BUCKETS))
+        for g in sorted(self.per_group, key=lambda k: -sum(self.per_group[k].values())):
+            tot = sum(self.per_group[g].values())
+            print(f"  {g:10s} {self.count[g]:5d} {tot / self.count[g]:10.3f} "
+                  + " ".join(f"{self.per_group[g][b]:12.1f}s" for b in BUCKETS))
+        sums = {b: sum(self.per_group[g][b] for g in self.per_group) for b in BUCKETS}
+        print(f"  {'all':10s} {n:5d} {sum(sums.values()) / max(n, 1):10.3f} "
+              + " ".join(f"{sums[b]:12.1f}s" for b in BUCKETS))
+
+
+def _time_gate(cases, cols, store) -> _GateTimes:
+    """Every case on every column in the gate's order (``harness.cli.main_job``: a case's columns back to back)."""
+    from harness.catalog.matrix import group_of
+    from harness.gate.decide import evaluate, record
+
+    times = _GateTimes()
+    manager = _TimedManager()
+    t_all = time.perf_counter()
+    done = 0
+    try:
+        with _timed_judge() as judged:
+            for case in cases:
+                for col in cols:
+                    judged.clear()
+                    t0 = time.perf_counter()
+                    o = evaluate(case, col, manager)
+                    total = time.perf_counter() - t0
+                    record(store, o)
+                    times.add(case.name, group_of(case.name), total, manager.last_start, o.trajectory, sum(judged))
+                    o.trajectory = None  # keep the parent flat
+                    done += 1
+                    if done % 100 == 0:  # a long --full bench says it is alive (and how fast) as it goes
+                        print(f"  ... {done}/{len(cases) * len(cols)} case-columns in "
+                              f"{time.perf_counter() - t_all:.0f}s", flush=True)
+    finally:
         manager.close()
+    return times
+
+
+def gate_bench(full: bool = False, only: str | None = None, write_times: bool = True) -> int:
+    """Run the gate's cases on both columns, once, and print where the time goes per group.
+
+    Buckets: ``rank start`` (spawning a pool: once per world size, and per compiled case),
+    ``engine build`` and ``steps+capture`` (in rank 0, from the trajectory's own timing notes),
+    ``shipping`` (the rest of the parent-observed run: pickling the trajectory, rendezvous waits),
+    ``judge`` (oracle replay + comparison), ``report`` (rendering the HTML once at the end).
+    """
+    from harness.catalog.matrix import gate_cases
+    from harness.gate.decide import columns
+    from harness.launch import shard as sharding
+    from harness.report.build import render
+    from harness.report.results import ResultStore
+
+    cases = [c for c in gate_cases(full) if not only or only in c.name]
+    cols = columns()
+    tmp = Path(tempfile.mkdtemp(prefix="gate-bench-"))
+    store = ResultStore(tmp / "results", writer="bench")
+    t_all = time.perf_counter()
+    times = _time_gate(cases, cols, store)
     t_report = time.perf_counter()
     render(tmp / "results", tmp / "bench.html")
     report_s = time.perf_counter() - t_report
     wall = time.perf_counter() - t_all
-    n = sum(count.values())
-    print(f"bench --gate: {len(cases)} cases x {len(cols)} column(s) = {n} case-columns"
+    print(f"bench --gate: {len(cases)} cases x {len(cols)} column(s) = {sum(times.count.values())} case-columns"
           f"{' (--full)' if full else ' (CI subset)'} in {wall:.1f}s wall")
-    print(f"  {'group':10s} {'n':>5s} {'s/case-col':>10s} " + " ".join(f"{b:>13s}" for b in buckets))
-    for g in sorted(per_group, key=lambda k: -sum(per_group[k].values())):
-        tot = sum(per_group[g].values())
-        print(f"  {g:10s} {count[g]:5d} {tot / count[g]:10.3f} "
-              + " ".join(f"{per_group[g][b]:12.1f}s" for b in buckets))
-    sums = {b: sum(per_group[g][b] for g in per_group) for b in buckets}
-    print(f"  {'all':10s} {n:5d} {sum(sums.values()) / max(n, 1):10.3f} "
-          + " ".join(f"{sums[b]:12.1f}s" for b in buckets))
+    times.print_table()
     print(f"  report: {report_s:.1f}s ({(tmp / 'bench.html').stat().st_size / 1e6:.1f} MB)")
     if write_times and not only:
-        sharding.write_times(per_case, "python -m harness bench --gate" + (" --full" if full else ""))
+        sharding.write_times(times.per_case, "python -m harness bench --gate" + (" --full" if full else ""))
         print(f"  recorded per-case seconds for sharding in {sharding.TIMES_PATH}")
     return 0
 

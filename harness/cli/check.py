@@ -113,10 +113,9 @@ from harness.case.spec import Case, canonical_json  # noqa: E402
 from harness.cli.check_config import BadInput  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
 from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
+from harness.cli.parser import add_check_arguments  # noqa: E402
 
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
-DEFAULT_SHAPES = "4096x4096,11008x4096"
-DEFAULT_STEPS = 3
 QUANTITY_ORDER = ("grad", "momentum", "update", "master", "model", "global_norm", "loss_scale",
                   "loss_scale_after", "skipped", "muon_calls", "swap")
 
@@ -611,39 +610,10 @@ def _execute(plan: Plan, args, out: _Out) -> tuple[int, dict]:
 # command line
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ds-config", required=True, help="your DeepSpeed config (JSON)")
-    p.add_argument("--shapes", default=DEFAULT_SHAPES,
-                   help=f"matrix shapes, comma separated (default {DEFAULT_SHAPES}); scaled down when too big, "
-                        "keeping aspect ratios and numel mod 2 x world size; a 1-D entry is an Adam vector")
-    p.add_argument("--model", default=None,
-                   help="run a real module instead of --shapes: a built-in (gpt2, llama, resnet, moe) or "
-                        "package.module:factory (harness.models)")
-    p.add_argument("--zero-init", action="store_true",
-                   help="ZeRO-3: build the module under deepspeed.zero.Init, as Hugging Face does")
-    p.add_argument("--trainer-arg", action="append", default=None, metavar="NAME=VALUE",
-                   help="a TrainingArguments value for resolving \"auto\" (e.g. learning_rate=3e-4, bf16=true)")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report", default=None, help="HTML report path (default reports/<case>.html)")
-    p.add_argument("--no-report", action="store_true", help="write no report")
-    p.add_argument("--patched", action="store_true",
-                   help="also run with the bundled fixes and say whether they change the verdict")
-    p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool",
-                   help="pool: CPU ranks over gloo (default); torchrun: torch.distributed.run, env://, the "
-                        "accelerator's backend (nccl on CUDA)")
-    p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="torchrun launcher only: auto picks cuda when a GPU is visible")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
-    p.add_argument("-q", "--quiet", action="store_true", help="print only the verdict and report lines")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness check", description=__doc__.splitlines()[0],
                                  epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
+    add_check_arguments(ap)
     args = ap.parse_args(argv)
     buildenv.apply_base_env()
     return run_check(args)

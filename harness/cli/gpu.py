@@ -20,7 +20,6 @@ case cannot hide the others.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 from harness.case.spec import Case
+from harness.cli.parser import build_parser
 from harness.launch.pool import CaseFailure, CaseOutcome
 from harness.case.scenarios import pipeline_case
 
@@ -93,14 +93,12 @@ class PrelaunchedManager:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness gpu", description=__doc__.splitlines()[0])
-    ap.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu", "auto"),
-                    help="cpu only to rehearse the script where no GPU is (gloo instead of NCCL)")
-    ap.add_argument("--world-sizes", default=None, help="comma list; default 1 and every local GPU")
-    ap.add_argument("--no-compiled", action="store_true")
-    ap.add_argument("--only", default=None, help="substring filter on case names")
-    ap.add_argument("--report", default="reports/gpu.html")
-    args = ap.parse_args(argv)
+    """``python -m harness gpu ARGV``: its options are in the one tree (``harness.cli.parser``)."""
+    return run(build_parser().parse_args(["gpu", *(sys.argv[1:] if argv is None else argv)]))
+
+
+def run(args) -> int:
+    """``python -m harness gpu`` with its options parsed."""
     from harness.env import buildenv
 
     buildenv.apply_base_env()  # the parent's own environment; each launch sets its ranks' (launch_env)
@@ -157,6 +155,3 @@ def main(argv=None) -> int:
     print(f"report: {report}")
     return 1 if bad else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

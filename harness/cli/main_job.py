@@ -8,6 +8,7 @@ matrix: one module doing both would be an import cycle.
 from __future__ import annotations
 
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,12 +52,61 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
     return str(report)
 
 
+def _run_cases(cases: list, cols: list[str], manager, store, quiet: bool) -> None:
+    """Every case on every column, each outcome to the store on disk and dropped before the next case,
+    so the parent stays flat however many cases fail (the summary is read back: ``summary``). A case's
+    columns run back to back: where the patched run is bit-identical to the stock one, the patched
+    column takes the stock verdict instead of judging again (``gate.judged``)."""
+    total = len(cases) * len(cols)
+    n = 0
+    for case in cases:
+        for col in cols:
+            n += 1
+            o = evaluate(case, col, manager)
+            record(store, o)
+            if not quiet:
+                ids = f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else ""
+                print(f"[{n}/{total}] {col:7s} {case.name:55s} {o.status.upper()}{ids} ({o.seconds:.1f}s)",
+                      flush=True)
+            del o
+
+
+def _mutation_checks(manager, seed: int, patched_check: bool, stock_check: bool):
+    """The mutation self-checks: (patched kill matrix or None, stock kill matrix or None, whether one failed)."""
+    from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
+
+    km = skm = None
+    failed = False
+    if patched_check:
+        print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
+        km = kill_matrix(default_kill_cases(), manager=manager)
+        print(km.table(), flush=True)
+        failed |= km.kill_rate < 1.0 or bool(km.surprises()) or not all(km.baseline.values())
+    if stock_check:
+        print("\nmutation self-check (STOCK DeepSpeed, gate decision: bug-affected cases must still fail):",
+              flush=True)
+        skm = stock_kill_matrix([c.replace(seed=seed) for c in stock_kill_cases()], manager=manager)
+        print(skm.table(), flush=True)
+        failed |= skm.kill_rate < 1.0 or bool(skm.surprises()) or not all(skm.baseline.values())
+    return km, skm, failed
+
+
+def _fresh_store(report_path: Path, part):
+    from harness.report import results
+
+    results_dir = report_path.parent / (report_path.stem + "-results")
+    if results_dir.exists():
+        shutil.rmtree(results_dir)
+    writer = "gate" if part is None else f"gate-shard{part.index}of{part.count}"
+    return results_dir, results.ResultStore(results_dir, writer=writer)
+
+
 def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
              quiet: bool = False, mutate: bool = True, shard: str | None = None, jobs: int = 1,
              render_report: bool = True) -> int:
-    from harness.report import results
-    from harness.launch import shard as sharding
     from harness.catalog.matrix import gate_cases
+    from harness.env import versions
+    from harness.launch import shard as sharding
 
     cases = [c.replace(seed=seed) for c in gate_cases(full) if not only or only in c.name]
     part = sharding.Shard.parse(shard) if shard else None
@@ -69,57 +119,16 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
         cases = sharding.select(cases, part)
         print(f"gate: shard {part}: {len(cases)} cases", flush=True)
     cols = columns()
-    from harness.env import versions
-
     print(f"gate: {versions.banner()}", flush=True)
     report_path = Path(report)
-    results_dir = report_path.parent / (report_path.stem + "-results")
-    if results_dir.exists():
-        import shutil
-
-        shutil.rmtree(results_dir)
-    store = results.ResultStore(results_dir, writer="gate" if part is None else f"gate-shard{part.index}of{part.count}")
+    results_dir, store = _fresh_store(report_path, part)
     manager = PoolManager()
-    # Nothing of an outcome stays in memory: every outcome (verdict, trajectory, error maps) goes to
-    # the store on disk and is dropped before the next case, so the parent stays flat however many
-    # cases fail; the summary is read back from the store (``summary``).
-    mutation_failed = False
     t0 = time.perf_counter()
     try:
-        total = len(cases) * len(cols)
-        n = 0
-        # A case's columns back to back: where the patched run is bit-identical to the stock one, the
-        # patched column takes the stock verdict instead of judging again (``gate.judged``).
-        for case in cases:
-            for col in cols:
-                n += 1
-                o = evaluate(case, col, manager)
-                record(store, o)
-                if not quiet:
-                    ids = f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else ""
-                    print(f"[{n}/{total}] {col:7s} {case.name:55s} {o.status.upper()}{ids} ({o.seconds:.1f}s)",
-                          flush=True)
-                del o
-        km = skm = None
-        patched_check = mutate and not only and (part is None or part.index == 1)
-        stock_check = mutate and not only and (part is None or part.index == min(2, part.count))
-        if patched_check or stock_check:
-            from harness.selfcheck.kill_matrix import (default_kill_cases, kill_matrix, stock_kill_cases,
-                                                       stock_kill_matrix)
-
-            if patched_check:
-                print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
-                km = kill_matrix(default_kill_cases(), manager=manager)
-                print(km.table(), flush=True)
-                if km.kill_rate < 1.0 or km.surprises() or not all(km.baseline.values()):
-                    mutation_failed = True
-            if stock_check:
-                print("\nmutation self-check (STOCK DeepSpeed, gate decision: bug-affected cases must still fail):",
-                      flush=True)
-                skm = stock_kill_matrix([c.replace(seed=seed) for c in stock_kill_cases()], manager=manager)
-                print(skm.table(), flush=True)
-                if skm.kill_rate < 1.0 or skm.surprises() or not all(skm.baseline.values()):
-                    mutation_failed = True
+        _run_cases(cases, cols, manager, store, quiet)
+        km, skm, mutation_failed = _mutation_checks(
+            manager, seed, patched_check=mutate and not only and (part is None or part.index == 1),
+            stock_check=mutate and not only and (part is None or part.index == min(2, part.count)))
     finally:
         manager.close()
     elapsed = time.perf_counter() - t0

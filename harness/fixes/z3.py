@@ -115,19 +115,10 @@ def make_muon_update_sub_group(orig):
     return _muon_update_sub_group
 
 
-def _sub_group(self, i, group_items, communication_data_type, fp32):
-    from deepspeed import comm as dist
-    from deepspeed.runtime.zero.muon.original_muon import muon_update
-
-    if fp32:
-        communication_data_type = torch.float32
-    params = [param for param, _, _ in group_items]
-    grads = [grad for _, _, grad in group_items]
-    if not params:
-        return
-
+def _sub_group_momentum(self, i, fp32):
+    """Swap the sub-group's optimizer state in where it is swapped, create the momentum where it is
+    missing; (swapped, the momentum buffer: fp32 under FP32)."""
     swapped = self._swappable_optimizer_subgroup(i) and not self.save_muon_momentum_buffer_in_memory
-    momentum_buffer = []
     if swapped:
         self.optimizer_swapper.swap_in_optimizer_state(parameter=self.fp32_partitioned_groups_flat[i])
     if not self.save_muon_momentum_buffer_in_memory and \
@@ -140,62 +131,67 @@ def _sub_group(self, i, group_items, communication_data_type, fp32):
         state_buffer = self.muon_momentum_buffer_partitioned_groups_flat[i]
     else:
         state_buffer = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["momentum_buffer"]
-    for param, dest_offset, _ in group_items:
-        momentum_buffer.append(state_buffer.narrow(0, dest_offset, param.partition_numel()).clone())
+    return swapped, state_buffer
 
-    gathered_params_momentums = self._partitioned_buffers_all_gather(params, momentum_buffer,
-                                                                     communication_data_type)
-    beta, ns_method = _beta_and_ns(self, i)
 
-    process_group = self._get_sub_group_process_group(i)
+def _sub_group_round(round_params, round_grads, round_momentums, beta, ns_method, process_group):
+    """One round of up to world-size matrices: rank r runs Muon on the r-th, then every rank gathers
+    every updated gradient and momentum (padded to the largest when the shapes differ)."""
+    from deepspeed import comm as dist  # rank side: DeepSpeed
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+
     world_sz = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
-    for base_i in range(0, len(params), world_sz):
-        round_params = params[base_i:base_i + world_sz]
-        round_grads = grads[base_i:base_i + world_sz]
-        round_momentums = gathered_params_momentums[base_i:base_i + world_sz]
-        round_count = len(round_grads)
-        numels = [g.numel() for g in round_grads]
-        uniform_shape = round_count == world_sz and all(g.shape == round_grads[0].shape for g in round_grads)
+    round_count = len(round_grads)
+    numels = [g.numel() for g in round_grads]
+    uniform_shape = round_count == world_sz and all(g.shape == round_grads[0].shape for g in round_grads)
 
+    if rank < round_count:
+        param = round_params[rank]
+        g = round_grads[rank]
+        m = round_momentums[rank]
+        update = muon_update(g, m, beta=beta, ns_method=ns_method,
+                             num_heads=getattr(param, 'muon_num_heads', None))
+        g.data.copy_(update, non_blocking=False)
+
+    if uniform_shape:
+        local_grad = round_grads[rank]
+        local_momentum = round_momentums[rank]
+        grad_out = round_grads
+        momentum_out = round_momentums
+    else:
+        max_numel = max(numels)
         if rank < round_count:
-            param = round_params[rank]
-            g = round_grads[rank]
-            m = round_momentums[rank]
-            update = muon_update(g, m, beta=beta, ns_method=ns_method,
-                                 num_heads=getattr(param, 'muon_num_heads', None))
-            g.data.copy_(update, non_blocking=False)
-
-        if uniform_shape:
-            local_grad = round_grads[rank]
-            local_momentum = round_momentums[rank]
-            grad_out = round_grads
-            momentum_out = round_momentums
+            local_grad = torch.zeros(max_numel, dtype=g.dtype, device=g.device)
+            local_grad[:g.numel()] = g.view(-1)
+            local_momentum = torch.zeros(max_numel, dtype=m.dtype, device=m.device)
+            local_momentum[:m.numel()] = m.view(-1)
         else:
-            max_numel = max(numels)
-            if rank < round_count:
-                local_grad = torch.zeros(max_numel, dtype=g.dtype, device=g.device)
-                local_grad[:g.numel()] = g.view(-1)
-                local_momentum = torch.zeros(max_numel, dtype=m.dtype, device=m.device)
-                local_momentum[:m.numel()] = m.view(-1)
-            else:
-                ref_grad = round_grads[0]
-                ref_momentum = round_momentums[0]
-                local_grad = torch.zeros(max_numel, dtype=ref_grad.dtype, device=ref_grad.device)
-                local_momentum = torch.zeros(max_numel, dtype=ref_momentum.dtype, device=ref_momentum.device)
-            grad_out = [torch.empty_like(local_grad) for _ in range(world_sz)]
-            momentum_out = [torch.empty_like(local_momentum) for _ in range(world_sz)]
+            ref_grad = round_grads[0]
+            ref_momentum = round_momentums[0]
+            local_grad = torch.zeros(max_numel, dtype=ref_grad.dtype, device=ref_grad.device)
+            local_momentum = torch.zeros(max_numel, dtype=ref_momentum.dtype, device=ref_momentum.device)
+        grad_out = [torch.empty_like(local_grad) for _ in range(world_sz)]
+        momentum_out = [torch.empty_like(local_momentum) for _ in range(world_sz)]
 
-        grad_handle = dist.all_gather(grad_out, local_grad, group=process_group, async_op=True)
-        momentum_handle = dist.all_gather(momentum_out, local_momentum, group=process_group, async_op=True)
-        momentum_handle.wait()
-        grad_handle.wait()
-        if not uniform_shape:
-            for grad, momentum, gathered_grad, gathered_momentum in zip(round_grads, round_momentums, grad_out,
-                                                                        momentum_out):
-                grad.data.copy_(gathered_grad[:grad.numel()].view_as(grad), non_blocking=False)
-                momentum.view(-1).data.copy_(gathered_momentum[:momentum.numel()], non_blocking=False)
+    grad_handle = dist.all_gather(grad_out, local_grad, group=process_group, async_op=True)
+    momentum_handle = dist.all_gather(momentum_out, local_momentum, group=process_group, async_op=True)
+    momentum_handle.wait()
+    grad_handle.wait()
+    if not uniform_shape:
+        for grad, momentum, gathered_grad, gathered_momentum in zip(round_grads, round_momentums, grad_out,
+                                                                    momentum_out):
+            grad.data.copy_(gathered_grad[:grad.numel()].view_as(grad), non_blocking=False)
+            momentum.view(-1).data.copy_(gathered_momentum[:momentum.numel()], non_blocking=False)
 
+
+def _store_momentum_shares(self, i, group_items, gathered_params_momentums, process_group, swapped, fp32):
+    """Each rank's share of every matrix's new momentum back into its partition (the padded tail in
+    the momentum's dtype under FP32; a share past the matrix's end written empty under TAIL)."""
+    from deepspeed import comm as dist  # rank side: DeepSpeed
+
+    world_sz = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
     for idx, (param, dest_offset, grad) in enumerate(group_items):
         gathered_momentum = gathered_params_momentums[idx]
         chunk_sz = math.ceil(grad.numel() / world_sz)
@@ -219,6 +215,33 @@ def _sub_group(self, i, group_items, communication_data_type, fp32):
         else:
             self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["momentum_buffer"].narrow(
                 0, dest_offset, param.partition_numel()).data.copy_(buffer_to_update, non_blocking=False)
+
+
+def _sub_group(self, i, group_items, communication_data_type, fp32):
+    from deepspeed import comm as dist  # rank side: DeepSpeed
+
+    if fp32:
+        communication_data_type = torch.float32
+    params = [param for param, _, _ in group_items]
+    grads = [grad for _, _, grad in group_items]
+    if not params:
+        return
+
+    swapped, state_buffer = _sub_group_momentum(self, i, fp32)
+    momentum_buffer = []
+    for param, dest_offset, _ in group_items:
+        momentum_buffer.append(state_buffer.narrow(0, dest_offset, param.partition_numel()).clone())
+
+    gathered_params_momentums = self._partitioned_buffers_all_gather(params, momentum_buffer,
+                                                                     communication_data_type)
+    beta, ns_method = _beta_and_ns(self, i)
+
+    process_group = self._get_sub_group_process_group(i)
+    world_sz = dist.get_world_size(process_group)
+    for base_i in range(0, len(params), world_sz):
+        _sub_group_round(params[base_i:base_i + world_sz], grads[base_i:base_i + world_sz],
+                         gathered_params_momentums[base_i:base_i + world_sz], beta, ns_method, process_group)
+    _store_momentum_shares(self, i, group_items, gathered_params_momentums, process_group, swapped, fp32)
     if swapped:
         self.optimizer_swapper.swap_out_optimizer_state(parameter=self.fp32_partitioned_groups_flat[i])
 
@@ -260,6 +283,96 @@ def make_apply_muon_to_accumulated_grads(orig):
     return _apply_muon_to_accumulated_grads
 
 
+def _offload_momentum(self, sub_group_id, fp32_param, subgroup_numel):
+    """(the sub-group's fp32 momentum, whether it was created just now: then it is zero, not gathered)."""
+    if self.save_muon_momentum_buffer_in_memory:
+        momentum = self.muon_momentum_buffer_partitioned_groups_flat.get(sub_group_id)
+    else:
+        state = self.optimizer.state.setdefault(fp32_param, {})
+        momentum = state.get("momentum_buffer")
+    momentum_was_created = momentum is None or momentum.numel() != subgroup_numel
+    if momentum_was_created:
+        self._create_momentum_buffer(subgroup_numel, sub_group_id, fp32_param.ds_id)
+    return _fp32_momentum(self, sub_group_id), momentum_was_created
+
+
+def _offload_gather(self, muon_params, fp32_param, momentum, momentum_was_created, device):
+    """The full fp32 gradients and momenta of the sub-group's Muon matrices (stock: in
+    gradient_accumulation_dtype)."""
+    local_grad_parts = []
+    local_momentum_parts = []
+    for param in muon_params:
+        _, dest_offset, _ = self.grad_position[self.get_param_id(param)]
+        numel = param.partition_numel()
+        local_grad_parts.append(fp32_param.grad.narrow(0, dest_offset, numel).to(device))
+        if not momentum_was_created:
+            local_momentum_parts.append(momentum.narrow(0, dest_offset, numel).to(device))
+    if momentum_was_created:
+        full_grads = self._partitioned_buffers_all_gather(muon_params, local_grad_parts, torch.float32)
+        return full_grads, [torch.zeros_like(full_grad) for full_grad in full_grads]
+    return self._partitioned_buffers_all_gather(muon_params, local_grad_parts, torch.float32,
+                                                additional_buffers_to_allgather=local_momentum_parts)
+
+
+def _offload_update_param(self, param, full_grad, full_momentum, fp32_param, momentum, optimizer_group,
+                          loss_scale, device):
+    """Muon on one full matrix; this rank's partition of the update (times S) into the fp32 gradient, of
+    the momentum into its buffer, and the update's norm for clipping."""
+    from deepspeed.runtime.zero.muon.original_muon import muon_update  # rank side: DeepSpeed
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    update = muon_update(full_grad,
+                         full_momentum,
+                         beta=optimizer_group["momentum"],
+                         ns_method=optimizer_group.get("ns_method", "gram"),
+                         is_expert_group=getattr(param, "is_expert_group", False),
+                         num_heads=getattr(param, "muon_num_heads", None))
+    partition_numel = param.partition_numel()
+    partition_rank = self._get_param_partition_rank(param)
+    start = partition_rank * partition_numel
+    real_numel = min(partition_numel, max(0, param.ds_numel - start))
+    local_update = torch.zeros(partition_numel, dtype=torch.float32, device=device)
+    if real_numel > 0:
+        local_update[:real_numel].copy_(update.reshape(-1).narrow(0, start, real_numel))
+    _, dest_offset, _ = self.grad_position[self.get_param_id(param)]
+    scaled_local_update = local_update * loss_scale if loss_scale != 1.0 else local_update
+    fp32_param.grad.narrow(0, dest_offset,
+                           partition_numel).copy_(scaled_local_update.to(fp32_param.grad.dtype))
+    local_momentum = torch.zeros(partition_numel, dtype=torch.float32, device=device)
+    if real_numel > 0:
+        local_momentum[:real_numel].copy_(full_momentum.reshape(-1).narrow(0, start, real_numel))
+    momentum.narrow(0, dest_offset, partition_numel).copy_(local_momentum.to(momentum.dtype))
+    self.norm_for_param_grads[self.get_param_id(param)] = scaled_local_update.to(get_norm_dtype()).norm(2)
+
+
+def _offload_sub_group(self, sub_group_id, muon_params, device):
+    if self._swappable_optimizer_subgroup(sub_group_id):
+        self._optimizer_states_and_gradient_swap_in(sub_group_id)
+
+    fp32_param = self.fp32_partitioned_groups_flat[sub_group_id]
+    subgroup_numel = int(self.fp16_partitioned_groups_flat_numel[sub_group_id])
+    momentum, momentum_was_created = _offload_momentum(self, sub_group_id, fp32_param, subgroup_numel)
+    full_grads, full_momentums = _offload_gather(self, muon_params, fp32_param, momentum, momentum_was_created,
+                                                 device)
+    loss_scale = float(self.loss_scale)
+    if loss_scale != 1.0:
+        for grad in full_grads:
+            grad.div_(loss_scale)
+
+    optimizer_group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
+    for param, full_grad, full_momentum in zip(muon_params, full_grads, full_momentums):
+        _offload_update_param(self, param, full_grad, full_momentum, fp32_param, momentum, optimizer_group,
+                              loss_scale, device)
+
+    if self.save_muon_momentum_buffer_in_memory and fp32_param in self.optimizer.state:
+        self.optimizer.state[fp32_param]["momentum_buffer"] = momentum
+
+    if self._swappable_optimizer_subgroup(sub_group_id):
+        self._writeback_swap_state(sub_group_id,
+                                   write_opt_state=not self.save_muon_momentum_buffer_in_memory,
+                                   write_gradients=True)
+
+
 def make_apply_muon_updates_cpu_offload(orig):
 
     @torch.no_grad()
@@ -267,89 +380,13 @@ def make_apply_muon_updates_cpu_offload(orig):
         """Stock (stage3.py:2588-2680) with the gather, g/S, the momentum and S*O in fp32 (FP32)."""
         if not active(FP32) or not self.use_muon:
             return orig(self)
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.runtime.zero.muon.original_muon import muon_update
-        from deepspeed.runtime.zero.utils import get_norm_dtype
+        from deepspeed.accelerator import get_accelerator  # rank side: DeepSpeed
 
         accelerator_device = get_accelerator().current_device_name()
         for sub_group_id, params in enumerate(self.fp16_groups):
             muon_params = [param for param in params if getattr(param, "use_muon", False)]
-            if not muon_params:
-                continue
-
-            if self._swappable_optimizer_subgroup(sub_group_id):
-                self._optimizer_states_and_gradient_swap_in(sub_group_id)
-
-            fp32_param = self.fp32_partitioned_groups_flat[sub_group_id]
-            subgroup_numel = int(self.fp16_partitioned_groups_flat_numel[sub_group_id])
-            if self.save_muon_momentum_buffer_in_memory:
-                momentum = self.muon_momentum_buffer_partitioned_groups_flat.get(sub_group_id)
-                momentum_was_created = momentum is None or momentum.numel() != subgroup_numel
-                if momentum_was_created:
-                    self._create_momentum_buffer(subgroup_numel, sub_group_id, fp32_param.ds_id)
-                momentum = _fp32_momentum(self, sub_group_id)
-            else:
-                state = self.optimizer.state.setdefault(fp32_param, {})
-                momentum = state.get("momentum_buffer")
-                momentum_was_created = momentum is None or momentum.numel() != subgroup_numel
-                if momentum_was_created:
-                    self._create_momentum_buffer(subgroup_numel, sub_group_id, fp32_param.ds_id)
-                momentum = _fp32_momentum(self, sub_group_id)
-
-            local_grad_parts = []
-            local_momentum_parts = []
-            for param in muon_params:
-                _, dest_offset, _ = self.grad_position[self.get_param_id(param)]
-                numel = param.partition_numel()
-                local_grad_parts.append(fp32_param.grad.narrow(0, dest_offset, numel).to(accelerator_device))
-                if not momentum_was_created:
-                    local_momentum_parts.append(momentum.narrow(0, dest_offset, numel).to(accelerator_device))
-
-            if momentum_was_created:
-                full_grads = self._partitioned_buffers_all_gather(muon_params, local_grad_parts, torch.float32)
-                full_momentums = [torch.zeros_like(full_grad) for full_grad in full_grads]
-            else:
-                full_grads, full_momentums = self._partitioned_buffers_all_gather(
-                    muon_params, local_grad_parts, torch.float32, additional_buffers_to_allgather=local_momentum_parts)
-
-            loss_scale = float(self.loss_scale)
-            if loss_scale != 1.0:
-                for grad in full_grads:
-                    grad.div_(loss_scale)
-
-            optimizer_group = self.optimizer.param_groups[self.sub_group_to_group_id[sub_group_id]]
-
-            for param, full_grad, full_momentum in zip(muon_params, full_grads, full_momentums):
-                update = muon_update(full_grad,
-                                     full_momentum,
-                                     beta=optimizer_group["momentum"],
-                                     ns_method=optimizer_group.get("ns_method", "gram"),
-                                     is_expert_group=getattr(param, "is_expert_group", False),
-                                     num_heads=getattr(param, "muon_num_heads", None))
-                partition_numel = param.partition_numel()
-                partition_rank = self._get_param_partition_rank(param)
-                start = partition_rank * partition_numel
-                real_numel = min(partition_numel, max(0, param.ds_numel - start))
-                local_update = torch.zeros(partition_numel, dtype=torch.float32, device=accelerator_device)
-                if real_numel > 0:
-                    local_update[:real_numel].copy_(update.reshape(-1).narrow(0, start, real_numel))
-                _, dest_offset, _ = self.grad_position[self.get_param_id(param)]
-                scaled_local_update = local_update * loss_scale if loss_scale != 1.0 else local_update
-                fp32_param.grad.narrow(0, dest_offset,
-                                       partition_numel).copy_(scaled_local_update.to(fp32_param.grad.dtype))
-                local_momentum = torch.zeros(partition_numel, dtype=torch.float32, device=accelerator_device)
-                if real_numel > 0:
-                    local_momentum[:real_numel].copy_(full_momentum.reshape(-1).narrow(0, start, real_numel))
-                momentum.narrow(0, dest_offset, partition_numel).copy_(local_momentum.to(momentum.dtype))
-                self.norm_for_param_grads[self.get_param_id(param)] = scaled_local_update.to(get_norm_dtype()).norm(2)
-
-            if self.save_muon_momentum_buffer_in_memory and fp32_param in self.optimizer.state:
-                self.optimizer.state[fp32_param]["momentum_buffer"] = momentum
-
-            if self._swappable_optimizer_subgroup(sub_group_id):
-                self._writeback_swap_state(sub_group_id,
-                                           write_opt_state=not self.save_muon_momentum_buffer_in_memory,
-                                           write_gradients=True)
+            if muon_params:
+                _offload_sub_group(self, sub_group_id, muon_params, accelerator_device)
 
     return _apply_muon_updates_cpu_offload
 

@@ -67,6 +67,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.env import buildenv
@@ -199,7 +200,7 @@ def _log(msg: str) -> None:
     print(f"[harness.launch.torchrun {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def rank_main(argv=None) -> int:
+def _rank_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness.launch.torchrun",
                                  description="per-rank entry: run case(s) under torchrun / the deepspeed launcher")
     ap.add_argument("--case-file", required=True, help="a Case as JSON (or a JSON list of cases)")
@@ -210,8 +211,76 @@ def rank_main(argv=None) -> int:
                     help="default: $DS_ACCELERATOR if set, else auto-detect")
     ap.add_argument("--no-redirect", action="store_true", help="keep output on the launcher's console")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _rank_accelerator(given: str | None) -> str:
+    accel = given
+    if accel is None:  # the parent passes it; a hand-started launch may have set DS_ACCELERATOR
+        accel = os.environ.get("DS_ACCELERATOR") if os.environ.get("DS_ACCELERATOR") in BACKENDS else "auto"
+    return detect_accelerator() if accel == "auto" else accel
+
+
+@dataclass
+class _Stage:
+    """What a rank is doing, for its ``.error`` file: a case's name, ``<start-up>`` or ``<shut-down>``."""
+
+    name: str = "<start-up>"
+
+
+def _run_cases_on_rank(cases: list[Case], rank: int, world: int, local_rank: int, accel: str, workdir: Path,
+                       logf, stage: _Stage) -> list:
+    """Join the process group and run each case, each under its own faulthandler deadline."""
+    import torch  # rank side: torch only in a rank
+
+    device = None
+    if accel == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    _log(f"rank {rank}/{world} (local {local_rank}) accelerator {accel}, backend {backend_for(accel)}")
+    bootstrap_rank(rank, world, backend=backend_for(accel), init_method="env://", cpu=accel == "cpu")
+    from harness.rank import ds_run  # rank side: imports DeepSpeed
+
+    if device is not None:
+        _batches_on_device(device)
+    results = []
+    for i, case in enumerate(cases):
+        stage.name = case.name
+        if case.world_size != world:
+            raise ValueError(f"case {case.name!r} is for world size {case.world_size}, "
+                             f"but the launcher started {world} ranks")
+        _log(f"case {i + 1}/{len(cases)} {case.name} start")
+        faulthandler.dump_traceback_later(case.timeout_s, repeat=False, file=logf, exit=True)
+        t0 = time.perf_counter()
+        apply_fault(case, rank)  # test-only fault injection, the pool's semantics
+        traj = ds_run.run_case_on_rank(case, rank, world, workdir / f"case{i}")
+        faulthandler.cancel_dump_traceback_later()
+        _log(f"case {i + 1}/{len(cases)} {case.name} done in {time.perf_counter() - t0:.2f}s")
+        results.append(traj)
+    return results
+
+
+def _ship(results: list, was_list: bool, out: Path, rank: int) -> None:
+    """After every rank is done: rank 0 pickles the trajectories (atomically: the parent may be reading)."""
+    import torch.distributed as dist  # rank side: torch only in a rank
+
+    dist.barrier()
+    if rank == 0:
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            pickle.dump(results if was_list else results[0], f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, out)
+
+
+def _exit(code: int) -> None:
+    """Skip interpreter teardown (gloo/NCCL and DeepSpeed destructors can block), as the pool does."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def rank_main(argv=None) -> int:
+    args = _rank_parser().parse_args(argv)
     for var in ("RANK", "WORLD_SIZE"):
         if var not in os.environ:
             print(f"error: ${var} is not set: start this module with torchrun or the deepspeed launcher",
@@ -224,12 +293,7 @@ def rank_main(argv=None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else out.with_name(out.name + ".logs")
     workdir = Path(args.workdir) if args.workdir else out.with_name(out.name + ".work")
     log_dir.mkdir(parents=True, exist_ok=True)
-
-    accel = args.accelerator
-    if accel is None:  # the parent passes it; a hand-started launch may have set DS_ACCELERATOR
-        accel = os.environ.get("DS_ACCELERATOR") if os.environ.get("DS_ACCELERATOR") in BACKENDS else "auto"
-    if accel == "auto":
-        accel = detect_accelerator()
+    accel = _rank_accelerator(args.accelerator)
     os.environ.update(launch_env(accel))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
@@ -237,43 +301,12 @@ def rank_main(argv=None) -> int:
     _exit_when_orphaned()
     logf = sys.stderr if args.no_redirect else redirect_output(log_dir / f"rank{rank}.log")
     faulthandler.enable(file=logf, all_threads=True)
-    case_name = "<start-up>"
+    stage = _Stage()
     try:
         cases, was_list = read_case_file(Path(args.case_file))
-        import torch
-        import torch.distributed as dist
-
-        device = None
-        if accel == "cuda":
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
-        _log(f"rank {rank}/{world} (local {local_rank}) accelerator {accel}, backend {backend_for(accel)}")
-        bootstrap_rank(rank, world, backend=backend_for(accel), init_method="env://", cpu=accel == "cpu")
-        from harness.rank import ds_run
-
-        if device is not None:
-            _batches_on_device(device)
-        results = []
-        for i, case in enumerate(cases):
-            case_name = case.name
-            if case.world_size != world:
-                raise ValueError(f"case {case.name!r} is for world size {case.world_size}, "
-                                 f"but the launcher started {world} ranks")
-            _log(f"case {i + 1}/{len(cases)} {case.name} start")
-            faulthandler.dump_traceback_later(case.timeout_s, repeat=False, file=logf, exit=True)
-            t0 = time.perf_counter()
-            apply_fault(case, rank)  # test-only fault injection, the pool's semantics
-            traj = ds_run.run_case_on_rank(case, rank, world, workdir / f"case{i}")
-            faulthandler.cancel_dump_traceback_later()
-            _log(f"case {i + 1}/{len(cases)} {case.name} done in {time.perf_counter() - t0:.2f}s")
-            results.append(traj)
-        case_name = "<shut-down>"
-        dist.barrier()
-        if rank == 0:
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            with open(tmp, "wb") as f:
-                pickle.dump(results if was_list else results[0], f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, out)
+        results = _run_cases_on_rank(cases, rank, world, local_rank, accel, workdir, logf, stage)
+        stage.name = "<shut-down>"
+        _ship(results, was_list, out, rank)
         if local_rank == 0 and args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
         (log_dir / f"rank{rank}.done").write_text("ok\n")
@@ -281,16 +314,11 @@ def rank_main(argv=None) -> int:
         tb = traceback.format_exc()
         print(tb, flush=True)
         try:
-            (log_dir / f"rank{rank}.error").write_text(f"case: {case_name}\n{tb}")
+            (log_dir / f"rank{rank}.error").write_text(f"case: {stage.name}\n{tb}")
         except OSError:
             pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    # Skip interpreter teardown (gloo/NCCL and DeepSpeed destructors can block), as the pool does.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        _exit(1)
+    _exit(0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
         from harness.rank.mpu import grid_mpu
 
         mpu = grid_mpu(case.model_parallel)
-    ds_tags_heads = case.ds.optimizer.per_head_muon
+    ds_tags_heads = bool(case.ds.optimizer.per_head_muon)  # None: the release has no such option
     if ds_tags_heads and not case.model:
         model.config = head_config(case)
     optimizer = client_optimizer(case, model_params)
@@ -508,8 +508,8 @@ def _step_reading_at_optimizer_entry(engine, read):
     return taken[0]
 
 
-def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mode: str) -> Trajectory | None:
-    import torch.distributed as tdist
+def _check_process_group(case: Case, rank: int, world_size: int, capture_mode: str) -> None:
+    import torch.distributed as tdist  # rank side: torch only in a rank
 
     if capture_mode not in capture.CAPTURE_MODES:
         raise ValueError(f"capture_mode {capture_mode!r} is not one of {capture.CAPTURE_MODES}")
@@ -520,6 +520,200 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
                            f"case wants {rank}/{world_size}")
     if case.world_size != world_size:
         raise ValueError(f"case {case.name!r} is for world size {case.world_size}, not {world_size}")
+
+
+class _CaseRun:
+    """One case on this rank: the engine and what the capture keeps between steps, so that the build,
+    a step, the checkpoint rebuild and the final gather read apart. No method keeps the engine or the
+    model in a local past its own call, and ``_run_case``'s ``finally`` drops ``engine`` and ``named``:
+    the end-of-case count of live engines and models would see anything that kept them."""
+
+    def __init__(self, case: Case, rank: int, world_size: int, workdir: Path, capture_mode: str, recorder,
+                 swap, t0: float):
+        self.case, self.rank, self.world_size, self.workdir = case, rank, world_size, workdir
+        self.capture_mode, self.recorder, self.swap, self.t0 = capture_mode, recorder, swap, t0
+        self.engine = self.named = self.info = self.traj = self.watch = None
+        self.notes: list[str] = []
+        self.pending: list[dict] = []  # coalesced: this rank's read_step dicts, one per step
+        self.initial_pieces = None
+
+    def build(self, stack: contextlib.ExitStack) -> None:
+        """The engine, the capture mode, the initial masters and (rank 0) the trajectory."""
+        case, recorder, swap = self.case, self.recorder, self.swap
+        self.engine, self.named = build_engine(case, self.workdir / "nvme", variant=0)
+        self.t_built = time.perf_counter()
+        if recorder.count:
+            self.notes.append(f"muon_update ran {recorder.count} times inside deepspeed.initialize")
+        self.forward, self.read_buffers = _model_hooks(case)
+        self.initial_buffers = self.read_buffers(self.engine)
+        recorder.set_params(list(self.named.items()) + capture.z0_aliases(self.engine, self.named))
+        self.info = capture.path_info(self.engine)
+        init_w, init_r = swap.reset()
+        if init_w or init_r:
+            self.notes.append(f"swap bytes during initialize: written {init_w}, read {init_r}")
+        self.notes.append(f"path {self.info.kind}")
+        self.coalesced = self._coalesced()
+        # Pieces are labelled by the rank's place in its data-parallel group (its partition).
+        self.piece_rank = self.rank // case.model_parallel
+        self.gather_model = self.coalesced and self.info.stage == 3 and capture.z3_model_needs_gather(self.engine)
+        self._capture_initial()
+        self.gas = self.engine.gradient_accumulation_steps()
+        # Unmanaged accumulation (matrix.unmanaged_cases): every step() call is an update, so the
+        # client calls it once, at the end of the window; managed, DeepSpeed counts the calls.
+        # None: a release without the option, whose engine counts the micro-steps itself (managed)
+        self.step_every_micro = case.ds.managed_gradient_accumulation is not False
+        self.watch = stack.enter_context(_gather_watch(case, self.engine))
+
+    def _coalesced(self) -> bool:
+        """Coalesced: every rank keeps what it holds of each step (no collective) and rank 0 gets it all
+        in one gather after the last step; reference: public helpers + a gather per step."""
+        case = self.case
+        coalesced = self.capture_mode == "coalesced"
+        blocker = None
+        if coalesced:
+            blocker = capture.coalescing_blocker(self.engine, self.named, case.dp_size)
+            if blocker is not None:
+                coalesced = False
+                self.notes.append(f"capture: reference mode ({blocker})")
+        if case.model_parallel > 1 and not coalesced:
+            # the reference capture assembles one run from every rank; a model-parallel case is
+            # model_parallel runs (one per replica), which only the coalesced assembly splits
+            raise RuntimeError(f"case {case.name!r}: model_parallel {case.model_parallel} needs the "
+                               "coalesced capture (MUON_HARNESS_CAPTURE_MODE=reference, or: "
+                               f"{blocker})")
+        return coalesced
+
+    def _capture_initial(self) -> None:
+        case, rank = self.case, self.rank
+        if self.coalesced:
+            self.initial_pieces = capture.read_masters(self.engine, case, self.named, self.swap)
+            initial = {}  # filled on rank 0 after the final gather
+        else:
+            initial = capture.capture_masters(self.engine, case, self.named, self.swap)
+        self.swap.reset()
+        if not self.coalesced and case.model:
+            self.initial_buffers = capture.gather_to_rank0(self.initial_buffers, rank, self.world_size)
+        if rank == 0:
+            self.traj = Trajectory(case_name=case.name, initial=initial,
+                                   muon_params=tuple(ps.name for ps in case.params
+                                                     if getattr(self.named[ps.name], "use_muon", False)))
+            if not self.coalesced and case.model:
+                self.traj.initial_buffers = self.initial_buffers
+
+    def run_step(self, step: int) -> None:
+        self.recorder.reset()
+        self.swap.reset()
+        self.watch[0].before_step()
+        S = capture.loss_scale_of(self.engine)
+        losses, lrs, adam = self._micro_batches(step)
+        self._record_step(step, capture.PreStep(loss_scale=S, adam_grads=adam, group_lr=lrs), losses)
+        if self.case.checkpoint_at is not None and step == self.case.checkpoint_at and step < self.case.steps:
+            self._checkpoint_and_reload(step)
+
+    def _micro_batches(self, step: int) -> tuple[list[float], dict, dict]:
+        """The accumulation window: (losses, group lrs, Adam gradients) read before the boundary step."""
+        case, rank, gas = self.case, self.rank, self.gas
+        losses: list[float] = []
+        adam: dict = {}
+        lrs: dict = {}
+        for micro in range(gas):
+            if self.forward is None:
+                loss = self.engine(model_mod.batch_data(case, rank, step, micro))
+            else:
+                loss = self.forward(self.engine, rank, step, micro)
+            losses.append(float(loss.detach().float()))
+            self.engine.backward(loss)
+            loss = None  # its grad_fn graph reaches the parameters, and through them the engine
+            if micro < gas - 1:
+                if self.step_every_micro:
+                    self.engine.step()
+                continue
+            piece = self.piece_rank if self.coalesced else None
+            if self.step_every_micro:
+                lrs, adam = _read_pre_step(self.engine, case, self.named, self.swap, piece)
+                self.engine.step()
+            else:
+                lrs, adam = _step_reading_at_optimizer_entry(
+                    self.engine, functools.partial(_read_pre_step, self.engine, case, self.named, self.swap, piece))
+        return losses, lrs, adam
+
+    def _record_step(self, step: int, pre, losses: list[float]) -> None:
+        case, rank, world_size = self.case, self.rank, self.world_size
+        if self.coalesced:
+            self.pending.append(capture.read_step(self.engine, case, step, self.piece_rank, named=self.named,
+                                                  id_to_name=self.recorder.id_to_name, info=self.info, pre=pre,
+                                                  recorder=self.recorder, swap=self.swap, losses=losses,
+                                                  gather_model=self.gather_model))
+            self.pending[-1]["buffers"] = self.read_buffers(self.engine)
+            self.pending[-1]["extra_notes"] = self.watch[0].check_step(step, gather_cache.chunked(case))
+            return
+        rec = capture.capture_step(self.engine, case, step, rank, world_size, named=self.named,
+                                   id_to_name=self.recorder.id_to_name, info=self.info, pre=pre,
+                                   recorder=self.recorder, swap=self.swap, losses=losses)
+        bufs = capture.gather_to_rank0(self.read_buffers(self.engine), rank, world_size) if case.model else None
+        if rank == 0:
+            if bufs is not None:
+                rec.buffers = bufs
+            self.traj.steps.append(rec)
+
+    def _checkpoint_and_reload(self, step: int) -> None:
+        """Save after ``step``, then load into a fresh engine on a model with a *different* init and
+        (for NVMe) a fresh swap folder, so a load that restores nothing shows up in the next step."""
+        case = self.case
+        ckpt = self.workdir / "ckpt"
+        tag = f"step{step}"
+        self.engine.save_checkpoint(str(ckpt), tag=tag)
+        destroy_engine(self.engine)
+        self.engine = None
+        if self.coalesced:
+            self.pending[-1]["extra_notes"] += self.watch[0].check_destroyed()
+        # The rebuild's own initialize may call muon_update (stage 0 fp16/bf16: DSM-014's warm-up
+        # step): with the old engine's parameters forgotten it is counted as an initialize call, as
+        # on the first build, instead of failing to identify them.
+        self.recorder.set_params([])
+        self.engine, self.named = build_engine(case, self.workdir / "nvme-resumed", variant=1)
+        self.recorder.set_params(list(self.named.items()) + capture.z0_aliases(self.engine, self.named))
+        self.info = capture.path_info(self.engine)
+        self.engine.load_checkpoint(str(ckpt), tag=tag)
+        self.watch[0] = gather_cache.GatherCacheWatch(case, self.engine)
+        w, r = self.swap.reset()
+        if self.rank == 0:
+            self.traj.notes.append(f"checkpoint saved after step {step} and loaded into a fresh engine"
+                                   f" (swap bytes during rebuild+load: written {w}, read {r})")
+
+    def finish(self) -> None:
+        """Destroy the engine; coalesced: the one gather and (rank 0) the assembly."""
+        t_steps = time.perf_counter()
+        destroy_engine(self.engine)
+        self.engine = self.named = self.info = None
+        if self.coalesced and self.pending:
+            self.pending[-1]["extra_notes"] += self.watch[0].check_destroyed()
+        if self.coalesced:
+            self._gather_and_assemble()
+        self.notes.append(f"seconds: build {self.t_built - self.t0:.3f}, steps+capture {t_steps - self.t_built:.3f}")
+
+    def _gather_and_assemble(self) -> None:
+        """The case's only capture collective: every rank's pieces of every step to rank 0 (muon_update
+        values once per step and parameter, digests for the other copies)."""
+        case, rank, world_size = self.case, self.rank, self.world_size
+        capture.share_calls_once(self.pending, rank, world_size, case.model_parallel)
+        gathered = capture.gather_once_to_rank0((self.initial_pieces, self.pending, self.initial_buffers), rank,
+                                                world_size)
+        self.pending = self.initial_pieces = None
+        if rank == 0:
+            # One trajectory per model-parallel replica, from its data-parallel ranks' pieces
+            # (rank order within the group); replica 0's is ``traj``, the others its replicas.
+            mp = case.model_parallel
+            for k in range(mp):
+                t = self.traj if k == 0 else Trajectory(case_name=f"{case.name}#mp{k}", initial={},
+                                                        muon_params=self.traj.muon_params)
+                _assemble(t, case, gathered[k::mp])
+                if k:
+                    self.traj.replicas.append(t)
+
+
+def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mode: str) -> Trajectory | None:
+    _check_process_group(case, rank, world_size, capture_mode)
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world_size))
@@ -533,165 +727,24 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
     gc.freeze()
     state = ProcessState()
     _seed_everything(case.seed)
-    engine = None
-    traj = None
-    notes: list[str] = []
+    run = None
     t0 = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
             recorder = stack.enter_context(recorded_patches(case))  # patched runtime / mutants: here only
             swap = stack.enter_context(capture.SwapCounter())
             stack.enter_context(force_ns_dtype(case.ns_dtype))
-
-            engine, named = build_engine(case, workdir / "nvme", variant=0)
-            t_built = time.perf_counter()
-            if recorder.count:
-                notes.append(f"muon_update ran {recorder.count} times inside deepspeed.initialize")
-            forward, read_buffers = _model_hooks(case)
-            initial_buffers = read_buffers(engine)
-            recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
-            info = capture.path_info(engine)
-            init_w, init_r = swap.reset()
-            if init_w or init_r:
-                notes.append(f"swap bytes during initialize: written {init_w}, read {init_r}")
-            notes.append(f"path {info.kind}")
-            # coalesced: every rank keeps what it holds of each step (no collective) and rank 0 gets it
-            # all in one gather after the last step; reference: public helpers + a gather per step.
-            coalesced = capture_mode == "coalesced"
-            if coalesced:
-                blocker = capture.coalescing_blocker(engine, named, case.dp_size)
-                if blocker is not None:
-                    coalesced = False
-                    notes.append(f"capture: reference mode ({blocker})")
-            if case.model_parallel > 1 and not coalesced:
-                # the reference capture assembles one run from every rank; a model-parallel case is
-                # model_parallel runs (one per replica), which only the coalesced assembly splits
-                raise RuntimeError(f"case {case.name!r}: model_parallel {case.model_parallel} needs the "
-                                   "coalesced capture (MUON_HARNESS_CAPTURE_MODE=reference, or: "
-                                   f"{blocker})")
-            # Pieces are labelled by the rank's place in its data-parallel group (its partition).
-            piece_rank = rank // case.model_parallel
-            gather_model = coalesced and info.stage == 3 and capture.z3_model_needs_gather(engine)
-            pending: list[dict] = []  # coalesced: this rank's read_step dicts, one per step
-            if coalesced:
-                initial_pieces = capture.read_masters(engine, case, named, swap)
-                initial = {}  # filled on rank 0 after the final gather
-            else:
-                initial = capture.capture_masters(engine, case, named, swap)
-            swap.reset()
-            if not coalesced and case.model:
-                initial_buffers = capture.gather_to_rank0(initial_buffers, rank, world_size)
-            if rank == 0:
-                traj = Trajectory(case_name=case.name, initial=initial,
-                                  muon_params=tuple(ps.name for ps in case.params
-                                                    if getattr(named[ps.name], "use_muon", False)))
-                if not coalesced and case.model:
-                    traj.initial_buffers = initial_buffers
-            gas = engine.gradient_accumulation_steps()
-            # Unmanaged accumulation (matrix.unmanaged_cases): every step() call is an update, so the
-            # client calls it once, at the end of the window; managed, DeepSpeed counts the calls.
-            step_every_micro = case.ds.managed_gradient_accumulation
-            watch = stack.enter_context(_gather_watch(case, engine))
-            step = 1
-            while step <= case.steps:
-                recorder.reset()
-                swap.reset()
-                watch[0].before_step()
-                S = capture.loss_scale_of(engine)
-                losses = []
-                adam = {}
-                lrs = {}
-                for micro in range(gas):
-                    if forward is None:
-                        batch = model_mod.batch_data(case, rank, step, micro)
-                        loss = engine(batch)
-                    else:
-                        loss = forward(engine, rank, step, micro)
-                    losses.append(float(loss.detach().float()))
-                    engine.backward(loss)
-                    loss = None  # its grad_fn graph reaches the parameters, and through them the engine
-                    if micro < gas - 1:
-                        if step_every_micro:
-                            engine.step()
-                        continue
-                    # (no local may keep the engine or the model past the case: the end-of-case count of
-                    # live engines and models would see them)
-                    piece = piece_rank if coalesced else None
-                    if step_every_micro:
-                        lrs, adam = _read_pre_step(engine, case, named, swap, piece)
-                        engine.step()
-                    else:
-                        lrs, adam = _step_reading_at_optimizer_entry(
-                            engine, functools.partial(_read_pre_step, engine, case, named, swap, piece))
-                pre = capture.PreStep(loss_scale=S, adam_grads=adam, group_lr=lrs)
-                if coalesced:
-                    pending.append(capture.read_step(engine, case, step, piece_rank, named=named,
-                                                     id_to_name=recorder.id_to_name, info=info, pre=pre,
-                                                     recorder=recorder, swap=swap, losses=losses,
-                                                     gather_model=gather_model))
-                    pending[-1]["buffers"] = read_buffers(engine)
-                    pending[-1]["extra_notes"] = watch[0].check_step(step, gather_cache.chunked(case))
-                else:
-                    rec = capture.capture_step(engine, case, step, rank, world_size, named=named,
-                                               id_to_name=recorder.id_to_name, info=info, pre=pre,
-                                               recorder=recorder, swap=swap, losses=losses)
-                    bufs = capture.gather_to_rank0(read_buffers(engine), rank, world_size) if case.model else None
-                    if rank == 0:
-                        if bufs is not None:
-                            rec.buffers = bufs
-                        traj.steps.append(rec)
-                if case.checkpoint_at is not None and step == case.checkpoint_at and step < case.steps:
-                    ckpt = workdir / "ckpt"
-                    tag = f"step{step}"
-                    engine.save_checkpoint(str(ckpt), tag=tag)
-                    destroy_engine(engine)
-                    engine = None
-                    if coalesced:
-                        pending[-1]["extra_notes"] += watch[0].check_destroyed()
-                    # A fresh engine on a model with a *different* init, and (for NVMe) a fresh swap
-                    # folder, so a load that restores nothing shows up in the next step.
-                    # The rebuild's own initialize may call muon_update (stage 0 fp16/bf16: DSM-014's
-                    # warm-up step): with the old engine's parameters forgotten it is counted as an
-                    # initialize call, as on the first build, instead of failing to identify them.
-                    recorder.set_params([])
-                    engine, named = build_engine(case, workdir / "nvme-resumed", variant=1)
-                    recorder.set_params(list(named.items()) + capture.z0_aliases(engine, named))
-                    info = capture.path_info(engine)
-                    engine.load_checkpoint(str(ckpt), tag=tag)
-                    watch[0] = gather_cache.GatherCacheWatch(case, engine)
-                    w, r = swap.reset()
-                    if rank == 0:
-                        traj.notes.append(f"checkpoint saved after step {step} and loaded into a fresh engine"
-                                          f" (swap bytes during rebuild+load: written {w}, read {r})")
-                step += 1
-            t_steps = time.perf_counter()
-            destroy_engine(engine)
-            engine = named = info = None
-            if coalesced and pending:
-                pending[-1]["extra_notes"] += watch[0].check_destroyed()
-            if coalesced:
-                # The case's only capture collective: every rank's pieces of every step to rank 0
-                # (muon_update values once per step and parameter, digests for the other copies).
-                capture.share_calls_once(pending, rank, world_size, case.model_parallel)
-                gathered = capture.gather_once_to_rank0((initial_pieces, pending, initial_buffers), rank, world_size)
-                pending = initial_pieces = None
-                if rank == 0:
-                    # One trajectory per model-parallel replica, from its data-parallel ranks' pieces
-                    # (rank order within the group); replica 0's is ``traj``, the others its replicas.
-                    mp = case.model_parallel
-                    for k in range(mp):
-                        t = traj if k == 0 else Trajectory(case_name=f"{case.name}#mp{k}", initial={},
-                                                           muon_params=traj.muon_params)
-                        _assemble(t, case, gathered[k::mp])
-                        if k:
-                            traj.replicas.append(t)
-                gathered = None
-            notes.append(f"seconds: build {t_built - t0:.3f}, steps+capture {t_steps - t_built:.3f}")
+            run = _CaseRun(case, rank, world_size, workdir, capture_mode, recorder, swap, t0)
+            run.build(stack)
+            for step in range(1, case.steps + 1):
+                run.run_step(step)
+            run.finish()
     finally:
-        if engine is not None:
-            with contextlib.suppress(Exception):
-                destroy_engine(engine)
-        engine = named = None
+        if run is not None:
+            if run.engine is not None:
+                with contextlib.suppress(Exception):
+                    destroy_engine(run.engine)
+            run.engine = run.named = None
         if case.model_parallel > 1:
             state.ds_groups.mpu = state.mpu  # the grid this case handed the engine (expected, not a leak)
         changed = state.restore()
@@ -699,8 +752,9 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
         # nothing of this case left referencing it, so the next case's gc.freeze() cannot pin it.
         # Cheap because only this case's objects are unfrozen.
         gc.collect()
+    traj = run.traj
     if rank == 0:
-        traj.notes.extend(notes)
+        traj.notes.extend(run.notes)
         if changed:
             traj.notes.append("process state restored after the case: " + ", ".join(changed))
         traj.notes.append(f"seconds: total {time.perf_counter() - t0:.3f} (rank 0)")

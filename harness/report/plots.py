@@ -6,6 +6,7 @@ import io
 import itertools
 import math
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -122,20 +123,38 @@ def maxpool(ratio: np.ndarray, max_cells: int = MAX_CELLS) -> np.ndarray:
     return np.maximum.reduceat(r, edges)
 
 
-def heatmap_svg(ratio, layout: dict | None, *, case: str, param: str, quantity: str, step: int, stage: int = 0,
-                world_size: int | None = None, max_cells: int = MAX_CELLS) -> str:
-    """Strip heatmap of |err|/allowance over the parameter's flat (row-major) elements, as ZeRO
-    partitions them. One axes holds three bands sharing the element axis: the rank slices (bottom),
-    the colour strip (middle) and a log profile of the same (max-pooled) ratios against the
-    allowance line (top). Drawn over all three: the partition boundaries (``boundary-r<k>``, a
-    line at the first element of rank k's slice), the padded-tail elements (``padded-tail-<i>``)
-    and, for ZeRO-3, the padding appended after the last element (``padding``). One axes instead
-    of four keeps a figure at ~50 ms."""
-    from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
-    from matplotlib.ticker import MaxNLocator
+R0, R1, S0, S1, P0, P1 = 0.0, 0.7, 0.85, 1.85, 2.1, 4.5  # heatmap bands: ranks, strip, profile
+TOP = P1 + 0.25
+RANK_COLOURS = ("#d6eaf8", "#fdebd0", "#d5f5e3", "#ebdef0", "#fcf3cf", "#d6dbdf", "#fadbd8", "#d1f2eb")
 
+
+@dataclass
+class _Heat:
+    """A heatmap's geometry and colour scale: the pooled ratios, their log (clipped to whole decades
+    ``vmin..vmax``), the element count, ZeRO-3's padding after it, the rank slices and padded tails."""
+
+    pooled: np.ndarray
+    logr: np.ndarray
+    n_inf: int
+    vmin: int
+    vmax: int
+    n: int
+    pad: int
+    ranks: list
+    tails: list
+
+    @property
+    def xmax(self) -> int:
+        return max(self.n + self.pad, 1)
+
+    def y_of(self, lr):
+        return P0 + (np.asarray(lr) - self.vmin) / (self.vmax - self.vmin) * (P1 - P0)
+
+    def decades(self) -> list[int]:
+        return list(range(self.vmin, self.vmax + 1, max(1, math.ceil((self.vmax - self.vmin) / 4))))
+
+
+def _heat(ratio, layout: dict | None, stage: int, world_size: int | None, max_cells: int) -> _Heat:
     flat = np.asarray(ratio, dtype=np.float64).reshape(-1)
     n = flat.size
     layout = layout or {}
@@ -145,90 +164,115 @@ def heatmap_svg(ratio, layout: dict | None, *, case: str, param: str, quantity: 
     pad = 0
     if stage == 3 and W > 1 and n > 0:
         pad = -(-n // W) * W - n
-    xmax = max(n + pad, 1)
-
     pooled = maxpool(flat, max_cells)
     ok = np.isfinite(pooled) & (pooled < HUGE)
     finite = pooled[ok]
-    n_inf = int((~ok).sum())
     hi = float(finite.max()) if finite.size else 1.0
     pos = finite[finite > 0]
     lo = float(pos.min()) if pos.size else 1e-3
     vmax = max(1, math.ceil(math.log10(max(hi, 10.0))))
     vmin = min(-1, math.floor(math.log10(max(lo, 1e-6))))
     logr = np.log10(np.clip(np.where(ok, pooled, 10.0 ** vmax), 10.0 ** vmin, 10.0 ** vmax))
+    return _Heat(pooled, logr, int((~ok).sum()), vmin, vmax, n, pad, ranks, tails)
 
-    R0, R1, S0, S1, P0, P1 = 0.0, 0.7, 0.85, 1.85, 2.1, 4.5  # bands: ranks, strip, profile
-    top = P1 + 0.25
 
-    def y_of(lr):
-        return P0 + (np.asarray(lr) - vmin) / (vmax - vmin) * (P1 - P0)
+def _draw_strip_and_profile(ax, h: _Heat, norm) -> None:
+    """The colour strip and, above it, the same ratios as a log profile against the allowance (ratio 1)."""
+    from matplotlib.patches import Rectangle  # optional dependency: only a report draws
 
+    cells = h.pooled.size
+    ax.imshow(h.logr[None, :], aspect="auto", cmap="RdYlBu_r", norm=norm, interpolation="none",
+              extent=(0, h.n, S0, S1), origin="lower")
+    xs = np.arange(cells + 1) * (h.n / max(cells, 1))
+    if cells:
+        st = ax.stairs(h.y_of(h.logr), xs, color="#333", linewidth=0.8, baseline=None)
+        st.set_rasterized(cells > 200)  # a long profile is cheaper as a small PNG than as a path
+    y1 = float(h.y_of(0.0))
+    ax.add_patch(Rectangle((0, y1), h.xmax, P1 - y1, facecolor="#f5b7b1", alpha=0.35, linewidth=0))
+    ax.plot([0, h.xmax], [y1, y1], color="#c0392b", linewidth=0.9, linestyle="--")
+    ax.text(0.998 * h.xmax, y1, "allowance (ratio 1) ", ha="right", va="bottom", fontsize=6.5, color="#c0392b")
+    ax.plot([0, h.xmax], [P0 - 0.08, P0 - 0.08], color="#bbb", linewidth=0.5)
+
+
+def _draw_layout(ax, h: _Heat) -> None:
+    """The rank slices, ZeRO-3's padding, the padded tails (at least a few px wide, marked on top) and
+    the partition boundaries (at the first element of every rank slice but the first)."""
+    from matplotlib.patches import Rectangle  # optional dependency: only a report draws
+
+    xmax = h.xmax
+    for rk, a, b in h.ranks:
+        ax.add_patch(Rectangle((a, R0), b - a, R1 - R0, facecolor=RANK_COLOURS[rk % len(RANK_COLOURS)], linewidth=0))
+        if (b - a) / xmax > 0.045:
+            ax.text((a + b) / 2, (R0 + R1) / 2, f"rank {rk}", ha="center", va="center", fontsize=7)
+    if h.pad:
+        ax.add_patch(Rectangle((h.n, R0), h.pad, S1 - R0, facecolor="#eeeeee", edgecolor="#999999", hatch="////",
+                               linewidth=0)).set_gid("padding")
+        if h.pad / xmax > 0.04:
+            ax.text(h.n + h.pad / 2, (R0 + R1) / 2, "pad", ha="center", va="center", fontsize=6, color="#555")
+    min_w = xmax * 0.004
+    for i, (a, b) in enumerate(h.tails):
+        w = max(b - a, min_w)
+        cx = (a + b) / 2
+        ax.add_patch(Rectangle((cx - w / 2, R0), w, S1 - R0, facecolor="none", edgecolor="#8e44ad",
+                               linewidth=1.2, hatch="xx")).set_gid(f"padded-tail-{i}")
+        ax.plot([cx], [P1 + 0.12], marker="v", color="#8e44ad", markersize=5)
+    if h.tails:
+        ax.text(0.005 * xmax, P1 + 0.12, "\u25bc padded tail", ha="left", va="center", fontsize=7, color="#8e44ad")
+    for rk, a, _ in h.ranks:
+        if a > 0:
+            ax.plot([a, a], [R0, P1], color="black", linewidth=1.4)[0].set_gid(f"boundary-r{rk}")
+
+
+def _draw_axes(ax, h: _Heat, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator  # optional dependency: only a report draws
+
+    ax.set_xlim(0, h.xmax)
+    ax.set_ylim(R0, TOP)
+    xt = [t for t in MaxNLocator(nbins=8, integer=True).tick_values(0, h.xmax) if 0 <= t <= h.xmax]
+    decades = h.decades()
+    _ticks(ax, xt, [f"{int(t)}" for t in xt],
+           [(R0 + R1) / 2, (S0 + S1) / 2] + [float(h.y_of(t)) for t in decades],
+           ["ranks", "ratio"] + [_log_label(10.0 ** t) for t in decades])
+    ax.text(0.5, -0.14, "flat element index (row-major)", transform=ax.transAxes, ha="center", va="top", fontsize=8)
+    ax.text(0, 1.03, title, transform=ax.transAxes, ha="left", va="bottom", fontsize=9)
+
+
+def _draw_colour_scale(cax, h: _Heat, norm) -> None:
+    cax.imshow(np.linspace(h.vmin, h.vmax, 128)[:, None], aspect="auto", cmap="RdYlBu_r", norm=norm,
+               interpolation="none", extent=(0, 1, h.vmin, h.vmax), origin="lower")
+    _ticks(cax)
+    cax.set_ylim(h.vmin, h.vmax)
+    tr = cax.get_yaxis_transform()
+    for t in h.decades():
+        cax.text(1.0, t, " " + _log_label(10.0 ** t), transform=tr, ha="left", va="center", fontsize=6)
+    cax.text(0.5, 1.1, "err/allow", transform=cax.transAxes, ha="center", va="bottom", fontsize=6)
+
+
+def heatmap_svg(ratio, layout: dict | None, *, case: str, param: str, quantity: str, step: int, stage: int = 0,
+                world_size: int | None = None, max_cells: int = MAX_CELLS) -> str:
+    """Strip heatmap of |err|/allowance over the parameter's flat (row-major) elements, as ZeRO
+    partitions them. One axes holds three bands sharing the element axis: the rank slices (bottom),
+    the colour strip (middle) and a log profile of the same (max-pooled) ratios against the
+    allowance line (top). Drawn over all three: the partition boundaries (``boundary-r<k>``, a
+    line at the first element of rank k's slice), the padded-tail elements (``padded-tail-<i>``)
+    and, for ZeRO-3, the padding appended after the last element (``padding``). One axes instead
+    of four keeps a figure at ~50 ms."""
+    from matplotlib.colors import TwoSlopeNorm  # optional dependency: only a report draws
+    from matplotlib.figure import Figure
+
+    h = _heat(ratio, layout, stage, world_size, max_cells)
+    title = (f"{case}: {param} {quantity}, step {step}  ({h.n} elements" + (f", {h.pad} padding" if h.pad else "")
+             + ")" + (f"; {h.n_inf} non-finite" if h.n_inf else ""))
     with _rc():
         fig = Figure(figsize=(8.6, 2.6))
         ax = fig.add_axes((0.075, 0.2, 0.835, 0.68))
-        cax = fig.add_axes((0.925, 0.2 + 0.68 * S0 / top, 0.012, 0.68 * (P1 - S0) / top))
+        cax = fig.add_axes((0.925, 0.2 + 0.68 * S0 / TOP, 0.012, 0.68 * (P1 - S0) / TOP))
         ax.patch.set_gid("heat-axes")
-        norm = TwoSlopeNorm(vmin=vmin, vcenter=0.0, vmax=vmax)
-        cells = pooled.size
-        ax.imshow(logr[None, :], aspect="auto", cmap="RdYlBu_r", norm=norm, interpolation="none",
-                  extent=(0, n, S0, S1), origin="lower")
-        # profile of the same ratios, log scale, against the allowance (ratio 1)
-        xs = np.arange(cells + 1) * (n / max(cells, 1))
-        if cells:
-            st = ax.stairs(y_of(logr), xs, color="#333", linewidth=0.8, baseline=None)
-            st.set_rasterized(cells > 200)  # a long profile is cheaper as a small PNG than as a path
-        y1 = float(y_of(0.0))
-        ax.add_patch(Rectangle((0, y1), xmax, P1 - y1, facecolor="#f5b7b1", alpha=0.35, linewidth=0))
-        ax.plot([0, xmax], [y1, y1], color="#c0392b", linewidth=0.9, linestyle="--")
-        ax.text(0.998 * xmax, y1, "allowance (ratio 1) ", ha="right", va="bottom", fontsize=6.5, color="#c0392b")
-        ax.plot([0, xmax], [P0 - 0.08, P0 - 0.08], color="#bbb", linewidth=0.5)
-        # rank slices
-        colors = ("#d6eaf8", "#fdebd0", "#d5f5e3", "#ebdef0", "#fcf3cf", "#d6dbdf", "#fadbd8", "#d1f2eb")
-        for rk, a, b in ranks:
-            ax.add_patch(Rectangle((a, R0), b - a, R1 - R0, facecolor=colors[rk % len(colors)], linewidth=0))
-            if (b - a) / xmax > 0.045:
-                ax.text((a + b) / 2, (R0 + R1) / 2, f"rank {rk}", ha="center", va="center", fontsize=7)
-        if pad:
-            ax.add_patch(Rectangle((n, R0), pad, S1 - R0, facecolor="#eeeeee", edgecolor="#999999", hatch="////",
-                                   linewidth=0)).set_gid("padding")
-            if pad / xmax > 0.04:
-                ax.text(n + pad / 2, (R0 + R1) / 2, "pad", ha="center", va="center", fontsize=6, color="#555")
-        # padded tail: the elements next to the padding, at least a few px wide, marked on top
-        min_w = xmax * 0.004
-        for i, (a, b) in enumerate(tails):
-            w = max(b - a, min_w)
-            cx = (a + b) / 2
-            ax.add_patch(Rectangle((cx - w / 2, R0), w, S1 - R0, facecolor="none", edgecolor="#8e44ad",
-                                   linewidth=1.2, hatch="xx")).set_gid(f"padded-tail-{i}")
-            ax.plot([cx], [P1 + 0.12], marker="v", color="#8e44ad", markersize=5)
-        if tails:
-            ax.text(0.005 * xmax, P1 + 0.12, "\u25bc padded tail", ha="left", va="center", fontsize=7, color="#8e44ad")
-        # partition boundaries: at the first element of every rank slice but the first
-        for rk, a, _ in ranks:
-            if a > 0:
-                ax.plot([a, a], [R0, P1], color="black", linewidth=1.4)[0].set_gid(f"boundary-r{rk}")
-        ax.set_xlim(0, xmax)
-        ax.set_ylim(R0, top)
-        xt = [t for t in MaxNLocator(nbins=8, integer=True).tick_values(0, xmax) if 0 <= t <= xmax]
-        step_t = max(1, math.ceil((vmax - vmin) / 4))
-        decades = list(range(vmin, vmax + 1, step_t))
-        _ticks(ax, xt, [f"{int(t)}" for t in xt],
-               [(R0 + R1) / 2, (S0 + S1) / 2] + [float(y_of(t)) for t in decades],
-               ["ranks", "ratio"] + [_log_label(10.0 ** t) for t in decades])
-        ax.text(0.5, -0.14, "flat element index (row-major)", transform=ax.transAxes, ha="center", va="top", fontsize=8)
-        ax.text(0, 1.03, f"{case}: {param} {quantity}, step {step}  ({n} elements" + (f", {pad} padding" if pad else "")
-                + ")" + (f"; {n_inf} non-finite" if n_inf else ""), transform=ax.transAxes, ha="left", va="bottom",
-                fontsize=9)
-        # colour scale
-        cax.imshow(np.linspace(vmin, vmax, 128)[:, None], aspect="auto", cmap="RdYlBu_r", norm=norm,
-                   interpolation="none", extent=(0, 1, vmin, vmax), origin="lower")
-        _ticks(cax)
-        cax.set_ylim(vmin, vmax)
-        tr = cax.get_yaxis_transform()
-        for t in decades:
-            cax.text(1.0, t, " " + _log_label(10.0 ** t), transform=tr, ha="left", va="center", fontsize=6)
-        cax.text(0.5, 1.1, "err/allow", transform=cax.transAxes, ha="center", va="bottom", fontsize=6)
+        norm = TwoSlopeNorm(vmin=h.vmin, vcenter=0.0, vmax=h.vmax)
+        _draw_strip_and_profile(ax, h, norm)
+        _draw_layout(ax, h)
+        _draw_axes(ax, h, title)
+        _draw_colour_scale(cax, h, norm)
         return _svg_of(fig)
 
 

@@ -5,7 +5,7 @@ Kept apart from ``harness.registry.mutants`` because the mutants are installed i
 driver starts and drives them (through a launcher); one module doing both made an import cycle
 (``ds_run -> patches -> known_bugs -> pool -> ds_run``).
 
-Usage: ``python -m harness mutate [--mutant NAME] [--only SUBSTR] [--stock] [-v]``.
+Usage: ``python -m harness mutate [--mutant NAME] [--only SUBSTR] [--stock] [--case NAME] [-v]``.
 """
 from __future__ import annotations
 
@@ -287,44 +287,28 @@ def stock_kill_matrix(cases, mutants=STOCK_KILL_MUTANTS, manager=None, progress=
     return _run_matrix(cases, mutants, manager, baseline, outcome, progress)
 
 
-def main(argv=None) -> int:
-    """Run the default kill set against every mutant; print the table and the kill rate.
-    Returns 0 when every mutant is killed and every prediction held."""
-    import argparse
-
-    from harness.env import buildenv
-
-    ap = argparse.ArgumentParser(prog="harness mutate", description=main.__doc__.splitlines()[0])
-    ap.add_argument("--mutant", action="append", help="only these mutants (repeatable)")
-    ap.add_argument("--only", default=None, help="substring filter on case names")
-    ap.add_argument("--stock", action="store_true",
-                    help="run on stock DeepSpeed with the gate's decision (bug-affected "
-                    "cases must still match their bug models); default mutants: STOCK_KILL_MUTANTS")
-    ap.add_argument("--case", action="append", default=None,
-                    help="gate case names to use instead of the default kill set (repeatable)")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    buildenv.apply_base_env()
-    if args.case:
+def run(mutants: list[str] | None = None, only: str | None = None, stock: bool = False,
+        case_names: list[str] | None = None, verbose: bool = False) -> int:
+    """``python -m harness mutate``: the default kill set (or ``case_names``) against every mutant; print the
+    table and the kill rate. Returns 0 when every mutant is killed and every prediction held, 2 on an
+    unknown case name."""
+    if case_names:
         from harness.catalog.matrix import gate_cases
 
         by_name = {c.name: c for c in gate_cases()}
-        unknown = [n for n in args.case if n not in by_name]
+        unknown = [n for n in case_names if n not in by_name]
         if unknown:
-            ap.error(f"unknown gate case(s): {unknown}")
-        cases = [by_name[n] for n in args.case]
-    elif args.stock:
-        cases = [c for c in stock_kill_cases() if not args.only or args.only in c.name]
+            print(f"error: unknown gate case(s): {unknown}", file=sys.stderr)
+            return 2
+        cases = [by_name[n] for n in case_names]
+    elif stock:
+        cases = [c for c in stock_kill_cases() if not only or only in c.name]
     else:
-        cases = [c for c in default_kill_cases() if not args.only or args.only in c.name]
-    progress = (lambda s: print(s, flush=True)) if args.verbose else None
-    if args.stock:
-        km = stock_kill_matrix(cases, args.mutant or STOCK_KILL_MUTANTS, progress=progress)
+        cases = [c for c in default_kill_cases() if not only or only in c.name]
+    progress = (lambda s: print(s, flush=True)) if verbose else None
+    if stock:
+        km = stock_kill_matrix(cases, mutants or STOCK_KILL_MUTANTS, progress=progress)
     else:
-        km = kill_matrix(cases, args.mutant, patched=True, progress=progress)
+        km = kill_matrix(cases, mutants, patched=True, progress=progress)
     print(km.table())
     return 0 if km.kill_rate == 1.0 and not km.surprises() else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,6 @@ equivalents file or a mutant the harness failed to judge; 2 on bad input or a mi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -99,93 +98,38 @@ def _commit() -> str:
     return r.stdout.strip() or "unknown"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness mutate --engine cosmic-ray",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=("cosmic-ray",), required=True)
-    ap.add_argument("--sample", type=int, default=None, help="a seeded sample of N scoped mutants (default: all)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=None,
-                    help="only the mutants of this scoped function (exact qualified name) or whose key contains "
-                         "this (a file, file:line)")
-    ap.add_argument("--fresh", action="store_true", help="rebuild the session (default: resume it)")
-    ap.add_argument("--retry", default=None, metavar="STATUSES",
-                    help="make mutants of these recorded statuses pending again, e.g. survived,not-reached "
-                         "(after adding a case or sharpening a tolerance)")
-    ap.add_argument("--judge-equivalents", action="store_true",
-                    help="judge the mutants listed in equivalents.txt too (default: recorded as equivalent "
-                         "without a run; with --fresh, to audit the list: a listed mutant a case kills is wrong there)")
-    ap.add_argument("--no-ledger", action="store_true",
-                    help="neither take results from nor add them to the checked-in ledger (ledger.py); --fresh "
-                         "judges every mutant anew but still adds its results")
-    ap.add_argument("--prepare", action="store_true",
-                    help="make the copy, the coverage map, the session and the config, then stop (a worker "
-                         "machine of the HTTP distributor, or the main machine before exec)")
-    ap.add_argument("--column", choices=("stock", "patched"), default="stock",
-                    help="judge on stock DeepSpeed, or with the patched runtime applied (a mutant in a function "
-                         "the patched runtime replaces is then 'replaced-by-fix', counted apart)")
-    ap.add_argument("--zygote", action=argparse.BooleanOptionalAction, default=True,
-                    help="local distributor: judge in children forked from one warm process (torch and the harness "
-                         "imported once) instead of a fresh interpreter per mutant (default: on)")
-    ap.add_argument("--distributor", choices=("local", "http"), default="local")
-    ap.add_argument("--worker-url", action="append", default=[], help="an HTTP worker (repeatable)")
-    ap.add_argument("--report", default=None, help="HTML report (default: reports/mutation.html for a full "
-                                                   "run, reports/mutation-<sample>.html for a sample)")
-    args = ap.parse_args(argv)
+def _bad_args(args) -> str | None:
     if args.sample is not None and args.sample < 1:
-        ap.error("--sample must be >= 1")
+        return "--sample must be >= 1"
     if args.distributor == "http" and not args.worker_url:
-        ap.error("--distributor http needs at least one --worker-url")
-    engine = engine_executable()
-    if engine is None:
-        print(f"error: Cosmic Ray not found: run `bash scripts/run.sh mutation` (makes .venv-mutation) or set "
-              f"{ENGINE_ENV} to its cosmic-ray executable", file=sys.stderr)
-        return 2
-    engine_py = engine.parent / "python"
-    buildenv.apply_base_env()
-    from harness.selfcheck.source_mutation import (coverage_map, equivalents, ledger, patched, report, scope, workspace,
-                                                   zygote)
+        return "--distributor http needs at least one --worker-url"
+    return None
 
-    t0 = time.perf_counter()
-    lock = workspace.lock_copy(progress=lambda s: print(s, flush=True))  # noqa: F841 - held until exit
-    pristine = workspace.installed_deepspeed()
-    copy = workspace.ensure_copy(pristine)
-    resolved = scope.resolve(pristine)
-    workspace.use_copy()
-    cmap, cmap_path = coverage_map.load_or_record(progress=lambda s: print(s, flush=True), column=args.column)
-    usable = [n for n in cmap.cases if cmap.usable(n)]
-    unusable = [f"{n} ({cmap.cases[n].status})" for n in cmap.cases if n not in usable]
-    print(f"coverage map: {len(cmap.cases)} candidate cases, {len(usable)} usable baselines"
-          + (f"; not usable: {', '.join(unusable)}" if unusable else ""), flush=True)
 
-    state = workspace.state_dir()
-    tag = session_tag(args.sample, args.seed, args.only, args.column)
-    session = state / "sessions" / f"{tag}.sqlite"
-    session.parent.mkdir(parents=True, exist_ok=True)
-    config = state / f"cosmic-ray-{args.distributor}{'' if args.column == 'stock' else '-' + args.column}.toml"
-    write_config(config, workspace.site_dir(), pristine, cmap_path, args.distributor, args.worker_url, args.column)
-    ledger_file = ledger.path_for(args.column, coverage_map.source_digest())
-    replaced: list[str] = []
-    if args.column == "patched":
-        spans_file = state / "patched-replaced.json"
-        patched.dump(patched.spans(pristine), spans_file)
-        replaced = ["--replaced", str(spans_file)]
-    env = _engine_env()
+def _session_cmd(engine_py: Path, session: Path, cmap_path: Path, args, replaced: list[str],
+                 ledger_file: Path) -> list[str]:
+    """The command that builds the Cosmic Ray session (``harness.selfcheck.source_mutation.session``)."""
+    cmd = [str(engine_py), "-m", "harness.selfcheck.source_mutation.session", "--session", str(session),
+           "--map", str(cmap_path), "--seed", str(args.seed)]
+    if args.sample is not None:
+        cmd += ["--sample", str(args.sample)]
+    if args.only:
+        cmd += ["--only", args.only]
+    cmd += replaced + (["--judge-equivalents"] if args.judge_equivalents else [])
+    if not args.fresh and not args.no_ledger:
+        cmd += ["--ledger", str(ledger_file)]
+    return cmd
+
+
+def _open_session(engine_py: Path, copy: Path, session: Path, cmap_path: Path, args, replaced: list[str],
+                  ledger_file: Path, env: dict) -> bool:
+    """Build the session (or resume it) and make the ``--retry`` statuses pending; False when that failed."""
     if args.fresh or not session.exists():
-        cmd = [str(engine_py), "-m", "harness.selfcheck.source_mutation.session",
-                            "--session", str(session),
-               "--map", str(cmap_path), "--seed", str(args.seed)]
-        if args.sample is not None:
-            cmd += ["--sample", str(args.sample)]
-        if args.only:
-            cmd += ["--only", args.only]
-        cmd += replaced + (["--judge-equivalents"] if args.judge_equivalents else [])
-        if not args.fresh and not args.no_ledger:
-            cmd += ["--ledger", str(ledger_file)]
-        r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+        r = subprocess.run(_session_cmd(engine_py, session, cmap_path, args, replaced, ledger_file), cwd=copy,
+                           env=env, capture_output=True, text=True)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)
-            return 2
+            return False
         print(f"session {session.name}: {r.stdout.strip()}", flush=True)
         if args.prepare:
             print("session mutants: " + r.stderr.strip().rpartition("KEYS ")[2], flush=True)
@@ -197,11 +141,15 @@ def main(argv=None) -> int:
                             *replaced], cwd=copy, env=env, capture_output=True, text=True)
         if r.returncode:
             print(r.stdout + r.stderr, file=sys.stderr)
-            return 2
+            return False
         print(f"retry: {r.stdout.strip()}", flush=True)
-    print(f"config: {config}\nsession: {session}", flush=True)
-    if args.prepare:
-        return 0
+    return True
+
+
+def _exec(engine: Path, config: Path, session: Path, copy: Path, env: dict, args) -> None:
+    """``cosmic-ray exec``: judge the pending mutants (in children of a warm zygote where it comes up)."""
+    from harness.selfcheck.source_mutation import zygote
+
     server = _start_zygote(env) if args.zygote and args.distributor == "local" else None
     try:
         exec_env = env if server is None else dict(env, **{zygote.SOCKET_ENV: server[1]})
@@ -211,20 +159,16 @@ def main(argv=None) -> int:
             server[0].kill()
             server[0].wait()
             shutil.rmtree(Path(server[1]).parent, ignore_errors=True)
-    workspace.ensure_copy(pristine)  # a killed exec may leave a mutant in the copy
     if r.returncode:
         print(f"cosmic-ray exec exited {r.returncode}", file=sys.stderr)
-    dump = subprocess.run([str(engine), "dump", str(session)], cwd=copy, env=env, capture_output=True, text=True)
-    if dump.returncode:
-        print(dump.stderr, file=sys.stderr)
-        return 1
-    mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load(args.column))
-    if not args.no_ledger:
-        wrote = ledger.append(ledger_file, {m.key: m.record for m in mutants}, _commit())
-        print(f"ledger: {wrote} new judged result(s) -> {ledger_file.relative_to(buildenv.PROJECT_ROOT)}", flush=True)
+
+
+def _report(mutants, session: Path, tag: str, args, seconds: float) -> int:
+    """Write the HTML report, print the summary and the verdict; the exit code."""
+    from harness.selfcheck.source_mutation import report
+
     scope_file = Path(str(session) + ".scope.json")
-    summary = report.Summary(mutants, time.perf_counter() - t0,
-                             title=f"Cosmic Ray source mutation ({tag}, {args.column} column)",
+    summary = report.Summary(mutants, seconds, title=f"Cosmic Ray source mutation ({tag}, {args.column} column)",
                              scope=json.loads(scope_file.read_text()) if scope_file.exists() else {})
     out = Path(args.report or ("reports/mutation.html" if args.sample is None and not args.only
                                else f"reports/mutation-{tag}.html"))
@@ -239,5 +183,67 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _coverage_map(column: str):
+    """The coverage map (recorded once per source, scope and candidate set) and its path; says which
+    candidate cases have no usable baseline."""
+    from harness.selfcheck.source_mutation import coverage_map
+
+    cmap, cmap_path = coverage_map.load_or_record(progress=lambda s: print(s, flush=True), column=column)
+    usable = [n for n in cmap.cases if cmap.usable(n)]
+    unusable = [f"{n} ({cmap.cases[n].status})" for n in cmap.cases if n not in usable]
+    print(f"coverage map: {len(cmap.cases)} candidate cases, {len(usable)} usable baselines"
+          + (f"; not usable: {', '.join(unusable)}" if unusable else ""), flush=True)
+    return cmap, cmap_path
+
+
+def run(args) -> int:
+    """``python -m harness mutate --engine cosmic-ray`` with its options parsed (``harness.cli.parser``)."""
+    problem = _bad_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    engine = engine_executable()
+    if engine is None:
+        print(f"error: Cosmic Ray not found: run `bash scripts/run.sh mutation` (makes .venv-mutation) or set "
+              f"{ENGINE_ENV} to its cosmic-ray executable", file=sys.stderr)
+        return 2
+    engine_py = engine.parent / "python"
+    buildenv.apply_base_env()
+    from harness.selfcheck.source_mutation import coverage_map, equivalents, ledger, patched, report, scope, workspace
+
+    t0 = time.perf_counter()
+    lock = workspace.lock_copy(progress=lambda s: print(s, flush=True))  # noqa: F841 - held until exit
+    pristine = workspace.installed_deepspeed()
+    copy = workspace.ensure_copy(pristine)
+    resolved = scope.resolve(pristine)
+    workspace.use_copy()
+    _, cmap_path = _coverage_map(args.column)
+    state = workspace.state_dir()
+    tag = session_tag(args.sample, args.seed, args.only, args.column)
+    session = state / "sessions" / f"{tag}.sqlite"
+    session.parent.mkdir(parents=True, exist_ok=True)
+    config = state / f"cosmic-ray-{args.distributor}{'' if args.column == 'stock' else '-' + args.column}.toml"
+    write_config(config, workspace.site_dir(), pristine, cmap_path, args.distributor, args.worker_url, args.column)
+    ledger_file = ledger.path_for(args.column, coverage_map.source_digest())
+    replaced: list[str] = []
+    if args.column == "patched":
+        spans_file = state / "patched-replaced.json"
+        patched.dump(patched.spans(pristine), spans_file)
+        replaced = ["--replaced", str(spans_file)]
+    env = _engine_env()
+    if not _open_session(engine_py, copy, session, cmap_path, args, replaced, ledger_file, env):
+        return 2
+    print(f"config: {config}\nsession: {session}", flush=True)
+    if args.prepare:
+        return 0
+    _exec(engine, config, session, copy, env, args)
+    workspace.ensure_copy(pristine)  # a killed exec may leave a mutant in the copy
+    dump = subprocess.run([str(engine), "dump", str(session)], cwd=copy, env=env, capture_output=True, text=True)
+    if dump.returncode:
+        print(dump.stderr, file=sys.stderr)
+        return 1
+    mutants = report.read_dump(dump.stdout.splitlines(), resolved, equivalents.load(args.column))
+    if not args.no_ledger:
+        wrote = ledger.append(ledger_file, {m.key: m.record for m in mutants}, _commit())
+        print(f"ledger: {wrote} new judged result(s) -> {ledger_file.relative_to(buildenv.PROJECT_ROOT)}", flush=True)
+    return _report(mutants, session, tag, args, time.perf_counter() - t0)

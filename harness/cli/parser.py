@@ -1,0 +1,246 @@
+"""The one argparse tree of ``python -m harness``: every subcommand, every option, every exit code.
+
+Kept apart from ``harness.cli.main`` (which runs the subcommands) and free of imports that reach torch
+or DeepSpeed, so that ``--help`` answers at once, and so that ``harness.cli.check``, run as a module
+of its own, can take its options from here without an import cycle through ``main``.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import textwrap
+from pathlib import Path
+
+DESCRIPTION = ("Check, step after step and on every rank, that DeepSpeed ZeRO computes the Muon update the "
+               "float64 reference says. Each subcommand's --help lists its options and exit codes.")
+DEFAULT_SHAPES = "4096x4096,11008x4096"
+DEFAULT_STEPS = 3
+USAGE_ERROR = "an unknown option or a malformed value"
+WIDTH = 100
+
+
+def _epilog(codes: tuple[str, ...]) -> str:
+    """The exit codes, one a line; argparse's own usage errors exit 2 too, so code 2 says so."""
+    if any(c.startswith("2 ") for c in codes):
+        lines = [c + f"; or {USAGE_ERROR}" if c.startswith("2 ") else c for c in codes]
+    else:
+        lines = [*codes, f"2  {USAGE_ERROR}"]
+    return "exit codes:\n" + "\n".join(textwrap.fill(c, WIDTH, initial_indent="  ", subsequent_indent="     ")
+                                         for c in lines)
+
+
+def _sub(sub, name: str, help: str, codes: tuple[str, ...], description: str | None = None):
+    text = description or textwrap.fill(help[:1].upper() + help[1:] + ".", WIDTH)
+    return sub.add_parser(name, help=help, description=text, epilog=_epilog(codes),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _gate(sub) -> None:
+    g = _sub(sub, "gate", "check every pipeline against the oracle; write the HTML report", (
+        "0  every outcome as expected (passed, or failed as a known bug predicts) and the mutation self-checks held",
+        "1  an outcome failed, passed unexpectedly or errored (a crashed rank is an error), a mutation "
+        "self-check failed, or a --jobs shard exited non-zero",
+        "2  bad input: --shard not K/N, --jobs below 1 or with --shard"))
+    g.add_argument("--report", default="reports/gate.html",
+                   help="the HTML report (default %(default)s); the results go to a folder next to it, <stem>-results")
+    g.add_argument("--full", action="store_true", help="the whole product instead of the CI covering subset")
+    g.add_argument("--seed", type=int, default=0, help="the seed of every case's data and model (default 0)")
+    g.add_argument("--only", default=None, help="substring filter on case names (skips the mutation self-check)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no line per case, only the summary")
+    g.add_argument("--no-mutate", action="store_true", help="skip the mutation self-check")
+    g.add_argument("--shard", default=None, metavar="K/N",
+                   help="run only shard K of N cost-balanced shards (merge with: python -m harness report DIR...)")
+    g.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run the gate as N local shards side by side and merge them into one report "
+                        "(overlaps one shard's oracle replay with another's ranks; 2 on a 2-core machine)")
+    g.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: the parent renders
+
+
+def _run(sub) -> None:
+    r = _sub(sub, "run", "rerun one case given as JSON (what divergence messages print)", (
+        "0  passed, or failed as a known bug predicts",
+        "1  diverged, passed unexpectedly, or the run itself failed (a rank raised, died or timed out)",
+        "2  bad input: not a valid case, or the case file cannot be read"))
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--case", help="the case as JSON text")
+    src.add_argument("--case-file", help="a file holding the case as JSON")
+    r.add_argument("--report", default=None, help="also write an HTML report here (default: none)")
+
+
+def _bench(sub) -> None:
+    b = _sub(sub, "bench", "pool vs spawn-per-case vs bare DeepSpeed, measured in one run", (
+        "0  the targets met (pool >= 5x spawn-per-case, <= 1.3x bare DeepSpeed); with --gate or --from-results: "
+        "the times were measured",
+        "1  a target missed",
+        "2  --from-results: no gate outcomes stored in DIR"))
+    b.add_argument("--cases", type=int, default=6, help="how many cases to time (default %(default)s)")
+    b.add_argument("--world-size", type=int, default=2, help="ranks per case (default %(default)s)")
+    b.add_argument("--gate", action="store_true", help="time the gate's cases by group and stage; refresh "
+                                                       "data/case_times.json (the shards' costs)")
+    b.add_argument("--full", action="store_true", help="with --gate: the whole product")
+    b.add_argument("--only", default=None, help="with --gate: substring filter (does not refresh the costs)")
+    b.add_argument("--from-results", default=None, metavar="DIR",
+                   help="refresh data/case_times.json from a gate run's results folder instead of rerunning")
+
+
+def _report(sub) -> None:
+    rp = _sub(sub, "report", "re-render the HTML divergence report from stored results (nothing reruns)", (
+        "0  verdict PASS", "1  verdict FAIL (the reasons are printed)", "2  a results folder does not exist"))
+    rp.add_argument("results", nargs="+",
+                    help="results folder(s) (results-*.jsonl, maps/, extra-*.json); several are merged into one "
+                         "report with one verdict (the shards of a gate)")
+    rp.add_argument("-o", "--out", default=None, help="output HTML (default: divergence.html next to the folder)")
+    rp.add_argument("--title", default=None, help="the report's title (default: one naming the results)")
+    rp.add_argument("--only", default=None, metavar="SUBSTR",
+                    help="only the cases whose name contains SUBSTR (the verdict is then the subset's)")
+    rp.add_argument("--all-plots", action="store_true",
+                    help="inline the plots of every outcome shown (by default the worst few per kind)")
+
+
+_KILL_MATRIX_OPTIONS = (
+    (("--mutant",), dict(action="append", help="only these mutants (repeatable)")),
+    (("--stock",), dict(action="store_true", help="run on stock DeepSpeed with the gate's decision (bug-affected "
+                                                   "cases must still match their bug models); default mutants: "
+                                                   "STOCK_KILL_MUTANTS")),
+    (("--case",), dict(action="append", default=None,
+                       help="gate case names to use instead of the default kill set (repeatable)")),
+    (("-v", "--verbose"), dict(action="store_true", help="a line per case and mutant as it runs")),
+)
+_SOURCE_MUTATION_OPTIONS = (
+    (("--sample",), dict(type=int, default=None, help="a seeded sample of N scoped mutants (default: all)")),
+    (("--seed",), dict(type=int, default=0, help="the seed of --sample (default 0)")),
+    (("--fresh",), dict(action="store_true", help="rebuild the session (default: resume it)")),
+    (("--retry",), dict(default=None, metavar="STATUSES",
+                        help="make mutants of these recorded statuses pending again, e.g. survived,not-reached "
+                             "(after adding a case or sharpening a tolerance)")),
+    (("--judge-equivalents",), dict(action="store_true",
+                                    help="judge the mutants listed in equivalents.txt too (default: recorded as "
+                                         "equivalent without a run; with --fresh, to audit the list: a listed "
+                                         "mutant a case kills is wrong there)")),
+    (("--no-ledger",), dict(action="store_true",
+                            help="neither take results from nor add them to the checked-in ledger (ledger.py); "
+                                 "--fresh judges every mutant anew but still adds its results")),
+    (("--prepare",), dict(action="store_true",
+                          help="make the copy, the coverage map, the session and the config, then stop (a worker "
+                               "machine of the HTTP distributor, or the main machine before exec)")),
+    (("--column",), dict(choices=("stock", "patched"), default="stock",
+                         help="judge on stock DeepSpeed, or with the patched runtime applied (a mutant in a "
+                              "function the patched runtime replaces is then 'replaced-by-fix', counted apart)")),
+    (("--zygote",), dict(action=argparse.BooleanOptionalAction, default=True,
+                         help="local distributor: judge in children forked from one warm process (torch and the "
+                              "harness imported once) instead of a fresh interpreter per mutant (default: on)")),
+    (("--distributor",), dict(choices=("local", "http"), default="local",
+                              help="Cosmic Ray's distributor: local processes, or HTTP workers (--worker-url)")),
+    (("--worker-url",), dict(action="append", default=[], help="an HTTP worker (repeatable)")),
+    (("--report",), dict(default=None, help="HTML report (default: reports/mutation.html for a full run, "
+                                            "reports/mutation-<session>.html for a sample or --only)")),
+)
+
+
+def _mutate(sub) -> None:
+    mu = _sub(sub, "mutate", "the mutation self-check: every known-bug mutant against the kill cases, as a table; "
+                             "with --engine cosmic-ray, source mutants of DeepSpeed's Muon code", (
+        "0  every mutant killed and every prediction held (cosmic-ray: every reached, non-equivalent mutant killed)",
+        "1  a mutant survived or a prediction failed (cosmic-ray: a survivor not in the equivalents file, a "
+        "mutant the harness failed to judge, or Cosmic Ray's results unreadable)",
+        "2  bad input: an unknown --case, an option of the other engine, --sample below 1, --distributor http "
+        "without --worker-url, Cosmic Ray not installed, or its session not built"))
+    mu.add_argument("--engine", choices=("cosmic-ray",), default=None,
+                    help="cosmic-ray: mutate DeepSpeed's own Muon source with Cosmic Ray instead of running the "
+                         "catalogued known-bug mutants (options under 'source mutation')")
+    mu.add_argument("--only", default=None,
+                    help="kill matrix: only the cases whose name contains this; cosmic-ray: only the mutants of "
+                         "this scoped function (exact qualified name) or whose key contains this (a file, file:line)")
+    engines = {None: ("kill matrix (without --engine)", _KILL_MATRIX_OPTIONS),
+               "cosmic-ray": ("source mutation (--engine cosmic-ray)", _SOURCE_MUTATION_OPTIONS)}
+    own = {}
+    for engine, (title, table) in engines.items():
+        group = mu.add_argument_group(title)
+        own[engine] = [group.add_argument(*flags, **kw) for flags, kw in table]
+    mu.set_defaults(engine_options=own)
+
+
+def _gpu(sub) -> None:
+    gp = _sub(sub, "gpu", "the fixed GPU subset through torchrun (NCCL); scripts/gpu.sh installs, then runs it",
+              ("0  every outcome as expected", "1  an outcome failed, passed unexpectedly or errored",
+                     "2  --accelerator cuda but torch sees no CUDA device"))
+    gp.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu", "auto"),
+                    help="cpu only to rehearse the script where no GPU is (gloo instead of NCCL)")
+    gp.add_argument("--world-sizes", default=None, help="comma list; default 1 and every local GPU")
+    gp.add_argument("--no-compiled", action="store_true", help="leave out the torch.compile'd cases")
+    gp.add_argument("--only", default=None, help="substring filter on case names")
+    gp.add_argument("--report", default="reports/gpu.html", help="the HTML report (default %(default)s)")
+
+
+def check_manual() -> str:
+    """``harness.cli.check``'s docstring, its manual, read without importing it (it imports torch), with
+    the reStructuredText literal markup taken out for a terminal."""
+    source = Path(__file__).with_name("check.py").read_text()
+    return (ast.get_docstring(ast.parse(source)) or "").replace("``", "").replace("::\n", ":\n")
+
+
+CHECK_EXIT_CODES = (
+    "0  within tolerance",
+    "1  diverged (including divergences a known stock DeepSpeed bug explains: your config is affected)",
+    "2  bad input, reported before any rank starts",
+    "3  the run itself failed: a rank raised, died or timed out, or the harness crashed (no verdict)",
+)
+
+
+def add_check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ds-config", required=True, help="your DeepSpeed config (JSON)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help=f"matrix shapes, comma separated (default {DEFAULT_SHAPES}); scaled down when too big, "
+                        "keeping aspect ratios and numel mod 2 x world size; a 1-D entry is an Adam vector")
+    p.add_argument("--model", default=None,
+                   help="run a real module instead of --shapes: a built-in (gpt2, llama, resnet, moe) or "
+                        "package.module:factory (harness.models)")
+    p.add_argument("--zero-init", action="store_true",
+                   help="ZeRO-3: build the module under deepspeed.zero.Init, as Hugging Face does")
+    p.add_argument("--trainer-arg", action="append", default=None, metavar="NAME=VALUE",
+                   help="a TrainingArguments value for resolving \"auto\" (e.g. learning_rate=3e-4, bf16=true)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default %(default)s)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of the model and data (default %(default)s)")
+    p.add_argument("--report", default=None, help="HTML report path (default reports/<case>.html)")
+    p.add_argument("--no-report", action="store_true", help="write no report")
+    p.add_argument("--patched", action="store_true",
+                   help="also run with the bundled fixes and say whether they change the verdict")
+    p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool",
+                   help="pool: CPU ranks over gloo (default); torchrun: torch.distributed.run, env://, the "
+                        "accelerator's backend (nccl on CUDA)")
+    p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="torchrun launcher only: auto picks cuda when a GPU is visible")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the verdict and report lines")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _check(sub) -> None:
+    ck = _sub(sub, "check", "check your DeepSpeed config against the oracle on a scaled model",
+              CHECK_EXIT_CODES, description=check_manual())
+    add_check_arguments(ck)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m harness", description=textwrap.fill(DESCRIPTION, WIDTH),
+                                 epilog=_epilog(()), formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in (_gate, _run, _bench, _report, _mutate, _gpu, _check):
+        add(sub)
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The tree's parse plus the one rule argparse cannot state: an option of the other mutate engine
+    is bad input (``mutate --sample 3`` without ``--engine`` would otherwise be silently ignored)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.cmd == "mutate":
+        for engine, actions in args.engine_options.items():
+            given = [a.option_strings[-1] for a in actions if getattr(args, a.dest) != a.default]
+            if engine != args.engine and given:
+                need = f"--engine {engine}" if engine else "no --engine"
+                ap.error(f"mutate: {', '.join(given)} needs {need}")
+        del args.engine_options
+    return args
