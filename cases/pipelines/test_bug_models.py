@@ -28,11 +28,11 @@ MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "D
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():
     assert {b.id for b in BUGS if b.model is not None} == MODELLED
     assert {b.id for b in BUGS if b.modelled == "crash"} == {"DSM-012", "DSM-017", "DSM-018"}
-    # Not modelled, and why: DSM-011 is about files left on disk, no trajectory quantity; DSM-021 (found
-    # in session 8) shows only in the gradient muon_update receives, and where the misplaced elements
+    # Not modelled, and why: DSM-011 is about files left on disk, no trajectory quantity; DSM-021
+    # (measured by 3d30036) shows only in the gradient muon_update receives, and where the misplaced elements
     # come from at the tail is not derived yet: it excuses that one quantity ("excused" strength); DSM-022
-    # (session 10) is the same read in the Adam sub-group, which excuses the gradient and the norm over it.
-    # DSM-024 (session 11): the same read on the pipelined swapper's prefetch, where Adam steps on the pooled
+    # (measured by fbdc8e6) is the same read in the Adam sub-group, which excuses the gradient and the norm over it.
+    # DSM-024 (measured by 7e971a5): the same read on the pipelined swapper's prefetch, where Adam steps on the pooled
     # buffer's content (zeros at the first step, not derived after): excuses the masters and weights.
     assert {b.id for b in BUGS if b.modelled == "no"} == {"DSM-011", "DSM-021", "DSM-022", "DSM-024"}
     for b in BUGS:

@@ -189,7 +189,7 @@ def default_ns_method(version: str | None = None) -> str:
     """The Newton-Schulz method a Muon group without ``ns_method`` runs: "gram" from 0.19.0 (0.19.7
     original_muon.py muon_update's ``ns_method="gram"``), the standard quintic before (0.18.9 has no other).
     Judging a 0.18.9 run against gram's fp16 allowance instead held its bf16 standard Newton-Schulz to an
-    8x tighter bound (session 5's F-5: 1.01-1.06x "over")."""
+    8x tighter bound (measured by 84925e7: 1.01-1.06x "over")."""
     return "gram" if has_ns_method(version) else "standard"
 
 
@@ -333,16 +333,21 @@ MEASURED: dict[str, str] = {
 }
 MEASURED.update({r: "python -m harness.cli.measure_release --slice base-ws2 (18 cases, stock column)"
                  for r in ("0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6")})
-MEASURED["0.19.5"] = ("the base-ws2 slice, then the whole CI gate, stock column (session 7), its failures re-measured "
+MEASURED["0.19.5"] = ("the base-ws2 slice, then the whole CI gate, stock column "
+                      "(measured by 0a82c31), its failures re-measured "
                       "by name (measure_release --slice gate --names ... --exclude-absent)")
-MEASURED["0.19.3"] = ("the base-ws2 slice, then the whole CI gate, stock column (session 8), its failures re-measured "
+MEASURED["0.19.3"] = ("the base-ws2 slice, then the whole CI gate, stock column "
+                      "(measured by 3d30036), its failures re-measured "
                       "by name (measure_release --slice gate --names ... --exclude-absent)")
-MEASURED["0.19.4"] = ("the base-ws2 slice, then the whole CI gate, stock column (session 8), its failures re-measured "
+MEASURED["0.19.4"] = ("the base-ws2 slice, then the whole CI gate, stock column "
+                      "(measured by 3d30036), its failures re-measured "
                       "by name (measure_release --slice gate --names ... --exclude-absent)")
-MEASURED["0.19.6"] = ("the base-ws2 slice, then the whole CI gate, stock column (session 6), its failures re-measured "
+MEASURED["0.19.6"] = ("the base-ws2 slice, then the whole CI gate, stock column "
+                      "(measured by 9c7be3c), its failures re-measured "
                       "by name (measure_release --slice gate --names ... --exclude-absent)")
 for _rel in ("0.19.0", "0.19.1", "0.19.2"):
-    MEASURED[_rel] = ("the base-ws2 slice, then the whole CI gate, stock column (session 9), its failures re-measured "
+    MEASURED[_rel] = ("the base-ws2 slice, then the whole CI gate, stock column "
+                      "(measured by 82179af), its failures re-measured "
                       "by name (measure_release --slice gate --names ... --exclude-absent)")
 
 
