@@ -85,3 +85,20 @@ def test_an_option_of_the_other_mutate_engine_is_bad_input(args, says):
     got, _, err = _probe(["mutate", *args])
     assert got["code"] == 2 and got["heavy"] == [], err
     assert says in err, err
+
+
+def test_an_installed_copy_answers_help_without_its_dependencies(tmp_path):
+    """``pip install .`` (not editable) must carry every subpackage and data file, and each ``--help`` must
+    answer before DeepSpeed is looked for: installed without dependencies into a folder and run with the
+    site packages off (``-S``), so neither torch, numpy nor DeepSpeed can be found."""
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    for data in ("harness/data/equivalents.txt", "harness/data/case_times.json", "harness/report/static/report.css"):
+        assert (target / data).is_file(), f"{data} is missing from the installed copy"
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    for cmd in ["", *subcommands()]:
+        args = [sys.executable, "-S", "-m", "harness", *([cmd] if cmd else []), "--help"]
+        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "usage: python -m harness" in proc.stdout, (cmd, proc.stderr[-2000:])

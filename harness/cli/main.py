@@ -110,11 +110,12 @@ HANDLERS = {"gate": _gate, "run": _run, "report": _report, "bench": _bench, "mut
 
 
 def main(argv=None) -> int:
-    # First, before anything imports torch: torch sizes its OpenMP team when it is imported, so a parent
-    # that set OMP_NUM_THREADS=1 after that judged on two threads contending with its own ranks and, having
-    # two, never forked a rank pool (``harness.launch.pool._fork_is_safe``).
-    buildenv.apply_base_env()
+    # Parsing imports neither torch nor DeepSpeed, so ``--help`` answers where neither is installed. Then,
+    # before anything imports torch: torch sizes its OpenMP team when it is imported, so a parent that set
+    # OMP_NUM_THREADS=1 after that judged on two threads contending with its own ranks and, having two,
+    # never forked a rank pool (``harness.launch.pool._fork_is_safe``).
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    buildenv.apply_base_env()
     return HANDLERS[args.cmd](args)
 
 
