@@ -37,3 +37,13 @@ def test_status_bug_and_missing_changes_are_reported(tmp_path, capsys):
 def test_an_empty_folder_is_bad_input(tmp_path):
     (tmp_path / "empty").mkdir()
     assert statuses.main([str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
+
+
+def test_common_compares_only_what_both_hold(tmp_path, capsys):
+    x = _folder(tmp_path, "x", [("a", "stock", "passed", []), ("b", "stock", "passed", [])])
+    y = _folder(tmp_path, "y", [("a", "stock", "passed", [])])
+    assert statuses.main([str(x), str(y)]) == 1
+    assert statuses.main([str(x), str(y), "--common"]) == 0
+    assert "1 only in the first" in capsys.readouterr().out
+    z = _folder(tmp_path, "z", [("a", "stock", "failed", [])])
+    assert statuses.main([str(x), str(z), "--common"]) == 1

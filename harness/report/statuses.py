@@ -35,10 +35,10 @@ def outcomes(root: Path) -> dict[tuple[str, str], Outcome]:
     return {(r.case_name, r.column): Outcome(r.status, tuple(sorted(r.bug_ids)), r.strength) for r in recs}
 
 
-def differences(a: dict, b: dict) -> list[str]:
-    """One line per case-column whose outcome differs, or that only one side has."""
+def differences(a: dict, b: dict, *, common: bool = False) -> list[str]:
+    """One line per case-column whose outcome differs, or (unless ``common``) that only one side has."""
     out = []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted(set(a) & set(b) if common else set(a) | set(b)):
         left, right = a.get(key), b.get(key)
         if left != right:
             out.append(f"{key[0]} [{key[1]}]: {left or 'missing'} -> {right or 'missing'}")
@@ -50,16 +50,21 @@ def main(argv=None) -> int:
                                  epilog="exit codes: 0 same outcomes, 1 some differ, 2 a folder has no results")
     ap.add_argument("a", type=Path, help="a results folder (the gate prints its path as 'results: ...')")
     ap.add_argument("b", type=Path, help="the results folder to compare it with")
+    ap.add_argument("--common", action="store_true",
+                    help="compare only the case-columns both folders hold (a gate against a test run of a subset); "
+                         "how many each side holds alone is still printed")
     args = ap.parse_args(argv)
     try:
         a, b = outcomes(args.a), outcomes(args.b)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    diff = differences(a, b)
+    diff = differences(a, b, common=args.common)
     for line in diff:
         print(line)
-    print(f"{len(a)} and {len(b)} case-columns; {len(diff)} differ")
+    both = len(set(a) & set(b))
+    print(f"{len(a)} and {len(b)} case-columns, {both} in both ({len(a) - both} only in the first, "
+          f"{len(b) - both} only in the second); {len(diff)} differ" + (" among those in both" if args.common else ""))
     return 1 if diff else 0
 
 
