@@ -7,6 +7,7 @@ boundary, and Adam-side vectors next to them.
 from __future__ import annotations
 
 from harness.case.spec import Case, ParamShape, ds_config
+from harness.case.nvme import nvme_matrix
 
 TINY_PARAMS = (
     ParamShape("layer0.weight", (6, 5)),  # 30 elements
@@ -20,7 +21,6 @@ TINY_PARAMS = (
 def nvme_params(world_size: int) -> tuple[ParamShape, ...]:
     """DeepSpeed only swaps a sub-group whose per-rank partition is >= MIN_AIO_BYTES (1 MiB); anything
     smaller silently stays in memory, so the NVMe cases carry one matrix big enough per rank."""
-    from harness.case.nvme import nvme_matrix
 
     return TINY_PARAMS + (nvme_matrix(world_size),)
 

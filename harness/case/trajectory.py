@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 
 import numpy as np
+import hashlib
+import pickle
 
 
 @dataclass
@@ -90,8 +92,6 @@ class Trajectory:
         Only the run-level ``notes`` are left out: they hold the ranks' timings, which the judge never
         reads. Pickle keeps every bit (a -0.0, a NaN payload, a dtype); content pickled differently
         only costs a second judge, never a wrong one."""
-        import hashlib
-        import pickle
 
         h = hashlib.sha256()
         # Protocol 5 hands each contiguous array's memory out of band (its dtype and shape stay in the

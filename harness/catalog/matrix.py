@@ -24,6 +24,9 @@ import json
 from harness.case.spec import Case, Overflow, ParamGroup, ParamShape, canonical_json
 from harness.case.nvme import nvme_matrix
 from harness.case.scenarios import TINY_PARAMS, nvme_params, pipeline_case
+from harness.models import BUILTIN
+from harness.catalog import sweep
+from harness.catalog.models import gate_model_cases
 
 STAGES = (1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
@@ -988,7 +991,6 @@ GROUPS = (
 
 
 def _is_model_case(name: str) -> bool:
-    from harness.models import BUILTIN  # a model case is named after its module (harness.catalog.models)
 
     return name.split("-", 1)[0] in BUILTIN
 
@@ -1003,7 +1005,6 @@ def group_of(name: str) -> str:
 
 def sweep_cases(full: bool = False) -> list[Case]:
     """The deterministic layout sweep (``harness.catalog.sweep``): the same cases in CI and ``--full``."""
-    from harness.catalog import sweep
 
     return sweep.sweep_cases()
 
@@ -1011,7 +1012,6 @@ def sweep_cases(full: bool = False) -> list[Case]:
 def model_cases(full: bool = False) -> list[Case]:
     """Real modules (GPT-2 and Llama style LMs, a ResNet-style conv net, a mixture-of-experts LM) on
     every stage, with and without zero.Init: ``harness.catalog.models``."""
-    from harness.catalog.models import gate_model_cases
 
     return gate_model_cases(full)
 

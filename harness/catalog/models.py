@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 
 from harness import models
+from harness.case.scenarios import pipeline_case
 
 VARIANTS = ((1, False), (2, False), (3, False), (3, True))  # (stage, zero.Init)
 PAIRS = (("fp32", "none"), ("bf16", "none"), ("fp32", "cpu"), ("bf16", "cpu"))
@@ -41,7 +42,6 @@ def synthetic_zero_init_cases() -> list:
     """The synthetic model built under zero.Init, ZeRO-3 without and with CPU offload. (NVMe is left
     out: with zero.Init the NVMe-swapped matrix's gradient diverges on stock and patched alike, not
     yet explained; reproducer in the issue-14 report.)"""
-    from harness.case.scenarios import pipeline_case
 
     return [pipeline_case(3, off, "fp32", 2, steps=STEPS, ns_method=NS_METHOD).replace(
         zero_init=True, name=f"z3-{off}-fp32-ws2-{NS_METHOD}-zinit") for off in ("none", "cpu")]

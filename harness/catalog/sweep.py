@@ -112,7 +112,7 @@ class Probe:
 def probes(case: Case) -> list[Probe]:
     """Every Muon matrix of ``case`` with its classes and neighbours, in DeepSpeed's order; empty for a
     stage without partitions."""
-    from harness.judge import verdict
+    from harness.judge import verdict  # late: keeps this module numpy-free at import
 
     if case.stage == 0:
         return []

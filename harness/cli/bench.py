@@ -23,12 +23,15 @@ from pathlib import Path
 from harness.case.spec import Case
 from harness.launch.pool import DEFAULT_ENTRY, PoolManager, RankPool
 from harness.case.scenarios import pipeline_case
+from harness.catalog.matrix import group_of
+from harness.catalog.matrix import gate_cases
+from harness.launch import shard as sharding
 
 
 def bare_run_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> float:
     """The same engine and steps as ``ds_run.run_case_on_rank`` with no capture; returns seconds."""
-    from harness.rank import ds_run
-    from harness.case import synthetic as model_mod
+    from harness.rank import ds_run  # late: keeps this module numpy-free at import
+    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
 
     t0 = time.perf_counter()
     state = ds_run.ProcessState()
@@ -121,7 +124,7 @@ BUCKETS = ("rank start", "engine build", "steps+capture", "shipping", "judge")
 @contextlib.contextmanager
 def _timed_judge():
     """Time ``verdict.judge`` inside ``evaluate``: yields the list each call's seconds are appended to."""
-    import harness.gate.decide as gate_mod
+    import harness.gate.decide as gate_mod  # late: keeps this module numpy-free at import
 
     judged: list[float] = []
     real_judge = gate_mod.judge
@@ -177,8 +180,7 @@ class _GateTimes:
 
 def _time_gate(cases, cols, store) -> _GateTimes:
     """Every case on every column in the gate's order (``harness.cli.main_job``: a case's columns back to back)."""
-    from harness.catalog.matrix import group_of
-    from harness.gate.decide import evaluate, record
+    from harness.gate.decide import evaluate, record  # late: keeps this module numpy-free at import
 
     times = _GateTimes()
     manager = _TimedManager()
@@ -212,11 +214,9 @@ def gate_bench(full: bool = False, only: str | None = None, write_times: bool = 
     ``shipping`` (the rest of the parent-observed run: pickling the trajectory, rendezvous waits),
     ``judge`` (oracle replay + comparison), ``report`` (rendering the HTML once at the end).
     """
-    from harness.catalog.matrix import gate_cases
-    from harness.gate.decide import columns
-    from harness.launch import shard as sharding
-    from harness.report.build import render
-    from harness.report.results import ResultStore
+    from harness.gate.decide import columns  # late: keeps this module numpy-free at import
+    from harness.report.build import render  # late: keeps this module numpy-free at import
+    from harness.report.results import ResultStore  # late: keeps this module numpy-free at import
 
     cases = [c for c in gate_cases(full) if not only or only in c.name]
     cols = columns()
@@ -243,10 +243,8 @@ def times_from_results(results_dir: Path, command: str, path: Path | None = None
     its shards' folders merged), instead of running every case again: each outcome carries the
     seconds its case took, summed here over the columns as ``gate_bench`` does. Prints the split
     per path group; the buckets inside a case need ``--gate``."""
-    from harness.launch import shard as sharding
-    from harness.catalog.matrix import group_of
-    from harness.report.html import MAIN_COLUMNS
-    from harness.report.results import load_records
+    from harness.report.html import MAIN_COLUMNS  # late: keeps this module numpy-free at import
+    from harness.report.results import load_records  # late: keeps this module numpy-free at import
 
     records = [r for r in load_records(results_dir) if r.column in MAIN_COLUMNS]
     if not records:

@@ -30,6 +30,10 @@ from harness.case.spec import Case
 from harness.cli.parser import build_parser
 from harness.launch.pool import CaseFailure, CaseOutcome
 from harness.case.scenarios import pipeline_case
+from harness.env import buildenv
+import torch
+from harness.launch.torchrun import TorchrunManager
+from harness.launch.torchrun import run_cases_with_torchrun
 
 STAGES = (1, 2, 3)
 OFFLOADS = ("none", "cpu")
@@ -57,7 +61,6 @@ class PrelaunchedManager:
     gets its own launch, so its own failure is reported against it."""
 
     def __init__(self, accelerator: str, root: Path):
-        from harness.launch.torchrun import TorchrunManager
 
         self.single = TorchrunManager(accelerator, root=root)
         self.accelerator = self.single.accelerator
@@ -65,7 +68,6 @@ class PrelaunchedManager:
         self.done: dict[str, tuple[object, float]] = {}
 
     def prelaunch(self, cases: list[Case]) -> None:
-        from harness.launch.torchrun import run_cases_with_torchrun
 
         by_ws: dict[tuple[int, bool], list[Case]] = {}
         for c in cases:
@@ -99,15 +101,13 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     """``python -m harness gpu`` with its options parsed."""
-    from harness.env import buildenv
 
     buildenv.apply_base_env()  # the parent's own environment; each launch sets its ranks' (launch_env)
-    import torch
 
-    from harness.report import results
-    from harness.gate.decide import columns, evaluate, record
-    from harness.cli.main_job import environment
-    from harness.report.build import render, save_extra
+    from harness.report import results  # late: keeps this module numpy-free at import
+    from harness.gate.decide import columns, evaluate, record  # late: keeps this module numpy-free at import
+    from harness.cli.main_job import environment  # late: keeps this module numpy-free at import
+    from harness.report.build import render, save_extra  # late: keeps this module numpy-free at import
 
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("error: --accelerator cuda but torch sees no CUDA device (torch "

@@ -16,11 +16,24 @@ from pathlib import Path
 from harness.case.spec import Case
 from harness.gate.decide import columns, evaluate, record
 from harness.launch.pool import PoolManager
+import torch
+from harness.registry import mutants as known_bugs
+from harness.report.build import render
+from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
+from harness.report import results
+from harness.catalog.matrix import gate_cases
+from harness.env import versions
+from harness.launch import shard as sharding
+from collections import Counter
+from harness.catalog import sweep
+from harness.catalog.matrix import group_of
+from harness.report.html import BAD_STATUSES, MAIN_COLUMNS
+from harness.report.results import load_records, strength_line, strength_summary
+from harness.launch.jobs import run_shards
 
 
 def environment() -> dict:
-    import deepspeed
-    import torch
+    import deepspeed  # late: DeepSpeed, rank side
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "cpu": platform.processor() or platform.machine(), "platform": platform.platform()}
@@ -29,7 +42,6 @@ def environment() -> dict:
 def mutation_extra(km, stock_km=None) -> dict:
     """The kill matrices in the report's ``extra`` format (either may be None: a shard ran the other);
     ``stock_km``: the stock-column rows, shown as "<mutant> (stock)" over their own cases."""
-    from harness.registry import mutants as known_bugs
 
     rows = []
     for matrix, tag in ((km, ""), (stock_km, " (stock)")):
@@ -46,7 +58,6 @@ def mutation_extra(km, stock_km=None) -> dict:
 
 
 def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
-    from harness.report.build import render
 
     render(results_dir, report, extra=extra)
     return str(report)
@@ -73,7 +84,6 @@ def _run_cases(cases: list, cols: list[str], manager, store, quiet: bool) -> Non
 
 def _mutation_checks(manager, seed: int, patched_check: bool, stock_check: bool):
     """The mutation self-checks: (patched kill matrix or None, stock kill matrix or None, whether one failed)."""
-    from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
 
     km = skm = None
     failed = False
@@ -92,7 +102,6 @@ def _mutation_checks(manager, seed: int, patched_check: bool, stock_check: bool)
 
 
 def _fresh_store(report_path: Path, part):
-    from harness.report import results
 
     results_dir = report_path.parent / (report_path.stem + "-results")
     if results_dir.exists():
@@ -104,9 +113,6 @@ def _fresh_store(report_path: Path, part):
 def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
              quiet: bool = False, mutate: bool = True, shard: str | None = None, jobs: int = 1,
              render_report: bool = True) -> int:
-    from harness.catalog.matrix import gate_cases
-    from harness.env import versions
-    from harness.launch import shard as sharding
 
     cases = [c.replace(seed=seed) for c in gate_cases(full) if not only or only in c.name]
     part = sharding.Shard.parse(shard) if shard else None
@@ -154,12 +160,7 @@ def summary(results_dir: Path, headline: str) -> int:
     """Print the gate's summary from its stored outcomes: the layout sweep tables, the counts, the
     full-strength share, the time per path group and every unexpected outcome's message. One reading
     for a gate run in one process and for its shards merged; returns how many outcomes were bad."""
-    from collections import Counter
 
-    from harness.catalog import sweep
-    from harness.catalog.matrix import group_of
-    from harness.report.html import BAD_STATUSES, MAIN_COLUMNS
-    from harness.report.results import load_records, strength_line, strength_summary
 
     records = [r for r in load_records(results_dir) if r.column in MAIN_COLUMNS]
     by_col: dict[str, dict] = {}
@@ -188,7 +189,6 @@ def summary(results_dir: Path, headline: str) -> int:
 def _run_jobs(jobs: int, cases: list, report_path: Path, *, full: bool, seed: int, only: str | None, quiet: bool,
               mutate: bool) -> int:
     """The gate as ``jobs`` local shards (``harness.launch.jobs``); the summary is read from the merged results."""
-    from harness.launch.jobs import run_shards
 
     results_dir = report_path.parent / (report_path.stem + "-results")
     print(f"gate: {len(cases)} cases as {jobs} local shards (python -m harness gate --shard K/{jobs})", flush=True)

@@ -17,6 +17,8 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+import itertools
+from harness.env import buildenv, versions
 
 
 def slice_cases(name: str) -> list:
@@ -25,9 +27,8 @@ def slice_cases(name: str) -> list:
     without its per-head matrix (per-head Muon exists only from 0.19.8: with it, half the slice would be
     deselected on every older release). Gram cases are deselected before 0.19.0. ``gate``: the CI gate's
     cases (to re-measure a whole-gate run's failures by name, ``--names``)."""
-    import itertools
 
-    from harness.catalog import matrix
+    from harness.catalog import matrix  # late: keeps this module torch-free at import
 
     if name == "base-ws2":
         grid = list(itertools.product(matrix.STAGES, ("none", "cpu"), matrix.DTYPES, matrix.WORLD_SIZES))
@@ -51,12 +52,11 @@ def main(argv=None) -> int:
                     "unmodelled bug cannot then excuse a divergence its release was measured not to have")
     args = ap.parse_args(argv)
     os.environ["MUON_HARNESS_MEASURE"] = "1"
-    from harness.env import buildenv, versions
 
     buildenv.apply_base_env()
-    from harness.gate.decide import evaluate
-    from harness.launch.pool import PoolManager
-    from harness.registry import bugs as registered_bugs
+    from harness.gate.decide import evaluate  # late: keeps this module numpy-free at import
+    from harness.launch.pool import PoolManager  # late: keeps this module torch-free at import
+    from harness.registry import bugs as registered_bugs  # late: keeps this module torch-free at import
 
     # bugs set aside by hand (MUON_HARNESS_MEASURE_EXCLUDE as given), plus, with --exclude-absent, the measured-absent
     base_exclude = [b for b in os.environ.get("MUON_HARNESS_MEASURE_EXCLUDE", "").split(",") if b]

@@ -23,6 +23,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from harness.env import versions
+import time
+import argparse
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +36,6 @@ TORCH_VERSION = "2.13.0"
 
 
 def deepspeed_version() -> str:
-    from harness.env import versions
 
     return versions.installed().version.replace("+", "-")
 
@@ -78,7 +80,6 @@ def apply_base_env(overrides: dict[str, str] | None = None) -> None:
 def clear_stale_locks(max_age_s: float) -> list[Path]:
     """Remove ``lock`` files in the extensions cache older than ``max_age_s``: torch's FileBaton
     waits forever on a lock a killed build left behind."""
-    import time
 
     removed = []
     root = extensions_dir()
@@ -158,7 +159,7 @@ def op_inputs(builder) -> dict:
     src = [os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.strip_empty_entries(builder.sources())]
     inc = [os.path.abspath(builder.deepspeed_src_path(p))
            for p in builder.strip_empty_entries(builder.include_paths())]
-    import torch
+    import torch  # late: keeps this module torch-free at import
 
     return {
         "name": builder.NAME,
@@ -193,7 +194,7 @@ def op_build_root(name: str, key: str) -> Path:
 
 
 def _create_builder(name: str):
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # late: DeepSpeed, rank side
 
     try:
         b = get_accelerator().create_op_builder(name)
@@ -339,7 +340,6 @@ def sharing(keys_by_release: dict[str, dict[str, str]]) -> dict[str, list[list[s
 
 
 def main(argv=None) -> int:
-    import argparse
 
     ap = argparse.ArgumentParser(description="op build keys: which DeepSpeed releases share which op builds")
     ap.add_argument("--share", nargs="+", metavar="TREE", required=True,

@@ -25,7 +25,7 @@ import os
 @functools.lru_cache(maxsize=None)
 def half_support(accelerator: str | None = None) -> tuple[bool, bool]:
     """``(fp16, bf16)`` support of the accelerator the ranks use (``DS_ACCELERATOR``, default cpu)."""
-    import torch
+    import torch  # late: keeps this module torch-free at import
 
     accel = accelerator or os.environ.get("DS_ACCELERATOR", "cpu")
     if accel == "cuda" and torch.cuda.is_available():
@@ -36,7 +36,7 @@ def half_support(accelerator: str | None = None) -> tuple[bool, bool]:
 
 def cpu_fp16_native() -> bool:
     """Whether this CPU has the oneDNN fp16 kernels DeepSpeed's CPU accelerator asks for."""
-    import torch
+    import torch  # late: keeps this module torch-free at import
 
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
@@ -53,7 +53,7 @@ def install_cpu_fp16_standin() -> bool:
     kernels (see the module doc). Returns whether the stand-in is active."""
     if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu" or not cpu_fp16_standin():
         return False
-    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator  # late: DeepSpeed, rank side
 
     CPU_Accelerator.is_fp16_supported = lambda self: True
     return True

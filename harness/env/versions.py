@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from harness.case import dsconfig
+import importlib.util
 
 # Releases the harness was run on (PyPI sdists); README "DeepSpeed versions" gives each one's result.
 RELEASES = ("0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
@@ -98,7 +99,6 @@ def _check_metadata_matches_import(dist) -> None:
     the first ``deepspeed`` package on the path. A release tree put first on ``PYTHONPATH`` (an
     extracted sdist, with its ``deepspeed.egg-info``) shadows an installed one consistently; a
     package without metadata of its own would be judged as some other release: refuse that."""
-    import importlib.util
 
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or not spec.origin:
@@ -201,7 +201,7 @@ def _ns_methods(case, cfg: dict, default: str) -> set:
 
 @functools.cache
 def _model_declares_groups(model: str, seed: int) -> bool:
-    from harness import models
+    from harness import models  # late: keeps this module torch-free at import
 
     return bool(models.build_spec(model, seed).param_groups)
 
@@ -285,7 +285,7 @@ def refuses(name: str, version: str | None = None) -> bool:
 def adapt(case, version: str | None = None) -> Adapted:
     """The case as the installed (or given) DeepSpeed needs it: the ONE place a case's config is
     adapted per release. Pure: the version is read once, the case is not changed in place."""
-    from harness.case.spec import canonical_json
+    from harness.case.spec import canonical_json  # late: keeps this module torch-free at import
 
     version = version or installed().version
     cfg = json.loads(case.ds_config)
@@ -360,7 +360,7 @@ def judged_as() -> str | None:
 def patched_applies() -> bool:
     """The patched runtime's fixes were written against (and hash-checked on) one release: its column
     runs only there and is absent elsewhere."""
-    from harness.fixes._registry import EXPECTED_DEEPSPEED
+    from harness.fixes._registry import EXPECTED_DEEPSPEED  # late: keeps this module torch-free at import
 
     inst = installed()
     return not inst.source_checkout and inst.version == EXPECTED_DEEPSPEED

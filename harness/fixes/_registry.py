@@ -139,7 +139,7 @@ def source_hash(fn, name: str | None = None) -> str:
 
 
 def check_version() -> str:
-    import deepspeed
+    import deepspeed  # late: DeepSpeed, rank side
 
     v = getattr(deepspeed, "__version__", "?")
     if v != EXPECTED_DEEPSPEED:

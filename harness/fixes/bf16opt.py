@@ -26,9 +26,9 @@ def make_step(orig):
     def step(self, closure=None):
         if not (active(NAME) and getattr(self, "_uses_muon", False)) or self.has_moe_layers or closure is not None:
             return orig(self, closure)
-        from deepspeed import comm as dist
+        from deepspeed import comm as dist  # late: DeepSpeed, rank side
         from deepspeed.runtime.utils import (clip_tensors_by_global_norm, get_global_norm_of_tensors,
-                                             is_invalid_grad_norm)
+                                             is_invalid_grad_norm)  # late: DeepSpeed, rank side
 
         self.overflow = False
         raw, _ = self.get_grads_for_norm()

@@ -104,7 +104,8 @@ def _live_params_by_saved_index(opt):
 
 def restore_unswapped_state(engine, load_dir, tag) -> dict:
     """Restore, from this rank's ZeRO checkpoint file, what the NVMe resume path leaves out."""
-    from deepspeed import comm as dist
+    from deepspeed import comm as dist  # late: DeepSpeed, rank side
+    # late: DeepSpeed, rank side
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 
     opt = engine.optimizer

@@ -24,13 +24,14 @@ of an aligned buffer).
 from __future__ import annotations
 
 from harness.fixes._registry import Fix, Target, active
+import torch
 
 NAME = "nvme-grad-offset-io"
 
 
 def _offset_gradients(swapper, parameter):
     """(swap info of a swapped gradient at a nonzero offset, its region of ``parameter.grad``)."""
-    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper  # late: DeepSpeed, rank side
 
     info = swapper.swap_params_info.get(OptimizerSwapper.parameter_id(parameter))
     grad = getattr(parameter, "grad", None)
@@ -40,7 +41,6 @@ def _offset_gradients(swapper, parameter):
 
 
 def _np_dtype(t):
-    import torch
 
     return torch.empty(0, dtype=t.dtype).numpy().dtype
 

@@ -38,7 +38,7 @@ LOSS_SCALE = "z0-fp16-loss-scale"
 
 
 def _is_muon(opt) -> bool:
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # late: DeepSpeed, rank side
 
     return isinstance(opt, MuonWithAuxAdam)
 
@@ -58,7 +58,7 @@ def make_initialize_optimizer_states(orig):
 
 def _unscaled_fp16_wrapper(engine):
     """The optimizer whose loss scale the engine forgets to apply, or None."""
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer  # late: DeepSpeed, rank side
 
     opt = engine.optimizer
     if engine.zero_optimization() or not engine.fp16_enabled() or not isinstance(opt, FP16_UnfusedOptimizer):

@@ -41,7 +41,7 @@ def _padded_with_heads(self, tensor_list, first_offset, partition_size, dtype, d
                        return_tensor_list):
     """Stock 0.19.8 padded branch of ``get_flat_partition`` (stage_1_and_2.py:2734-2791) with the one
     change that ``muon_update`` receives ``num_heads`` like the unpadded branch does."""
-    from deepspeed import comm as dist
+    from deepspeed import comm as dist  # late: DeepSpeed, rank side
 
     flat_tensor_list = []
     current_size = 0
@@ -54,7 +54,7 @@ def _padded_with_heads(self, tensor_list, first_offset, partition_size, dtype, d
 
     partition_id = dist.get_rank(group=self.real_dp_process_group[param_group_idx])
     buffer_idx = 0
-    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    from deepspeed.runtime.zero.muon.original_muon import muon_update  # late: DeepSpeed, rank side
     for i, tensor in enumerate(tensor_list):
         grad_accum = self.all_grad_tensors[param_group_idx][i]
         if getattr(tensor, 'use_muon', False) and 'muon' in self.optimizer.__class__.__name__.lower():

@@ -138,7 +138,7 @@ def _sub_group_round(round_params, round_grads, round_momentums, beta, ns_method
     """One round of up to world-size matrices: rank r runs Muon on the r-th, then every rank gathers
     every updated gradient and momentum (padded to the largest when the shapes differ)."""
     from deepspeed import comm as dist  # rank side: DeepSpeed
-    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    from deepspeed.runtime.zero.muon.original_muon import muon_update  # late: DeepSpeed, rank side
 
     world_sz = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
@@ -252,7 +252,7 @@ def make_apply_muon_to_accumulated_grads(orig):
         """Stock (stage3.py:1821-1858) with fp32 gather and fp32 update partitions (FP32)."""
         if not active(FP32) or not self.use_muon or self.offload_optimizer:
             return orig(self)
-        from deepspeed import comm as dist
+        from deepspeed import comm as dist  # late: DeepSpeed, rank side
 
         for i, group in enumerate(self.fp16_groups):
             if not self.sub_groups_using_muon[i] or not group:
@@ -319,7 +319,7 @@ def _offload_update_param(self, param, full_grad, full_momentum, fp32_param, mom
     """Muon on one full matrix; this rank's partition of the update (times S) into the fp32 gradient, of
     the momentum into its buffer, and the update's norm for clipping."""
     from deepspeed.runtime.zero.muon.original_muon import muon_update  # rank side: DeepSpeed
-    from deepspeed.runtime.zero.utils import get_norm_dtype
+    from deepspeed.runtime.zero.utils import get_norm_dtype  # late: DeepSpeed, rank side
 
     update = muon_update(full_grad,
                          full_momentum,

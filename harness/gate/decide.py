@@ -27,6 +27,11 @@ from harness.registry.bugs import NUMERIC, bugs_for, refusals_for
 from harness.case.spec import Case
 from harness.launch.launcher import CaseFailure, Launcher, RankDied, RankFailed
 from harness.judge.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
+from harness.env import versions
+from harness.judge import tp_verdict
+from harness.registry import historical as historical_bugs
+from harness.case.tp import autotp_size
+from harness.report import results
 
 
 @dataclass
@@ -52,7 +57,6 @@ class Outcome:
 
 def columns() -> list[str]:
     """The patched column exists only on the release the patched runtime was written against."""
-    from harness.env import versions
 
     return ["stock", "patched"] if versions.patched_applies() else ["stock"]
 
@@ -130,7 +134,6 @@ def _judge_refusal(c: Case, column: str, manager: Launcher, refusals) -> Outcome
 def _judge_tp(c: Case, column: str, manager: Launcher) -> Outcome:
     """A tensor-parallel case (``harness.rank.tp_case``): every rank's shards against the oracle of
     ``harness.judge.tp_verdict``; error when a rank raised. No registered bug applies to this case kind."""
-    from harness.judge import tp_verdict
 
     t0 = time.perf_counter()
     try:
@@ -146,8 +149,6 @@ def _judge_tp(c: Case, column: str, manager: Launcher) -> Outcome:
 def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     """``_evaluate``'s decision, with a failure on stock that an intermittent bug of the installed release
     could explain naming that bug (``historical_bugs.INTERMITTENT``); the status stays what it was."""
-    from harness.registry import historical as historical_bugs
-    from harness.env import versions
 
     o = _evaluate(case, column, manager)
     if o.status in ("failed", "error") and column == "stock":
@@ -168,7 +169,6 @@ def _evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     (``Bug.model`` None) still excuses its quantities by name; such a case is not judged at full strength
     (``Outcome.strength``). A crash bug is accepted only for its exact exception, message and frame.
     """
-    from harness.env import versions
 
     patched = column == "patched"
     adapted = versions.adapt(case)  # the installed DeepSpeed's config needs / refusals by design
@@ -179,7 +179,6 @@ def _evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
     must_refuse = ds_refusals.expected(c)
     if must_refuse:
         return _judge_refusal(c, column, manager, must_refuse)
-    from harness.case.tp import autotp_size
 
     if autotp_size(c) > 1:
         return _judge_tp(c, column, manager)
@@ -276,7 +275,6 @@ def _judge_models(c: Case, column: str, bugs, traj, digest: str, verdict: Verdic
 
 
 def record(store, o: Outcome) -> None:
-    from harness.report import results
 
     if o.verdict is None:
         store.add(results.error_record(o.case, column=o.column, message=o.message, seconds=o.seconds,

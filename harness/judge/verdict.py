@@ -38,6 +38,9 @@ from harness.judge import checks
 from harness.judge.checks import Uncaptured, grad_allowance, grad_store_dtype  # noqa: F401 (their home was here)
 from harness.judge.compare import Check, describe, first_divergence, missing
 from harness.case.trajectory import Trajectory
+from harness.case.spec import NON_MUON_OPTIMIZERS
+from harness.judge import module_oracle as oracle
+import weakref
 
 # Oracle-side hooks for the detection self-test: name -> function(StepConfig) -> StepConfig.
 # Only tests install these (never DeepSpeed): they prove a wrong oracle-relevant behaviour is caught.
@@ -142,7 +145,6 @@ def non_muon_optimizer(case: Case) -> tuple[str, dict] | None:
     (decoupled weight decay) or "adam" (L2, the decay added to the gradient): a client torch.optim.Adam
     / AdamW is what its class says; in the config, DeepSpeed's documented rule holds: "AdamW" always
     decouples, and "Adam" decouples too unless its ``adam_w_mode`` is false."""
-    from harness.case.spec import NON_MUON_OPTIMIZERS
 
     opt = case.ds.optimizer
     spec = (json.loads(case.client_optimizer) if case.client_optimizer
@@ -243,7 +245,6 @@ def _spec_groups(case: Case, sc: oracles.StepConfig) -> list:
 
 def _module_oracle():
     """The gradient/buffer oracle of a real module (``Case.model``); imported only for those cases."""
-    from harness.judge import module_oracle as oracle
 
     return oracle
 
@@ -380,7 +381,6 @@ class _SharedGradients:
 
     @classmethod
     def of(cls, traj: Trajectory) -> dict:
-        import weakref
 
         if cls._latest is None or cls._latest[0]() is not traj:
             cls._latest = (weakref.ref(traj), {})

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from harness.launch.shard import merge_results
 
 
 def shard_command(k: int, n: int, *, report: Path, full: bool, seed: int, only: str | None, quiet: bool,
@@ -44,7 +45,6 @@ def run_shards(n: int, report_path: Path, results_dir: Path, *, full: bool, seed
 
     Returns the shards' exit codes and the wall seconds. Their output goes to this process's
     stdout as it comes (each progress line names its case and column)."""
-    from harness.launch.shard import merge_results
 
     work = report_path.parent / f"{report_path.stem}-shards"
     if work.exists():

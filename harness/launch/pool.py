@@ -38,6 +38,8 @@ from harness.rank import runtime_state
 from harness.rank.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case.spec import Case
 from harness.launch.launcher import DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed
+import torch._dynamo
+from multiprocessing import resource_tracker
 
 POOL_MARKER = "MUON_HARNESS_POOL"
 STARTUP_TIMEOUT_S = float(os.environ.get("MUON_HARNESS_STARTUP_TIMEOUT", "600"))
@@ -57,7 +59,6 @@ def _fresh_dynamo() -> None:
     fresh process has; inductor's compiled kernels stay cached on disk and in memory, keyed by their
     source, so the case pays dynamo's tracing only. ``cases/harness/test_pool.py`` checks that a
     compiled case run after another in the same ranks gives the same bits as in fresh ranks."""
-    import torch._dynamo
 
     torch._dynamo.reset()
 
@@ -219,7 +220,6 @@ class RankPool:
         ctx = mp.get_context(self.start_method)
         # spawn starts a resource tracker with the first process; start it now, before the pool's
         # marker is in the environment, so it is not mistaken for a leftover rank.
-        from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
         self.procs: list = []

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
+import shutil
 
 TIMES_PATH = Path(__file__).resolve().parents[1] / "data" / "case_times.json"
 
@@ -107,7 +108,6 @@ def merge_results(sources: Sequence[Path], dest: Path) -> Path:
     the environment), for one report with one verdict. Files are renamed per source so that two
     shards' writers never overwrite each other; a case-column present in two folders keeps the
     later folder's record (``results.load_records``: last record per key wins)."""
-    import shutil
 
     dest = Path(dest)
     if dest.exists():

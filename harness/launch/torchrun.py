@@ -74,6 +74,9 @@ from harness.env import buildenv
 from harness.rank.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case.spec import Case
 from harness.launch.launcher import DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed
+import torch
+import threading
+import torch.distributed as dist
 
 ENTRY_MODULE = "harness.launch.torchrun"
 PARENT_PID_VAR = "MUON_HARNESS_PARENT_PID"  # the harness process a launch belongs to (rank_main watches it)
@@ -91,7 +94,6 @@ TIMEOUT_MARK = "Timeout ("  # faulthandler's header when dump_traceback_later fi
 
 def detect_accelerator() -> str:
     """``cuda`` when torch sees a CUDA device, else ``cpu``."""
-    import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -155,7 +157,6 @@ def _exit_when_orphaned(poll_s: float = 1.0) -> None:
     the thread, not the process), and a rank still importing torch when its launcher dies has no
     parent left to compare with. So the launching harness process names itself
     (``PARENT_PID_VAR``) and the rank polls for it."""
-    import threading
 
     watched = int(os.environ.get(PARENT_PID_VAR, "0") or 0)
     parent = os.getppid()
@@ -182,7 +183,7 @@ def _exit_when_orphaned(poll_s: float = 1.0) -> None:
 def _batches_on_device(device) -> None:
     """Non-CPU accelerators: ``harness.case.synthetic.batch_data`` builds CPU tensors; the engine's module is
     on ``device``. Wrap it in this rank process only (the parent's oracle keeps the CPU version)."""
-    from harness.case import synthetic as model_mod
+    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
 
     orig = model_mod.batch_data
     if getattr(orig, "_on_device", None) == str(device):
@@ -231,7 +232,6 @@ class _Stage:
 def _run_cases_on_rank(cases: list[Case], rank: int, world: int, local_rank: int, accel: str, workdir: Path,
                        logf, stage: _Stage) -> list:
     """Join the process group and run each case, each under its own faulthandler deadline."""
-    import torch  # rank side: torch only in a rank
 
     device = None
     if accel == "cuda":
@@ -262,7 +262,6 @@ def _run_cases_on_rank(cases: list[Case], rank: int, world: int, local_rank: int
 
 def _ship(results: list, was_list: bool, out: Path, rank: int) -> None:
     """After every rank is done: rank 0 pickles the trajectories (atomically: the parent may be reading)."""
-    import torch.distributed as dist  # rank side: torch only in a rank
 
     dist.barrier()
     if rank == 0:

@@ -14,6 +14,8 @@ import sys
 import time
 
 from harness.env import buildenv
+from harness.rank import runtime_state
+from harness.rank import compiled
 
 OPS = buildenv.OPS
 OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
@@ -23,7 +25,7 @@ STALE_LOCK_AGE_S = 20 * 60
 def fill_cpuinfo_cache() -> dict:
     path = buildenv.cpuinfo_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
-    import cpuinfo
+    import cpuinfo  # late: only when the machine is described
 
     info = cpuinfo.get_cpu_info()
     path.write_text(json.dumps(info))
@@ -42,9 +44,8 @@ def build_ops(names=OPS, say=_say) -> dict[str, float]:
     and flags match another's links to that build instead of rebuilding it. Ranks import the ``.so``
     directly (``harness.rank.runtime_state.preload_built_ops``): a JIT load would rebuild it whenever the
     build file names other absolute paths than the ones that built it."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # late: DeepSpeed, rank side
 
-    from harness.rank import runtime_state
 
     seconds = {}
     keys: dict[str, str] = {}
@@ -74,7 +75,6 @@ def build_ops(names=OPS, say=_say) -> dict[str, float]:
 def fill_compile_cache() -> float:
     """Compile muon_update once so the compiled subset of cases reads inductor's on-disk cache."""
 
-    from harness.rank import compiled
 
     t0 = time.perf_counter()
     compiled.warm_compiled_muon_update()

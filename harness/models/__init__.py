@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from harness.case.spec import ParamShape
+from harness.case.spec import Case, canonical_json
+from harness.case.spec import ds_config as make_config
+from harness.case.scenarios import pipeline_name
 
 EXTRA_HINT = "pip install -e .[models]"
 
@@ -179,7 +183,6 @@ def validate(spec: ModelSpec, model: str) -> None:
 
 def param_shapes(spec: ModelSpec):
     """The case's ``params``: every parameter of the module, ``named_parameters()`` order."""
-    from harness.case.spec import ParamShape
 
     return tuple(ParamShape(n, tuple(p.shape)) for n, p in spec.module.named_parameters())
 
@@ -216,9 +219,6 @@ def model_case(model: str, stage: int, offload: str = "none", dtype: str = "fp32
                zero_init: bool = False, steps: int = 2, seed: int = 0, name: str | None = None,
                ds_config: str | dict | None = None, **cfg):
     """A case that runs ``model`` (built-in or factory path) on one pipeline."""
-    from harness.case.spec import Case, canonical_json
-    from harness.case.spec import ds_config as make_config
-    from harness.case.scenarios import pipeline_name
 
     if zero_init and stage != 3:
         raise ValueError("zero_init (deepspeed.zero.Init) is a ZeRO-3 option")

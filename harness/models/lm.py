@@ -56,7 +56,7 @@ def _eager(config):
 
 
 def gpt2(seed: int) -> ModelSpec:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # late: optional (the models extra)
 
     cfg = _eager(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
@@ -67,7 +67,7 @@ def gpt2(seed: int) -> ModelSpec:
 
 
 def llama(seed: int) -> ModelSpec:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # late: optional (the models extra)
 
     cfg = _eager(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                              num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=1,

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from harness.models import ModelSpec, ParamGroup
 from harness.models._data import generator, seeded_init
+from oracles import ParamSpec
 
 D, H, E = 16, 24, 4  # model width, expert hidden width, experts
 VOCAB, BATCH, TOKENS = 32, 2, 6
@@ -95,7 +96,6 @@ def default_groups(module: nn.Module, weight_decay: float = 0.1, adam_lr: float 
     the rest without decay and at ``adam_lr``. The split follows the tagging rule so that each
     incoming group is exactly one of DeepSpeed's Muon/Adam halves (the layout of the optimizer's
     flat groups is then the same as without groups)."""
-    from oracles import ParamSpec
 
     muon, other = [], []
     for n, p in module.named_parameters():

@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 from harness.case.spec import Case
+import torch
+import torch.distributed as dist
+from harness.rank import runtime_state
 
 
 def set_parent_death_signal() -> None:
@@ -48,12 +51,9 @@ def bootstrap_rank(rank: int, world_size: int, *, backend: str = "gloo", init_me
     Seen with torchrun ranks, which did not preload: every case waited on another checkout's
     rebuild of ``pin_memory`` until its timeout.
     """
-    import torch
-    import torch.distributed as dist
 
     if cpu:
         torch.set_num_threads(1)
-    from harness.rank import runtime_state
 
     runtime_state.install_process_caches()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)

@@ -94,6 +94,8 @@ import torch.distributed as tdist
 
 from harness.rank import capture_adapters
 from harness.case.trajectory import ParamStep, StepRecord
+from harness.rank.capture_adapters import group_name
+import importlib
 
 # ------------------------------------------------------------------------------------------------
 # small helpers
@@ -318,9 +320,8 @@ class MuonCallRecorder:
         return update
 
     def __enter__(self):
-        import importlib
 
-        from deepspeed.runtime.zero.muon import original_muon
+        from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
 
         # Imported first: a module imported after the replacement below would bind the wrapper itself.
         bindings = self.EXTRA_BINDINGS + capture_adapters.adapter_for().muon_bindings  # the release's own
@@ -408,9 +409,8 @@ class SwapCounter:
         return sum(int(b.numel()) * int(b.element_size()) for b in buffers)
 
     def __enter__(self):
-        import importlib
 
-        from deepspeed.runtime.swap_tensor import utils as swap_utils
+        from deepspeed.runtime.swap_tensor import utils as swap_utils  # late: DeepSpeed, rank side
 
         orig_in, orig_out = swap_utils.swap_in_tensors, swap_utils.swap_out_tensors
         counter = self
@@ -456,9 +456,9 @@ class PathInfo:
 
 
 def path_info(engine) -> PathInfo:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # late: DeepSpeed, rank side
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # late: DeepSpeed, rank side
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # late: DeepSpeed, rank side
 
     opt = engine.optimizer
     stage = engine.zero_optimization_stage()
@@ -487,7 +487,7 @@ def path_info(engine) -> PathInfo:
 
 def z0_muon_optimizer(engine):
     """The MuonWithAuxAdam an engine without ZeRO steps (bare, or inside FP16_(Unfused)Optimizer)."""
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # late: DeepSpeed, rank side
 
     opt = engine.optimizer
     for cand in (opt, getattr(opt, "optimizer", None)):
@@ -593,7 +593,7 @@ def _z12_momentum_fragments(engine, info: PathInfo, id_to_name, rank: int):
 
 def _z3_momentum(engine, p, swap: SwapCounter):
     """Full momentum of one ZeRO-3 Muon param (collective). Returns (tensor, dtype-string)."""
-    from deepspeed.utils import safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_optimizer_state  # late: DeepSpeed, rank side
 
     opt = engine.optimizer
     # INTERNAL: (sub-group, offset, numel)
@@ -802,7 +802,7 @@ def model_piece(engine, p, rank: int):
 
 def z3_momentum_piece(engine, p, swap: SwapCounter):
     """Local counterpart of ``_z3_momentum``: (piece, dtype-string) or (None, None)."""
-    from deepspeed.utils import safe_get_local_optimizer_state
+    from deepspeed.utils import safe_get_local_optimizer_state  # late: DeepSpeed, rank side
 
     opt = engine.optimizer
     # INTERNAL: (sub-group, offset, numel)
@@ -898,7 +898,6 @@ def group_lrs(engine) -> dict:
     groups every ZeRO / fp16 wrapper shares), read before the boundary ``step()``: what the step uses.
     Keyed by the group's ``name`` (DeepSpeed names each Muon/Adam half, ``engine.py _muon_param_groups``)."""
     opt = engine.basic_optimizer  # INTERNAL: the MuonWithAuxAdam the engine built
-    from harness.rank.capture_adapters import group_name  # releases before 0.19.2 name no group
 
     return {group_name(g, i): float(g["lr"]) for i, g in enumerate(opt.param_groups)}
 
@@ -913,7 +912,7 @@ def loss_scale_of(engine) -> float:
 
 def capture_adam_grads(engine, case, named: dict, swap: SwapCounter) -> dict:
     """Accumulated, averaged, still-scaled gradient of every Adam param (collective). Reference mode."""
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_grad  # late: DeepSpeed, rank side
 
     out = {}
     with swap.pause():
@@ -928,7 +927,7 @@ def capture_adam_grads(engine, case, named: dict, swap: SwapCounter) -> dict:
 
 def capture_masters(engine, case, named: dict, swap: SwapCounter) -> dict:
     """Every master through ``safe_get_full_fp32_param`` (collective). Reference mode."""
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param  # late: DeepSpeed, rank side
 
     out = {}
     with swap.pause():
@@ -942,7 +941,7 @@ def capture_masters(engine, case, named: dict, swap: SwapCounter) -> dict:
 
 def capture_model_weights(engine, case, named: dict) -> dict:
     """Every model weight inside ``GatheredParameters`` (collective on ZeRO-3). Reference mode."""
-    import deepspeed
+    import deepspeed  # late: DeepSpeed, rank side
 
     params = [named[ps.name] for ps in case.params]
     out = {}

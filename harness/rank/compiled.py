@@ -10,6 +10,7 @@ cache for the shapes, input dtypes and Newton-Schulz dtypes those cases use, in 
 tracing, not inductor's code generation.
 """
 from __future__ import annotations
+from harness.env import versions
 
 # Shapes the compiled subset uses (harness.case.scenarios.TINY_PARAMS); dtype per precision path.
 WARM_SHAPES = ((6, 5), (7, 3))
@@ -20,12 +21,11 @@ def warm_compiled_muon_update() -> None:
     otherwise silently fall back to eager part way through, leaving those graphs uncached. The
     momentum has the gradient's dtype (``momentum.lerp(grad)`` requires it); the gate's compiled cases
     use gram Newton-Schulz."""
-    import torch
-    from deepspeed.runtime.zero.muon import original_muon
+    import torch  # late: keeps this module torch-free at import
+    from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
 
-    from harness.rank.ds_run import force_ns_dtype
+    from harness.rank.ds_run import force_ns_dtype  # late: keeps this module numpy-free at import
 
-    from harness.env import versions
 
     combos = [(d, d) for d in (torch.float32, torch.float16, torch.bfloat16)]  # lerp needs equal dtypes
     # float64 Newton-Schulz only where the release has the hook that forces it (its cases are deselected

@@ -52,6 +52,13 @@ from harness.rank import capture, gather_cache
 from harness.case import synthetic as model_mod
 from harness.case.spec import NVME_PATH_PLACEHOLDER, Case
 from harness.case.trajectory import Trajectory
+from harness.rank import patches
+from types import SimpleNamespace
+from harness.rank import module_runtime as model_rt
+from harness.models import build_spec
+from harness.rank import tp_case
+import torch.distributed as tdist
+import torch.nn.modules.module as mm
 
 NS_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
              "bfloat16": torch.bfloat16}
@@ -86,7 +93,6 @@ class ProcessState:
     TORCH_FUNCS = ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn")
 
     def __init__(self):
-        import torch.nn.modules.module as mm
 
         self.mm = mm
         self.linear = torch.nn.functional.linear
@@ -97,13 +103,13 @@ class ProcessState:
         self.default_dtype = torch.get_default_dtype()
         self.grad_enabled = torch.is_grad_enabled()
         self.threads = torch.get_num_threads()
-        from deepspeed.runtime.zero import parameter_offload as po
+        from deepspeed.runtime.zero import parameter_offload as po  # late: DeepSpeed, rank side
 
         self.po = po
         self.fwd_stack = list(po.FWD_MODULE_STACK)
         self.module_counter = po.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
         self.module_count = list(self.module_counter)
-        from deepspeed.utils import groups as ds_groups
+        from deepspeed.utils import groups as ds_groups  # late: DeepSpeed, rank side
 
         # ``deepspeed.utils.groups.mpu``: the engine stores the mpu it was given there (engine.py,
         # "Pass the mpu from here to groups") and every later engine's data-parallel group is read
@@ -160,6 +166,7 @@ class ProcessState:
 def _clear_zero3_lru_caches() -> int:
     """Empty the lru caches hidden under ``instrument_w_nvtx`` on the ZeRO-3 parameter coordinator;
     returns how many entries were dropped."""
+    # late: DeepSpeed, rank side
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     dropped = 0
@@ -176,7 +183,7 @@ def _clear_zero3_lru_caches() -> int:
 def _reset_zero3_param_ids() -> None:
     # INTERNAL: class-level counter that numbers ZeRO-3 params (``ds_id``), partition_parameters.py:952,1320.
     # It only grows within a process; NVMe swap files are named after it.
-    from deepspeed.runtime.zero.partition_parameters import Init
+    from deepspeed.runtime.zero.partition_parameters import Init  # late: DeepSpeed, rank side
 
     Init.param_id = 0
 
@@ -202,7 +209,7 @@ def force_ns_dtype(name: str | None):
     if name is None:
         yield
         return
-    from deepspeed.runtime.zero.muon import original_muon
+    from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
 
     dt = NS_DTYPES[name]
     orig = original_muon.ns_compute_dtype
@@ -232,7 +239,6 @@ def case_patches(case: Case, part: str = "all"):
     if not ((case.patched and part != "mutant") or (case.mutant and part != "fixes")):
         yield
         return
-    from harness.rank import patches
 
     patches.enter(case, part)
     try:
@@ -273,7 +279,7 @@ def rank_config(case: Case, nvme_dir: Path) -> dict:
 
 
 def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
-    import deepspeed
+    import deepspeed  # late: DeepSpeed, rank side
 
     _reset_zero3_param_ids()
     cfg = rank_config(case, nvme_dir)
@@ -319,7 +325,7 @@ def _fused_adam_failing(on: bool):
     if not on:
         yield
         return
-    from deepspeed.ops.adam.fused_adam import FusedAdam
+    from deepspeed.ops.adam.fused_adam import FusedAdam  # late: DeepSpeed, rank side
 
     original = FusedAdam.__dict__["__init__"]
 
@@ -343,7 +349,6 @@ def head_config(case: Case):
     query heads, the key/value heads and the head width, read from the case's per-head parameters
     (``q_proj`` / ``k_proj`` / ``v_proj`` leaves, one head width). DeepSpeed then decides itself which
     matrices are per-head and with how many heads; the oracle keeps the case's ``num_heads``."""
-    from types import SimpleNamespace
 
     heads = {ps.name.split(".")[-2]: ps for ps in case.params if ps.num_heads}
     widths = {ps.shape[0] // ps.num_heads for ps in heads.values()}
@@ -392,8 +397,6 @@ def _model_hooks(case: Case):
     whose path stays exactly as it was (no buffers, no extra collective)."""
     if not case.model:
         return None, lambda engine: {}
-    from harness.rank import module_runtime as model_rt
-    from harness.models import build_spec
 
     spec = build_spec(case.model, case.seed)
     return model_rt.feeder(case, spec), lambda engine: model_rt.read_buffers(engine.module)
@@ -443,7 +446,6 @@ def warm_rank() -> list[str]:
 
 
 def run_case_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> Trajectory | None:
-    from harness.rank import tp_case
 
     if tp_case.autotp_size(case) > 1:  # AutoTP shards the model: the shard records of harness.rank.tp_case
         return tp_case.run_on_rank(case, rank, world_size, workdir, process_state=ProcessState,
@@ -509,7 +511,6 @@ def _step_reading_at_optimizer_entry(engine, read):
 
 
 def _check_process_group(case: Case, rank: int, world_size: int, capture_mode: str) -> None:
-    import torch.distributed as tdist  # rank side: torch only in a rank
 
     if capture_mode not in capture.CAPTURE_MODES:
         raise ValueError(f"capture_mode {capture_mode!r} is not one of {capture.CAPTURE_MODES}")

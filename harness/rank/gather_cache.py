@@ -37,7 +37,7 @@ class GatherCacheWatch:
             self.opt._muon_allgather_max_buffer_bytes = int(buf)
         if hasattr(self.opt, "_muon_allgather_max_cached_bytes"):
             self.opt._muon_allgather_max_cached_bytes = int(cap)
-        from deepspeed import comm
+        from deepspeed import comm  # late: DeepSpeed, rank side
 
         cur = comm.all_gather_into_tensor
         inside = [False]

@@ -10,6 +10,7 @@ import torch
 
 from harness import models
 from harness.case.synthetic import MODEL_DTYPES
+import torch.distributed as tdist
 
 VARIANT_SEED_STRIDE = 7919  # a checkpoint-resume case loads into a model built from another seed
 
@@ -20,8 +21,7 @@ def zero_init(case, cfg: dict):
     if not case.zero_init:
         yield
         return
-    import deepspeed
-    import torch.distributed as tdist
+    import deepspeed  # late: DeepSpeed, rank side
 
     # zero.Init reads the world size while parsing the config, before it would set up deepspeed.comm
     # itself; a training script (or the HF Trainer) has called deepspeed.init_distributed by then.
@@ -34,7 +34,7 @@ def zero_init(case, cfg: dict):
 def load_full(module: torch.nn.Module, weights: dict, buffers: dict) -> None:
     """Copy full float32 values into every parameter and buffer of ``module``; a ZeRO-3 partitioned
     parameter is gathered, written on rank 0 and re-partitioned (``GatheredParameters``)."""
-    import deepspeed
+    import deepspeed  # late: DeepSpeed, rank side
 
     for n, p in module.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):

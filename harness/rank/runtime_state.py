@@ -8,18 +8,23 @@ from __future__ import annotations
 import json
 
 from harness.env import buildenv
+from harness.env import device
+import importlib
+import ctypes
+import os
+import sys
+from pathlib import Path
 
 
 def install_process_caches() -> None:
-    from harness.env import device
 
     device.install_cpu_fp16_standin()
     install_cpuinfo_cache()
 
 
 def install_cpuinfo_cache() -> None:
-    import cpuinfo
-    import cpuinfo.cpuinfo as inner
+    import cpuinfo  # late: only when the machine is described
+    import cpuinfo.cpuinfo as inner  # late: only when the machine is described
 
     path = buildenv.cpuinfo_cache()
     if path.exists():
@@ -55,7 +60,6 @@ def import_case_modules() -> None:
     cases in ``--full``) no longer pays them per rank (pool start and first case on a 3-rank pool: ~11
     -> ~6 s, loaded machine). Spawned ranks call it at start-up (``bootstrap_rank``), so a case's time
     is its own. Only imports: no op is loaded, no DeepSpeed class patched, no thread started here."""
-    import importlib
 
     global _case_modules_imported
     if _case_modules_imported:  # every pool a parent forks calls it, and a forked rank again at start-up
@@ -87,14 +91,10 @@ def preload_built_ops() -> list[str]:
     from another checkout) relinks that folder's ``.so`` in place, and a rank importing it meanwhile gets
     ``invalid ELF header``. The release folder is the fallback for a cache from before the record.
     """
-    import ctypes
-    import os
-    import sys
-    from pathlib import Path
 
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.ops.op_builder.builder import OpBuilder
-    from torch.utils.cpp_extension import _import_module_from_library
+    from deepspeed.accelerator import get_accelerator  # late: DeepSpeed, rank side
+    from deepspeed.ops.op_builder.builder import OpBuilder  # late: DeepSpeed, rank side
+    from torch.utils.cpp_extension import _import_module_from_library  # late: keeps this module torch-free at import
 
     ext = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not ext:

@@ -29,6 +29,8 @@ import torch
 
 from harness.case.spec import Case
 from harness.case.tp import LINEAR_ATTN, autotp_size, batch, full_weights, geometry, loss_fn, tp_plan
+from types import SimpleNamespace
+import torch.distributed as tdist
 
 class Attention(torch.nn.Module):
     def __init__(self, hidden: int, inner: int, kv_inner: int | None = None):
@@ -86,7 +88,6 @@ def build_model(case: Case) -> TinyLlama:
     module the config describes the softmax layers of a hybrid model: one head per tensor-parallel rank
     over the same rows, which the module's own geometry overrides for per-head Muon; a model that read the
     config there would orthogonalise each rank's heads as one block."""
-    from types import SimpleNamespace
 
     geo = geometry(case)
     model = TinyLlama(geo["hidden"], geo["heads"], geo["head_dim"], geo["attn"], geo["kv_heads"])
@@ -110,7 +111,7 @@ def build_model(case: Case) -> TinyLlama:
 
 
 def _master(p) -> torch.Tensor:
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param  # late: DeepSpeed, rank side
 
     return safe_get_full_fp32_param(p).detach().clone().float().reshape(p.shape)
 
@@ -136,8 +137,7 @@ def run_on_rank(case: Case, rank: int, world_size: int, workdir: Path, *, proces
     per-case machinery, so that this module does not import it back: ``process_state`` (what a case
     must leave as it found it), ``patches`` (the patched runtime and the Muon call recorder, a context
     manager yielding the recorder) and ``config`` (the case's DeepSpeed config on this rank)."""
-    import deepspeed
-    import torch.distributed as tdist
+    import deepspeed  # late: DeepSpeed, rank side
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("RANK", str(rank))

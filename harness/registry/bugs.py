@@ -34,6 +34,10 @@ from harness.registry.releases import measured
 from harness.case import nvme
 from harness.case.spec import Case
 from oracles.layout import zero3_padded_tail
+import oracles
+import torch
+from harness.case.nvme import predict_swapped_subgroups
+from harness import fixes as patched_runtime
 
 
 @dataclass(frozen=True)
@@ -153,8 +157,7 @@ def _fp16_dynamic(c: Case) -> bool:
 
 @functools.lru_cache(maxsize=512)
 def _scale_plan_cached(case_json: str, restart_at):
-    import oracles
-    from harness.judge.verdict import step_config
+    from harness.judge.verdict import step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
     cfg = step_config(c).loss_scaler
@@ -218,11 +221,9 @@ def _z3_padded_tail(c: Case) -> bool:
 @functools.lru_cache(maxsize=128)
 def _max_update_cached(case_json: str) -> tuple:
     """Per step (S used, max|O| over Muon params, skipped) from the float64 oracle run free of DeepSpeed."""
-    import torch
 
-    import oracles
-    from harness.case import synthetic as model_mod
-    from harness.judge.verdict import step_config
+    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
+    from harness.judge.verdict import step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
     sc = step_config(c)
@@ -259,7 +260,6 @@ def _z3_offload_fp16_update_overflows(c: Case) -> bool:
 def _nvme_resume_loses_state(c: Case) -> bool:
     if not (c.stage == 3 and c.offload == "nvme" and _resumes(c)):
         return False
-    from harness.case.nvme import predict_swapped_subgroups
 
     if any(not s["swapped"] for s in predict_swapped_subgroups(c)):
         return True
@@ -272,7 +272,6 @@ def _nvme_resume_model(c: Case) -> dict | None:
     """DSM-010's model: the parameters of the sub-groups that were not swapped hold a fresh engine's state
     after the resume, in-memory Muon momentum is lost, the loss scaler restarts. None (not modelled) for
     a module case (its fresh init is the module's), or where only part of the Adam parameters restart."""
-    from harness.case.nvme import predict_swapped_subgroups
 
     if c.model:
         return None
@@ -880,7 +879,6 @@ def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
 
 def refusals_for(case: Case) -> list[Bug]:
     """Bugs whose patched fix refuses this case (with the text each refusal must carry)."""
-    from harness import fixes as patched_runtime
 
     fixed = set(patched_runtime.fix_names())
     return [b for b in BUGS if b.refused_when_patched and b.fix in fixed and b.trigger(case)]

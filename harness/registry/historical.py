@@ -16,6 +16,13 @@ import os
 from harness.case import nvme
 from harness.case.spec import Case
 from harness.registry.releases import measured
+from harness.env import versions
+from oracles.layout import param_slices
+from oracles.layout import placement
+from harness.env import device
+import torch
+import oracles
+from oracles.momentum import muon_momentum
 
 
 def _has_muon(c: Case) -> bool:
@@ -63,7 +70,6 @@ def groups_flattened() -> bool:
     """Whether the release judged (as measured) flattens user param groups into one Muon and one Adam group
     (DSM-104): the ZeRO-3 deal then runs over all the Muon matrices together (measured: 0.19.6
     z3-none-bf16-ws2-groups and z3-cpu-fp32-ws2-groups crash as DSM-102 says)."""
-    from harness.env import versions
 
     flattening = next(s for s in SPECS if s["id"] == "DSM-104")["releases"]
     return bool(flattening.get(versions.judged_as() or "", False))
@@ -87,7 +93,6 @@ def muon_update_returns_2d_for_4d() -> bool:
 
 def _judged_release_in(lo: str, hi: str) -> bool:
     """Whether the release judged (a measured one; never an unseen release) is in ``[lo, hi)``."""
-    from harness.env import versions
 
     rel = versions.judged_as()
     return rel is not None and versions.in_range(rel, lo, hi)
@@ -118,8 +123,7 @@ def _z12_muon_matrix_straddles(c: Case) -> bool:
     matrices show nothing)."""
     if not _z12_no_offload_muon_ws2(c):
         return False
-    from harness.judge import verdict
-    from oracles.layout import param_slices
+    from harness.judge import verdict  # late: keeps this module numpy-free at import
 
     layout = verdict.layout_for(c, verdict.step_config(c))
     return any(len({s.rank for s in param_slices(layout, p.name)}) > 1 for p in c.params if p.uses_muon)
@@ -160,8 +164,7 @@ def _z3_rounds(c: Case) -> list[list[tuple]]:
     """The shapes of each round of ZeRO-3's one-matrix-per-rank deal before 0.19.8: per sub-group (the
     layout's, ``sub_group_size``), the Muon matrices in the order backward fills the bucket (reverse model
     order), W at a time. Assumes one reduce bucket (the cases' models are far below the default size)."""
-    from harness.judge import verdict
-    from oracles.layout import placement
+    from harness.judge import verdict  # late: keeps this module numpy-free at import
 
     layout = verdict.layout_for(c, verdict.step_config(c))
     W = c.world_size
@@ -183,7 +186,7 @@ def _cpu_fused_adam_l2(c: Case) -> bool:
     """DSM-124's trigger: on the CPU accelerator the engine builds FusedAdam (no optimizer offload, no client
     optimizer: the configured Adam, or Muon's auxiliary Adam), L2 weight decay is asked for
     (``adam_w_mode`` false) and some Adam parameter has weight decay."""
-    from harness.judge import verdict
+    from harness.judge import verdict  # late: keeps this module numpy-free at import
 
     if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu" or c.offload != "none" or c.client_optimizer:
         return False
@@ -197,7 +200,7 @@ def _z12_momentum_split(c: Case) -> bool:
     different momentum on each (and each rank's part of its next update comes from a different momentum)."""
     if not _z12_optimizer(c) or c.world_size < 2 or not _has_muon(c):
         return False
-    from harness.judge import verdict
+    from harness.judge import verdict  # late: keeps this module numpy-free at import
     from oracles.layout import param_slices, rank_segments
 
     layout = verdict.layout_for(c, verdict.step_config(c))
@@ -217,7 +220,6 @@ def _z12_momentum_split(c: Case) -> bool:
 def _passes_group_dicts(c: Case) -> bool:
     """The case's own groups, or a model that declares groups (measured: 0.19.6 moe-z1-cpu-bf16-ws2-standard's
     group lrs are the config's)."""
-    from harness.env import versions
 
     return versions._passes_group_dicts(c)
 
@@ -279,7 +281,6 @@ def _gram_input_flushed(c: Case) -> bool:
     if not (_z12_optimizer(c) and _has_muon(c) and c.dtype in ("fp32", "bf16") and not c.model
             and not any(p.num_heads for p in c.params)):
         return False
-    from harness.env import device
 
     if not device.half_support()[0]:
         return False
@@ -288,12 +289,9 @@ def _gram_input_flushed(c: Case) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _flushed_gram_step(case_json: str) -> bool:
-    import torch
 
-    import oracles
-    from harness.case import synthetic as model_mod
-    from harness.judge.verdict import INTENDED, step_config
-    from oracles.momentum import muon_momentum
+    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
+    from harness.judge.verdict import INTENDED, step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
     sc = step_config(c)

@@ -10,7 +10,7 @@ from typing import Callable
 
 def _retag(rule: Callable) -> Callable[[], None]:
     """Wrap ``deepspeed.set_optimizer_flags`` so that, after it ran, ``use_muon`` is ``rule(name, p)``."""
-    import deepspeed
+    import deepspeed  # late: DeepSpeed, rank side
 
     orig = deepspeed.set_optimizer_flags
 
@@ -61,7 +61,7 @@ INSTALL = {
 
 
 def _tagged(case):
-    from oracles import ParamSpec
+    from oracles import ParamSpec  # late: keeps this module torch-free at import
 
     return [ParamSpec.deepspeed_tagged(p.name, p.shape) for p in case.params]
 
@@ -77,6 +77,6 @@ def catches_embeddings(case) -> bool:
 def catches_groups(case) -> bool:
     if not case.model:
         return False
-    from harness import models
+    from harness import models  # late: keeps this module torch-free at import
 
     return any(g.settings for g in models.build_spec(case.model, case.seed).param_groups)

@@ -33,6 +33,8 @@ import torch
 
 from harness.case.spec import Case, ParamShape
 from oracles.layout import zero3_padded_tail
+from harness import models
+from harness.registry import module_mutants as mutants
 
 # ------------------------------------------------------------------------------------------------
 # plumbing
@@ -63,9 +65,9 @@ def _setattr(owner, attr, new):
 
 
 def _ds_classes():
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # late: DeepSpeed, rank side
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # late: DeepSpeed, rank side
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # late: DeepSpeed, rank side
 
     return DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer
 
@@ -108,10 +110,10 @@ def _bind(args, kwargs) -> dict:
 def _wrap_muon_update(body):
     """Install ``body(inner, a: dict) -> update`` around the current ``original_muon.muon_update``;
     ``a`` holds every argument by name, ``inner(**a)`` calls the wrapped function."""
-    from deepspeed.runtime.zero.muon import original_muon
+    from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
 
     def install():
-        from deepspeed.runtime.zero.muon import muon_optimizer
+        from deepspeed.runtime.zero.muon import muon_optimizer  # late: DeepSpeed, rank side
 
         undos = []
         # Without ZeRO, MuonWithAuxAdam.step calls the binding muon_optimizer took at import.
@@ -154,7 +156,7 @@ def _wrap_method(cls_index: tuple[int, ...], attr: str, make):
 
 def _owned_range(opt, path, loc, grad):
     """This rank's flat element range [lo, hi) of the parameter being orthogonalised, or None."""
-    from deepspeed import comm as dist
+    from deepspeed import comm as dist  # late: DeepSpeed, rank side
 
     n = grad.numel()
     if path == "z12":
@@ -280,7 +282,7 @@ def _padded_tail_range(opt, path, loc, grad):
     lies in a padded partition. ZeRO-3 pads every parameter to a multiple of W, so the padded tail is
     the slice of the rank whose partition the matrix's end cuts short (``oracles.layout.zero3_padded_tail``);
     ZeRO-1/2 pad the group, so the matrix must reach into the last partition of a group that has padding."""
-    from deepspeed import comm as dist
+    from deepspeed import comm as dist  # late: DeepSpeed, rank side
 
     n = grad.numel()
     if path in ("z3", "z3_offload"):
@@ -384,7 +386,7 @@ def _install_norm_excludes_muon():
 
 
 def _install_weight_decay_twice():
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # late: DeepSpeed, rank side
 
     cur = MuonWithAuxAdam.__dict__["step"]
 
@@ -403,7 +405,7 @@ def _install_muon_as_sgd():
     """Without ZeRO, ``MuonWithAuxAdam.step`` takes every Muon weight for an already-orthogonalised flat
     ZeRO partition (its ``p.dim() < 2`` branch): the raw gradient is the update, no momentum, no
     Newton-Schulz -- plain SGD. The ZeRO paths call ``original_muon`` and are untouched."""
-    from deepspeed.runtime.zero.muon import muon_optimizer
+    from deepspeed.runtime.zero.muon import muon_optimizer  # late: DeepSpeed, rank side
 
     def muon_update(grad, momentum, *args, **kwargs):
         return grad
@@ -414,7 +416,7 @@ def _install_muon_as_sgd():
 def _install_groups_flattened():
     """The user's param groups are flattened into one list before Muon builds its halves, so every
     group's own lr / momentum / weight_decay / ns_method is silently replaced by the config's."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine  # late: DeepSpeed, rank side
 
     cur = DeepSpeedEngine.__dict__["_muon_param_groups"].__func__
 
@@ -428,7 +430,7 @@ def _install_groups_flattened():
 def _install_scheduler_stepped_early():
     """The engine steps the lr scheduler before the optimizer step as well as after it, so every step
     runs at the next step's lr (an off-by-one in where the schedule is advanced)."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine  # late: DeepSpeed, rank side
 
     cur = DeepSpeedEngine.__dict__["_take_model_step"]
 
@@ -448,7 +450,7 @@ def _make_skip_muon(cur):
 
 
 def _install_stale_momentum():
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine  # late: DeepSpeed, rank side
 
     cur = DeepSpeedEngine.__dict__["load_checkpoint"]
 
@@ -685,8 +687,8 @@ def _m_beta_offset_small(inner, a):
 def _install_rank_contribution_dropped():
     """The last data-parallel rank's gradient never reaches the reduction (its loss is multiplied by 0
     before the backward), on every path: the average is over W ranks of which one contributes nothing."""
-    from deepspeed import comm as dist
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed import comm as dist  # late: DeepSpeed, rank side
+    from deepspeed.runtime.engine import DeepSpeedEngine  # late: DeepSpeed, rank side
 
     cur = DeepSpeedEngine.__dict__["backward"]
 
@@ -718,7 +720,6 @@ MUTANTS.update({m.name: m for m in (
 
 def _model_mutant(name: str):
     def install():
-        from harness.registry import module_mutants as mutants
 
         return mutants.INSTALL[name]()
     return install
@@ -726,7 +727,6 @@ def _model_mutant(name: str):
 
 def _model_catches(pred: str):
     def catches(case: Case) -> bool:
-        from harness.registry import module_mutants as mutants
 
         return getattr(mutants, pred)(case)
     return catches
@@ -747,7 +747,6 @@ def _model_group_decays_muon(case: Case) -> bool:
     """A model case whose parameter groups give the Muon half a weight decay the config does not."""
     if not case.model:
         return False
-    from harness import models
 
     return any(dict(g.settings).get("weight_decay", 0.0) > 0
                for g in models.build_spec(case.model, case.seed).param_groups)
@@ -778,7 +777,7 @@ def _install_compiled_aspect_truncated():
     the traced graph, False in eager), the aspect scale ``sqrt(rows/cols)`` is taken of the integer
     quotient ``rows // cols``: a tall 6x5 matrix gets scale 1 instead of 1.095, a 7x3 one sqrt(2)
     instead of 1.528. Eager runs are untouched, so only compiled cases can see it."""
-    from deepspeed.runtime.zero.muon import original_muon
+    from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
 
     cur = original_muon._aspect_ratio_scale
 
@@ -810,7 +809,7 @@ def _install_optimizer_state_not_loaded():
     """``load_checkpoint`` restores the module but not the optimizer: as if ``load_optimizer_states``
     defaulted to False, so the Muon momentum, the Adam moments (and, on ZeRO, the fp32 partitions'
     optimizer state) restart from the fresh engine's."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine  # late: DeepSpeed, rank side
 
     cur = DeepSpeedEngine.__dict__["load_checkpoint"]
 
@@ -836,7 +835,7 @@ def _install_muon_flag_per_param_group():
     reads it by sub-group index: with one sub-group per param group nothing changes; with several,
     sub-group k takes param group k's flag (or False past the end), so Muon sub-groups after the first
     skip Newton-Schulz and an Adam sub-group may take Muon."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3  # late: DeepSpeed, rank side
 
     cur = Z3.__dict__["_create_fp16_partitions_with_defragmentation"]
 
@@ -883,7 +882,7 @@ def _install_muon_first_bucket_only():
     ``reduce_bucket_size`` elements (stage3.py _apply_muon_to_accumulated_grads); here only the first
     chunk of each sub-group runs Muon per step, the later ones keep their raw averaged gradient and
     their momentum. With the default bucket (5e8) every sub-group is one chunk and nothing changes."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Z3  # late: DeepSpeed, rank side
 
     apply_cur = Z3.__dict__["_apply_muon_to_accumulated_grads"]
     sub_cur = Z3.__dict__["_muon_update_sub_group"]
@@ -978,8 +977,8 @@ def _install_dp_average_over_world():
     scaled by ``dp / world`` on every rank, so every averaged gradient is ``dp / world`` of the true
     one. With an ``mpu`` (a data-parallel group smaller than the world) this halves the gradient at
     2 x 2; everywhere else ``dp == world`` and it does nothing, so only those cases can kill it."""
-    from deepspeed import comm as dist
-    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed import comm as dist  # late: DeepSpeed, rank side
+    from deepspeed.runtime.engine import DeepSpeedEngine  # late: DeepSpeed, rank side
 
     cur = DeepSpeedEngine.__dict__["backward"]
 

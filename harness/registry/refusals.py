@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.case import dsconfig
+from harness.env import versions
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class DsRefusal:
     lo: str | None = None  # oldest release the refusal was read on (None: any)
 
     def matches(self, traceback: str) -> bool:
-        from harness.registry.bugs import raised_in
+        from harness.registry.bugs import raised_in  # late: keeps this module torch-free at import
 
         file, _, func = self.frame.partition(":")
         return raised_in(traceback, self.etype, self.fragment, func, file=file)
@@ -47,7 +48,7 @@ def _tp_heads_cut(c, cfg: dict) -> bool:
     """An AutoTP case (``harness.case.tp``) whose every per-head shard cuts a head: the linear-attention
     block, whose config gives AutoTP one head per rank (an even split of the rows), with a head width that
     does not divide a rank's rows."""
-    from harness.case import tp as tp_case
+    from harness.case import tp as tp_case  # late: keeps this module torch-free at import
 
     tp = tp_case.autotp_size(c)
     if tp <= 1 or not dsconfig.resolve(cfg).optimizer.per_head_muon:
@@ -60,8 +61,8 @@ def _muon_group_betas(c, cfg: dict) -> set:
     """The momentum of each user param group holding a Muon matrix (its own, else the config's). A release
     that flattens the user's groups (DSM-104, 0.19.2-0.19.6) drops their momentum for the config's: one beta,
     nothing to refuse (measured: both betas-refused cases then crash in the deal as DSM-102 says)."""
-    from harness.registry.historical import groups_flattened
-    from oracles.layout import deepspeed_uses_muon
+    from harness.registry.historical import groups_flattened  # late: keeps this module torch-free at import
+    from oracles.layout import deepspeed_uses_muon  # late: keeps this module torch-free at import
 
     default = dsconfig.resolve(cfg).optimizer.muon.momentum
     if groups_flattened():
@@ -116,7 +117,6 @@ REFUSALS: tuple[DsRefusal, ...] = (
 
 def expected(case) -> list[DsRefusal]:
     """The refusals DeepSpeed (the installed release) must make for this case."""
-    from harness.env import versions
 
     cfg = case.config
     version = versions.installed().version

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.report.results import CheckRow
+import xml.etree.ElementTree as ET
 
 MAX_CELLS = 2048  # heatmap strip cells (max-pooled beyond this)
 HUGE = 1e300  # results store non-finite ratios as +-1e308
@@ -37,7 +38,6 @@ def _svg_of(fig) -> str:
     """The figure as inline SVG: no XML prologue, matplotlib's per-artist ``<g id=..>`` wrappers
     dropped (a third of the bytes), coordinates to 0.01 px, and the ids left (references and our
     own gids) made unique within the page, since many figures share one HTML document."""
-    import xml.etree.ElementTree as ET
 
     buf = io.StringIO()
     fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
@@ -103,7 +103,7 @@ def _svg_of(fig) -> str:
 
 
 def _rc():
-    import matplotlib
+    import matplotlib  # late: only when a plot is drawn
 
     return matplotlib.rc_context({
         "svg.fonttype": "none", "svg.hashsalt": "divergence-report", "svg.image_inline": True,
@@ -258,7 +258,7 @@ def heatmap_svg(ratio, layout: dict | None, *, case: str, param: str, quantity: 
     and, for ZeRO-3, the padding appended after the last element (``padding``). One axes instead
     of four keeps a figure at ~50 ms."""
     from matplotlib.colors import TwoSlopeNorm  # optional dependency: only a report draws
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # late: only when a plot is drawn
 
     h = _heat(ratio, layout, stage, world_size, max_cells)
     title = (f"{case}: {param} {quantity}, step {step}  ({h.n} elements" + (f", {h.pad} padding" if h.pad else "")
@@ -279,7 +279,7 @@ def heatmap_svg(ratio, layout: dict | None, *, case: str, param: str, quantity: 
 def steps_svg(checks: list[CheckRow], *, case: str = "") -> str:
     """One small log-scale panel per quantity with a failing check: worst error (solid) and its
     allowance (dashed) per parameter vs optimizer step; failing points ringed in red."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # late: only when a plot is drawn
 
     failing_q = []
     for c in sorted(checks, key=lambda c: (c.step, -c.worst_ratio)):
@@ -349,8 +349,8 @@ def _ticks(ax, x=(), xlabels=(), y=(), ylabels=(), *, size: float = 7, grid_y: b
     """Ticks drawn as one marker line plus plain texts. Matplotlib's own Tick objects (two lines
     and two texts each, laid out one by one, plus the title/label placement passes they trigger)
     are most of a small figure's cost; a report draws a hundred figures."""
-    from matplotlib.ticker import NullLocator
-    from matplotlib.transforms import offset_copy
+    from matplotlib.ticker import NullLocator  # late: only when a plot is drawn
+    from matplotlib.transforms import offset_copy  # late: only when a plot is drawn
 
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_locator(NullLocator())

@@ -82,7 +82,7 @@ def pytest_configure(config):
     config.stash[_STATE] = {"report": report, "results": results, "writer": writer, "rendered": None}
     if not _is_worker(config) and _runs_tests(config):
         clear_results(results)
-    from harness.report.results import ResultStore
+    from harness.report.results import ResultStore  # late: keeps this module numpy-free at import
 
     try:
         config.stash[RESULT_STORE_KEY] = ResultStore(results, writer=writer)
@@ -94,7 +94,7 @@ def pytest_configure(config):
         config.pluginmanager.register(_XdistHooks(results), "divergence-report-xdist")
     if not _runs_tests(config):
         return
-    from harness.report.build import environment_info, save_extra
+    from harness.report.build import environment_info, save_extra  # late: keeps this module numpy-free at import
 
     env = environment_info(seed=config.getoption("--seed", default=None))
     env["pytest args"] = " ".join(config.invocation_params.args) or "(none)"
@@ -146,7 +146,7 @@ def pytest_sessionfinish(session, exitstatus):
     st = config.stash.get(_STATE, None)
     if st is None or _is_worker(config) or st["report"] is None or not _has_records(st["results"]):
         return
-    from harness.report.build import render
+    from harness.report.build import render  # late: keeps this module numpy-free at import
 
     extra = {}
     if int(exitstatus) not in (0, 5):

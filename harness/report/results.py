@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from harness.case.spec import Case
+import oracles
+from harness.judge.verdict import layout_for, step_config
+from harness.judge.verdict import reproduce_command
 
 STATUSES = ("passed", "failed", "xfailed", "xpassed", "error", "skipped")
 
@@ -127,8 +130,6 @@ def record_key(case: Case, column: str) -> str:
 
 def layout_summary(verdict) -> dict:
     """Per parameter: each rank's slice and the element ranges of each region (for the heatmap)."""
-    import oracles
-    from harness.judge.verdict import layout_for, step_config
 
     sc = step_config(verdict.case)
     lay = layout_for(verdict.case, sc)
@@ -145,7 +146,6 @@ def layout_summary(verdict) -> dict:
 def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, message: str | None = None,
                  swapped_bytes: int | None = None, notes=(), strength: str | None = None
                  ) -> tuple[CaseRecord, dict[str, np.ndarray]]:
-    from harness.judge.verdict import reproduce_command
 
     rows, maps = [], {}
     best_passing: dict[str, object] = {}
@@ -174,7 +174,6 @@ def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, 
 def error_record(case: Case, *, column: str, message: str, seconds: float, bug_ids=(),
                  status: str = "error", strength: str | None = None) -> CaseRecord:
     """A record for an outcome without a verdict: an error, or a case the patched runtime refused."""
-    from harness.judge.verdict import reproduce_command
 
     return CaseRecord(key=record_key(case, column), case_name=case.name, column=column, status=status,
                       bug_ids=list(bug_ids), mode="-", message=message, reproduce=reproduce_command(case),

@@ -17,12 +17,22 @@ from harness.case.spec import Case, ParamShape
 from harness.registry.mutants import MUTANTS
 from harness.registry.mutants import _wd as case_weight_decay  # the mutants' own reading of a case
 from harness.launch.launcher import CaseFailure, Launcher
+from harness.catalog.matrix import GROUP_WD, user_groups
+from harness.case.scenarios import pipeline_case
+from harness.catalog.matrix import SCHEDULE_STEPS, scheduled
+from harness.catalog.matrix import bf16opt_cases
+from harness.catalog.matrix import subgroup_cases
+from harness.catalog.matrix import knob_cases
+from harness.catalog.matrix import gather_cases
+from harness.catalog.matrix import dpgroup_cases
+from harness.catalog.matrix import compiled_cases
+from harness.catalog.models import kill_cases as model_kill_cases
+from harness.launch.pool import PoolManager
+from harness.catalog.matrix import gate_cases
 
 
 def _groups_kill_case() -> Case:
     """ZeRO-2 with the user's param groups (harness.catalog.matrix.user_groups) and weight decay on."""
-    from harness.catalog.matrix import GROUP_WD, user_groups
-    from harness.case.scenarios import pipeline_case
 
     c = pipeline_case(2, "none", "fp32", 2, steps=3, weight_decay=GROUP_WD)
     return c.replace(name=c.name + "-groups", groups=user_groups(2, "none"))
@@ -30,50 +40,42 @@ def _groups_kill_case() -> Case:
 
 def _schedule_kill_case() -> Case:
     """ZeRO-1 under the linear WarmupLR of the matrix (harness.catalog.matrix.SCHEDULES)."""
-    from harness.catalog.matrix import SCHEDULE_STEPS, scheduled
-    from harness.case.scenarios import pipeline_case
 
     return scheduled(pipeline_case(1, "none", "fp32", 2, steps=SCHEDULE_STEPS), "warmup")
 
 
 def _bf16_route_kill_case() -> Case:
     """ZeRO-1 bf16 with fp32 gradient accumulation: the BF16_Optimizer route (harness.catalog.matrix.bf16opt_cases)."""
-    from harness.catalog.matrix import bf16opt_cases
 
     return next(c for c in bf16opt_cases() if c.name == "z1-none-bf16-ws1-gad32")
 
 
 def _subgroups_kill_case() -> Case:
     """ZeRO-3 with one sub-group per matrix (harness.catalog.matrix.subgroup_cases)."""
-    from harness.catalog.matrix import subgroup_cases
 
     return next(c for c in subgroup_cases() if c.name == "z3-none-fp32-ws2-subgroups")
 
 
 def _knob_kill_case() -> Case:
     """ZeRO-3 with one reduce bucket per parameter (harness.catalog.matrix.knob_cases)."""
-    from harness.catalog.matrix import knob_cases
 
     return next(c for c in knob_cases() if c.name == "z3-none-bf16-ws2-knob-buckets")
 
 
 def _gather_kill_case() -> Case:
     """ZeRO-1 CPU offload with lowered all-gather chunk and cache limits (harness.catalog.matrix.gather_cases)."""
-    from harness.catalog.matrix import gather_cases
 
     return next(c for c in gather_cases() if c.name == "z1-cpu-fp32-ws2-gather")
 
 
 def _dpgroup_kill_case() -> Case:
     """ZeRO-1 at world size 4 as 2 model-parallel x 2 data-parallel ranks (harness.catalog.matrix.dpgroup_cases)."""
-    from harness.catalog.matrix import dpgroup_cases
 
     return next(c for c in dpgroup_cases() if c.name == "z1-none-fp32-ws4-mp2")
 
 
 def _compiled_kill_case() -> Case:
     """A compiled ZeRO-1 case with float64 Newton-Schulz (harness.catalog.matrix.compiled_cases)."""
-    from harness.catalog.matrix import compiled_cases
 
     return next(c for c in compiled_cases() if c.name == "z1-none-fp32-ws2-compiled-hpns")
 
@@ -106,7 +108,6 @@ def default_kill_cases() -> list[Case]:
                 ("-wd" if case_weight_decay(c) and not c.groups else "") + \
                 (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
         out.append(c.replace(name=c.name + extra))
-    from harness.catalog.models import kill_cases as model_kill_cases
 
     return out + model_kill_cases()
 
@@ -188,7 +189,6 @@ def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatri
     """Baselines first, then every mutant on every case whose baseline is good. ``baseline(case)``
     says whether the unmutated case is good; ``outcome(case)`` gives (killed, detail) for a mutated
     one. ``manager``: a launcher (a ``PoolManager`` is made and closed if None)."""
-    from harness.launch.pool import PoolManager
 
     own = manager is None
     manager = manager or PoolManager()
@@ -230,7 +230,7 @@ def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched
     """Run every case unmutated (the baseline), then under every mutant; a mutant is killed by a case
     when the verdict fails there and the case passes unmutated. ``patched`` runs everything on the
     patched runtime so the baseline is clean."""
-    from harness.judge.verdict import judge
+    from harness.judge.verdict import judge  # late: keeps this module numpy-free at import
 
     def judged(case, manager):
         try:
@@ -263,7 +263,6 @@ STOCK_KILL_CASES = ("z1-none-bf16-ws2-ga2-clip0.05-standard", "z3-cpu-bf16-ws2-h
 
 
 def stock_kill_cases() -> list[Case]:
-    from harness.catalog.matrix import gate_cases
 
     by_name = {c.name: c for c in gate_cases()}
     return [by_name[n] for n in STOCK_KILL_CASES]
@@ -273,7 +272,7 @@ def stock_kill_matrix(cases, mutants=STOCK_KILL_MUTANTS, manager=None, progress=
     """The kill matrix on the stock column, with the gate's decision (``harness.gate.decide.evaluate``): the
     baseline of a case is good when it passes or is an xfail whose divergence matched its bug model;
     a mutant kills a case when the case then fails (or errors, or the expected bug no longer shows)."""
-    from harness.gate.decide import evaluate
+    from harness.gate.decide import evaluate  # late: keeps this module numpy-free at import
 
     def baseline(c, manager):
         o = evaluate(c.replace(mutant=None), "stock", manager)

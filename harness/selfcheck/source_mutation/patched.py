@@ -33,7 +33,7 @@ def _rel(module: str) -> str:
 def spans(ds_root: Path) -> list[dict]:
     """Every function the patched runtime replaces: file (relative to the package), qualified name,
     first and last line (decorators included), the fixes that need it."""
-    from harness import fixes as patched_runtime
+    from harness import fixes as patched_runtime  # late: keeps this module torch-free at import
 
     by_key: dict[str, dict] = {}
     for fix in patched_runtime.FIXES.values():
