@@ -110,7 +110,7 @@ if __name__ == "__main__":
     buildenv.apply_base_env()
 
 from harness.case.spec import Case, canonical_json  # noqa: E402
-from harness.cli.check_config import BadInput  # noqa: E402
+from harness.cli.check_config import BadInput, ModelFailed  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
 from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
 
@@ -340,31 +340,35 @@ def _report(outcomes, report: str | None, extra: dict):
 
 
 def run_check(args) -> int:
+    """Plan, run, print. Every exit prints its cause in one line (and one JSON object under --json):
+    bad input exits 2 before any rank; a model factory that raised, or the harness itself breaking, exits
+    3 (no verdict, never "diverged")."""
     json_mode = bool(args.json)
     with contextlib.ExitStack() as stack:
         json_out = stack.enter_context(_stdout_to_stderr()) if json_mode else None
         out = _Out(args.quiet, sys.stderr if json_mode else sys.stdout)
-        result = {"config": args.ds_config, "verdict": "bad_input", "exit_code": EXIT_BAD_INPUT}
         try:
             plan = validate(args)
-        except BadInput as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            result["message"] = str(exc)
-            if json_out:
-                json_out.write(json.dumps(result) + "\n")
-            return EXIT_BAD_INPUT
-        try:
             code, result = _execute(plan, args, out)
+        except BadInput as exc:
+            code, result = EXIT_BAD_INPUT, _failure_json(args, "bad_input", EXIT_BAD_INPUT, str(exc))
+        except ModelFailed as exc:
+            code, result = EXIT_RUN_FAILED, _failure_json(args, "error", EXIT_RUN_FAILED, str(exc))
         except Exception as exc:  # the harness itself broke: no verdict, never "diverged"
             import traceback
 
             traceback.print_exc(file=sys.stderr)
-            code = EXIT_RUN_FAILED
-            result = {"config": args.ds_config, "verdict": "error", "exit_code": code,
-                      "message": f"{type(exc).__name__}: {exc}"}
+            code, result = EXIT_RUN_FAILED, _failure_json(args, "error", EXIT_RUN_FAILED,
+                                                          f"{type(exc).__name__}: {exc}")
+        if code in (EXIT_BAD_INPUT, EXIT_RUN_FAILED) and "status" not in result:
+            print(f"error: {result['message']}", file=sys.stderr, flush=True)
         if json_out:
             json_out.write(json.dumps(result) + "\n")
         return code
+
+
+def _failure_json(args, verdict: str, code: int, message: str) -> dict:
+    return {"config": args.ds_config, "verdict": verdict, "exit_code": code, "message": message}
 
 
 def _plan_lines(plan: Plan, bugs: list[dict]) -> list[str]:
@@ -421,7 +425,7 @@ def _run_columns(plan: Plan, columns: list[str], out: _Out) -> dict:
             c, made = _columns_case(plan, col, uid)
             made_dirs += made
             out(f"[{i}/{len(columns)}] {col}: {c.name} start")
-            o = evaluate(c, col, manager)
+            o = _without_unmatched_bugs(evaluate(c, col, manager))
             outcomes[col] = o
             for line in _step_lines(o):
                 out(line)
@@ -431,6 +435,15 @@ def _run_columns(plan: Plan, columns: list[str], out: _Out) -> dict:
         for d in made_dirs:
             shutil.rmtree(d, ignore_errors=True)
     return outcomes
+
+
+def _without_unmatched_bugs(o):
+    """An error outcome names no bug: the gate lists on it every bug the pipeline triggers, but a run
+    that died matched none of them (a crash bug whose signature matched is an xfailed outcome), so a
+    numerical bug id on it would blame the crash on that bug, in the output and in the report."""
+    from dataclasses import replace
+
+    return replace(o, bug_ids=[]) if o.status == "error" else o
 
 
 @dataclass
@@ -509,9 +522,6 @@ class CheckResult:
                 line += f": every quantity within tolerance (worst {_ratio_txt(o.verdict.worst_ratio)}x its allowance)"
             elif o.status == "error":
                 line += ": " + (o.message.splitlines()[0] if o.message else "")
-                if o.bug_ids:
-                    line += "; this pipeline hits known stock DeepSpeed bug " + "; ".join(
-                        _bug_sentence(b) for b in self.bugs if b["id"] in o.bug_ids)
             label = "verdict" if not self.patched else f"verdict ({col})"
             add(f"{label}: {line}", True)
         decisive = self.decisive
