@@ -122,9 +122,10 @@ def check_data_types(cfg: dict) -> None:
     from deepspeed.runtime.config import DtypeEnum
 
     key = "data_types.grad_accum_dtype"
-    value = (cfg.get("data_types") or {}).get("grad_accum_dtype") if isinstance(cfg.get("data_types"), dict) else None
-    if value is None:
-        return
+    ds = view(cfg)
+    if not ds.source(key).startswith("config"):
+        return  # the default: the model dtype
+    value = ds.grad_accum_dtype
     names = sorted(k for k in DtypeEnum._value2member_map_ if isinstance(k, str) and not k.startswith("torch."))
     try:
         DtypeEnum(value)

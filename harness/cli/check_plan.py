@@ -206,15 +206,15 @@ def _model_case(case: Case, args, spec) -> Case:
 
 
 def _resolve_auto(cfg: dict, world_size: int, args, spec, shapes):
-    """Hugging Face "auto" values filled as the Trainer would (harness.case.hf_auto); the hidden size
-    is the named model's, or for --shapes the largest matrix dimension."""
+    """Hugging Face "auto" values filled as the Trainer fills them (harness.case.hf_auto); the hidden
+    size is the named model's, or for --shapes the largest matrix dimension."""
     from harness.case import hf_auto
 
-    try:
-        trainer_args = hf_auto.parse_trainer_args(getattr(args, "trainer_arg", None))
-    except ValueError as e:
-        raise BadInput(str(e)) from None
     hidden = hf_auto.hidden_size_of(spec.module) if spec is not None else None
     if hidden is None:
         hidden = max((max(s) for s in shapes if len(s) >= 2), default=None)
-    return hf_auto.resolve(cfg, world_size, hidden_size=hidden, trainer_args=trainer_args)
+    try:
+        trainer_args = hf_auto.parse_trainer_args(getattr(args, "trainer_arg", None))
+        return hf_auto.resolve(cfg, world_size, hidden_size=hidden, trainer_args=trainer_args)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
