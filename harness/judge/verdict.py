@@ -631,10 +631,12 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             verdict.checks.append(missing(label, "<step>", "capture", s, f"capture note: {note}"))
 
         # Judge DeepSpeed's gradient against the float64 one (only on steps it was finite).
+        judged_grads = set()
         for n in spec:
             if n in forced and bool(torch.isfinite(true_G[n]).all()):
                 a = grad_allowance(case, sc, n, grads, mode, mags, float(rec.params[n].grad_scale))
                 add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(), a if mo is None else mo.grad_allowance(n, a))
+                judged_grads.add(n)
 
         # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count).
         sc_s = step_config(case, state.step_count - state.skipped_steps, conv) if case.schedule else sc
@@ -664,6 +666,10 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
             if n not in forced and not orec.skipped:
                 verdict.checks.append(missing(label, n, "grad", s, "the gradient the optimizer read was not "
                                               "captured, but the oracle applied this step"))
+            elif n not in judged_grads and not orec.skipped:  # captured and applied, so it must be judged
+                verdict.checks.append(missing(label, n, "grad", s, "the gradient was captured and applied, but the "
+                                              "oracle's is not finite (its half-precision backward overflows at "
+                                              "this loss scale): not judged"))
         if not orec.skipped and rec.global_norm is None and reports_global_norm(case):
             verdict.checks.append(missing(label, "<step>", "global_norm", s, "get_global_grad_norm() gave "
                                           "nothing, but the oracle applied this step"))
