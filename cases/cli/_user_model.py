@@ -47,7 +47,7 @@ def broken_keyerror(seed):
 '''
 
 
-def write(folder: Path) -> str:
-    """Write the module into ``folder``; returns its ``--model`` argument."""
-    (folder / f"{MODULE}.py").write_text(SOURCE)
-    return f"{MODULE}:factory"
+def write(folder: Path, module: str = MODULE) -> str:
+    """Write the module into ``folder`` as ``module``; returns its ``--model`` argument."""
+    (folder / f"{module}.py").write_text(SOURCE)
+    return f"{module}:factory"

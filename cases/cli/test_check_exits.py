@@ -95,3 +95,24 @@ def test_a_run_that_died_is_not_blamed_on_a_numerical_bug():
     text = "\n".join(line for line, _ in result.text_lines())
     assert "verdict: ERROR (the run failed; no verdict): rank 0 died with exit code -9" in text
     assert "DSM-001" not in text
+
+
+def test_a_verdict_over_fewer_applied_steps_than_asked_says_so():
+    from types import SimpleNamespace
+
+    from harness.case.spec import Case, ParamShape, canonical_json
+    from harness.cli.check_plan import Plan
+    from harness.gate.decide import Outcome
+
+    case = Case(name="c", params=(ParamShape("w", (8, 4)),), ds_config=canonical_json(_cfg()), steps=3)
+    steps = [SimpleNamespace(step=s, skipped=s < 3) for s in (1, 2, 3)]
+    o = Outcome(case, "stock", "passed", [], "", 1.0, trajectory=SimpleNamespace(steps=steps))
+    assert check.skipped_steps(o) == [1, 2]
+    result = check.CheckResult(plan=Plan("config.json", case, [], [], 1.0), columns=["stock"],
+                               outcomes={"stock": o}, bugs=[], report_path=None, report_note="--no-report",
+                               reproduce="r")
+    verdict = next(line for line, _ in result.text_lines() if line.startswith("verdict: "))
+    assert "[over 1 applied step(s) of 3 asked: step(s) 1, 2 skipped on overflow" in verdict
+    applied = Outcome(case, "stock", "passed", [], "", 1.0,
+                      trajectory=SimpleNamespace(steps=[SimpleNamespace(step=s, skipped=False) for s in (1, 2, 3)]))
+    assert check.applied_steps_text(applied) == ""
