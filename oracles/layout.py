@@ -80,6 +80,17 @@ def deepspeed_uses_muon(name: str, shape: Sequence[int]) -> bool:
     return len(tuple(shape)) >= 2 and not any(k in low for k in ADAM_NAME_PARTS)
 
 
+def deepspeed_muon_reason(name: str, shape: Sequence[int]) -> str:
+    """Why ``deepspeed_uses_muon`` decides as it does for this parameter, in words a user can check
+    against their model (an output projection without ``lm_head`` in its name goes to Muon)."""
+    hit = [k for k in ADAM_NAME_PARTS if k in name.lower()]
+    if len(tuple(shape)) < 2:
+        return f"{len(tuple(shape))}-D: Adam"
+    if hit:
+        return f"its name contains {hit[0]!r}: Adam, whatever its shape"
+    return f"{len(tuple(shape))}-D and no {' or '.join(repr(k) for k in ADAM_NAME_PARTS)} in its name: Muon"
+
+
 def zero3_padded_tail(numel: int, world_size: int) -> Optional[tuple[int, int]]:
     """The elements ``[lo, hi)`` of a ZeRO-3 parameter that share a rank's partition with padding,
     or None when no rank holds data and padding together.

@@ -111,7 +111,7 @@ def test_example_zero1_fp32_passes_via_torchrun_with_json_and_report(tmp_path):
     assert out["pipeline"]["stage"] == 1 and out["pipeline"]["dtype"] == "fp32"
     assert set(out["worst_ratio"]) >= {"grad", "momentum", "update", "master", "model"}
     assert all(isinstance(v, float) and v <= 1.0 for v in out["worst_ratio"].values())
-    assert out["reproduce"].startswith(".venv/bin/python -m harness run --case ")
+    assert out["reproduce"].startswith(f"PYTHONPATH={ROOT} {sys.executable} -m harness run --case ")
     assert any("batch sizes rewritten for the harness's world size 2" in n for n in out["rewrites"])
     assert any("scheduler WarmupLR kept" in n for n in out["rewrites"])
     # train_batch_size 64 (for 8 ranks) -> micro 8 x accumulation 1 x 2 ranks

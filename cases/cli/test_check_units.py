@@ -224,3 +224,29 @@ def test_check_warns_of_keys_deepspeed_does_not_know():
                         ("train_mirco_batch_size_per_gpu", constants.TRAIN_MICRO_BATCH_SIZE_PER_GPU)):
         assert any(f"warning: {typo} " in ln and f"did you mean {meant}?" in ln for ln in lines), typo
     assert check.unknown_key_lines(Case(name="x", params=(), ds_config=canonical_json(_cfg()))) == []
+
+
+def test_nvme_planning_of_a_module_case_with_an_embedding(tmp_path, monkeypatch):
+    """A module case on ZeRO-3 NVMe is planned from the module's own parameter order: the names a real
+    model has (``embed_tokens``, ``lm_head``) are ones the synthetic model refuses, so building it to
+    learn the order would crash the check before any rank starts."""
+    from harness.case import nvme
+    from harness.case.spec import Case, canonical_json
+    from harness.cli import check
+
+    from cases.cli import _user_model
+    from harness import models
+
+    cfg = _cfg(fp16={"enabled": True}, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+               train_batch_size=2,
+               zero_optimization={"stage": 3, "reduce_scatter": False, "offload_optimizer": {"device": "nvme"}})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = _user_model.write(tmp_path)
+    params = models.param_shapes(models.build_spec(model, 0))
+    case = Case(name="x", params=params, ds_config=canonical_json(cfg), model=model, world_size=2)
+    subs = nvme.predict_swapped_subgroups(case)
+    assert [s["params"] for s in subs] == [["out_proj.weight", "hidden.weight"],
+                                           ["embed.weight", "hidden.bias"]]
+    assert "DSM-001" in {b["id"] for b in check.known_bug_info(case)}
+    with pytest.raises(ValueError, match="embed"):  # the synthetic model still refuses the names
+        nvme.predict_swapped_subgroups(case.replace(model=None))

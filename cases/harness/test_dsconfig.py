@@ -164,6 +164,9 @@ RAW_EXCEPTIONS = {
     ("harness/case/dsconfig.py", "*"): "the view itself",
     ("harness/catalog/matrix.py", "*"): "case builders: copy a section to write a variant of it",
     ("harness/case/hf_auto.py", "resolve"): "fills the user's \"auto\" values in place from TrainingArguments",
+    ("harness/case/hf_auto.py", "_num_training_steps"): "reads a concrete total_num_steps beside the \"auto\" ones, "
+                                                        "before the config can be resolved",
+    ("harness/case/hf_auto.py", "_check_schedule"): "validates the scheduler section just filled from \"auto\"",
     ("harness/cli/check_plan.py", "_rewrite"): "rewrites the user's config for the harness (an explicit "
                                                "sub_group_size scaled, per_head_muon removed)",
     ("harness/cli/check.py", "_columns_case"): "writes the private NVMe sub-folder into the user's section",

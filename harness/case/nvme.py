@@ -75,7 +75,7 @@ def predict_swapped_subgroups(case: Case, model_order: list[str] | None = None) 
     swap them. Empty for stages 1/2 or without nvme optimizer offload.
 
     ``model_order`` is the order of ``model.named_parameters()`` (Adam group order); defaults to
-    the declaration order (``harness.case.synthetic`` registers root-level parameters first).
+    that of the model the case runs (``_model_order``).
     """
     if case.stage != 3 or case.offload != "nvme":
         return []
@@ -109,7 +109,12 @@ def predict_swapped_subgroups(case: Case, model_order: list[str] | None = None) 
 
 
 def _model_order(case: Case) -> list[str]:
-    """Order of ``harness.case.synthetic.build_model(case).named_parameters()`` without building it."""
+    """The ``named_parameters()`` order of the model the case runs. A module case (``case.model``)
+    declares its parameters in that order already (``harness.models.param_shapes``), and its names
+    (``embed_tokens``, ``lm_head``) are ones the synthetic model refuses, so it is never built for one;
+    a synthetic case's order is that of ``harness.case.synthetic.build_model``."""
+    if case.model:
+        return [p.name for p in case.params]
     from harness.case.synthetic import build_model
 
     return [n for n, _ in build_model(case).named_parameters()]

@@ -94,6 +94,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -110,7 +111,7 @@ if __name__ == "__main__":
     buildenv.apply_base_env()
 
 from harness.case.spec import Case, canonical_json  # noqa: E402
-from harness.cli.check_config import BadInput  # noqa: E402
+from harness.cli.check_config import BadInput, ModelFailed  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
 from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
 from harness.cli.parser import add_check_arguments  # noqa: E402
@@ -280,6 +281,15 @@ def resolved_lines(case: Case) -> list[str]:
     return [f"    {s.key} = {s.value!r}  ({s.source})" for s in ds.settings if _shown(s, ds)]
 
 
+def param_rows(case: Case) -> list[tuple[str, str, str, str]]:
+    """(name, shape, "Muon"/"Adam", why) per parameter of the case, in model order: a user sees which of
+    their parameters DeepSpeed put on Muon (``oracles.layout.deepspeed_uses_muon``) and why."""
+    from oracles.layout import deepspeed_muon_reason
+
+    return [(p.name, _fmt_shape(p.shape), "Muon" if p.uses_muon else "Adam", deepspeed_muon_reason(p.name, p.shape))
+            for p in case.params]
+
+
 def unknown_key_lines(case: Case) -> list[str]:
     """A warning for each key of the config the installed DeepSpeed does not know: DeepSpeed ignores an
     unknown top-level key without a word, so a misspelt ``gradient_clipping`` runs at the default."""
@@ -323,7 +333,7 @@ def _report(outcomes, report: str | None, extra: dict):
         return None, "--no-report"
     from harness.gate import decide as gate
     from harness.report import results
-    from harness.report.build import render
+    from harness.report.build import render, save_extra
 
     report_path = Path(report)
     results_dir = report_path.with_name(report_path.stem + "-results")
@@ -332,6 +342,7 @@ def _report(outcomes, report: str | None, extra: dict):
         store = results.ResultStore(results_dir, writer="check")
         for o in outcomes:
             gate.record(store, o)
+        save_extra(results_dir, extra, name="check")  # a rebuilt report (python -m harness report) leads alike
         out = render(results_dir, report_path, extra=extra)
         return str(out or report_path), None
     except Exception as exc:  # a broken report must not change the verdict
@@ -339,31 +350,35 @@ def _report(outcomes, report: str | None, extra: dict):
 
 
 def run_check(args) -> int:
+    """Plan, run, print. Every exit prints its cause in one line (and one JSON object under --json):
+    bad input exits 2 before any rank; a model factory that raised, or the harness itself breaking, exits
+    3 (no verdict, never "diverged")."""
     json_mode = bool(args.json)
     with contextlib.ExitStack() as stack:
         json_out = stack.enter_context(_stdout_to_stderr()) if json_mode else None
         out = _Out(args.quiet, sys.stderr if json_mode else sys.stdout)
-        result = {"config": args.ds_config, "verdict": "bad_input", "exit_code": EXIT_BAD_INPUT}
         try:
             plan = validate(args)
-        except BadInput as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            result["message"] = str(exc)
-            if json_out:
-                json_out.write(json.dumps(result) + "\n")
-            return EXIT_BAD_INPUT
-        try:
             code, result = _execute(plan, args, out)
+        except BadInput as exc:
+            code, result = EXIT_BAD_INPUT, _failure_json(args, "bad_input", EXIT_BAD_INPUT, str(exc))
+        except ModelFailed as exc:
+            code, result = EXIT_RUN_FAILED, _failure_json(args, "error", EXIT_RUN_FAILED, str(exc))
         except Exception as exc:  # the harness itself broke: no verdict, never "diverged"
             import traceback
 
             traceback.print_exc(file=sys.stderr)
-            code = EXIT_RUN_FAILED
-            result = {"config": args.ds_config, "verdict": "error", "exit_code": code,
-                      "message": f"{type(exc).__name__}: {exc}"}
+            code, result = EXIT_RUN_FAILED, _failure_json(args, "error", EXIT_RUN_FAILED,
+                                                          f"{type(exc).__name__}: {exc}")
+        if code in (EXIT_BAD_INPUT, EXIT_RUN_FAILED) and "status" not in result:
+            print(f"error: {result['message']}", file=sys.stderr, flush=True)
         if json_out:
             json_out.write(json.dumps(result) + "\n")
         return code
+
+
+def _failure_json(args, verdict: str, code: int, message: str) -> dict:
+    return {"config": args.ds_config, "verdict": verdict, "exit_code": code, "message": message}
 
 
 def _plan_lines(plan: Plan, bugs: list[dict]) -> list[str]:
@@ -383,8 +398,9 @@ def _plan_lines(plan: Plan, bugs: list[dict]) -> list[str]:
                      f"ZeRO-3 padded partitions {list(padded_ranks(na, W)) or 'none'} -> "
                      f"{list(padded_ranks(nb, W)) or 'none'}")
     n_muon = sum(1 for p in case.params if p.uses_muon)
-    lines.append(f"    {len(case.params)} tensors: {n_muon} Muon matri{'x' if n_muon == 1 else 'ces'}, "
-                 f"{len(case.params) - n_muon} Adam vector{'' if len(case.params) - n_muon == 1 else 's'}")
+    lines.append(f"    {len(case.params)} tensors: {n_muon} on Muon, {len(case.params) - n_muon} on Adam "
+                 "(DeepSpeed's rule, per parameter):")
+    lines += [f"      {name:40s} {shape:>12s}  {opt:4s}  {why}" for name, shape, opt, why in param_rows(case)]
     lines.append("  resolved settings (value, and where it comes from):")
     lines += resolved_lines(case)
     lines.append("  config rewritten for the harness:")
@@ -420,7 +436,7 @@ def _run_columns(plan: Plan, columns: list[str], out: _Out) -> dict:
             c, made = _columns_case(plan, col, uid)
             made_dirs += made
             out(f"[{i}/{len(columns)}] {col}: {c.name} start")
-            o = evaluate(c, col, manager)
+            o = _without_unmatched_bugs(evaluate(c, col, manager))
             outcomes[col] = o
             for line in _step_lines(o):
                 out(line)
@@ -430,6 +446,33 @@ def _run_columns(plan: Plan, columns: list[str], out: _Out) -> dict:
         for d in made_dirs:
             shutil.rmtree(d, ignore_errors=True)
     return outcomes
+
+
+def skipped_steps(o) -> list[int]:
+    """The steps of the outcome's run that DeepSpeed skipped (fp16 overflow)."""
+    traj = o.trajectory
+    return [] if traj is None else [rec.step for rec in traj.steps if rec.skipped]
+
+
+def applied_steps_text(o) -> str:
+    """What a verdict covers when the optimizer applied fewer steps than asked (overflow skips): a step
+    DeepSpeed skipped judges the skip and the loss scale, not the update, so "every quantity within
+    tolerance" over one applied step of three is a weaker statement than it reads."""
+    skipped = skipped_steps(o)
+    if not skipped:
+        return ""
+    asked = o.case.steps
+    return (f" [over {len(o.trajectory.steps) - len(skipped)} applied step(s) of {asked} asked: step(s) "
+            f"{', '.join(map(str, skipped))} skipped on overflow; raise --steps, or lower fp16.initial_scale_power]")
+
+
+def _without_unmatched_bugs(o):
+    """An error outcome names no bug: the gate lists on it every bug the pipeline triggers, but a run
+    that died matched none of them (a crash bug whose signature matched is an xfailed outcome), so a
+    numerical bug id on it would blame the crash on that bug, in the output and in the report."""
+    from dataclasses import replace
+
+    return replace(o, bug_ids=[]) if o.status == "error" else o
 
 
 @dataclass
@@ -508,11 +551,8 @@ class CheckResult:
                 line += f": every quantity within tolerance (worst {_ratio_txt(o.verdict.worst_ratio)}x its allowance)"
             elif o.status == "error":
                 line += ": " + (o.message.splitlines()[0] if o.message else "")
-                if o.bug_ids:
-                    line += "; this pipeline hits known stock DeepSpeed bug " + "; ".join(
-                        _bug_sentence(b) for b in self.bugs if b["id"] in o.bug_ids)
             label = "verdict" if not self.patched else f"verdict ({col})"
-            add(f"{label}: {line}", True)
+            add(f"{label}: {line}{applied_steps_text(o)}", True)
         decisive = self.decisive
         if decisive.status == "error" and decisive.message:
             tail = decisive.message.splitlines()[-15:]
@@ -549,6 +589,7 @@ class CheckResult:
             "resolved": {s.key: {"value": list(s.value) if isinstance(s.value, tuple) else s.value,
                                  "source": s.source} for s in case.ds.settings},
             "unknown_keys": [{"key": u.key, "closest": u.closest} for u in case.ds.unknown_keys],
+            "skipped_steps": skipped_steps(decisive),
             "worst_ratio": {q: _finite(v) for q, v in worst.items()},
             "first_divergence": None if first is None else {
                 "param": first.param, "quantity": first.quantity, "step": first.step,
@@ -573,7 +614,6 @@ def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out
     """Run a validated plan (stock, and patched when asked), write the report, return the result.
     Progress goes to ``out`` as it happens; the summary is the result's to render."""
     from harness.cli.main_job import environment
-    from harness.judge.verdict import reproduce_command
 
     bugs = known_bug_info(plan.case)
     for line in _plan_lines(plan, bugs):
@@ -589,14 +629,55 @@ def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out
             if b["id"] in s.bug_ids and s.status == "xfailed":
                 b["observed_fixed_by_patched"] = _exit_of(p.status) == EXIT_OK
     decisive = outcomes[columns[-1]]
-    extra = {"environment": environment(),
-             "check": {"config": plan.config_path, "notes": plan.notes,
-                       "shapes": [_fmt_shape(s) for s in plan.run_shapes]},
-             "elapsed_s": time.perf_counter() - t_all}
+    result = CheckResult(plan, columns, outcomes, bugs, None, None, check_reproduce(decisive.case))
+    extra = {"environment": environment(), "check": report_facts(result), "elapsed_s": time.perf_counter() - t_all}
     if report is None and not no_report:
         report = str(buildenv.PROJECT_ROOT / "reports" / f"{decisive.case.name}.html")
-    report_path, report_note = _report(list(outcomes.values()), None if no_report else report, extra)
-    return CheckResult(plan, columns, outcomes, bugs, report_path, report_note, reproduce_command(decisive.case))
+    result.report_path, result.report_note = _report(list(outcomes.values()), None if no_report else report, extra)
+    return result
+
+
+def report_facts(result: CheckResult) -> dict:
+    """What the check's report leads with (``harness.report.html``): the verdict exactly as the CLI
+    prints it, the config, each resolved value with its source, the rewrites and the parameter table."""
+    case = result.plan.case
+    return {"config": str(Path(result.plan.config_path).resolve()),
+            "exit_code": result.exit_code,
+            "verdict_lines": [line for line, _ in result.text_lines() if line.startswith("verdict")],
+            "resolved": [[s.key, repr(s.value), s.source] for s in case.ds.settings if _shown(s, case.ds)],
+            "unknown_keys": unknown_key_lines(case),
+            "notes": result.plan.notes,
+            "params": [list(row) for row in param_rows(case)],
+            "shapes": [_fmt_shape(s) for s in result.plan.run_shapes]}
+
+
+def check_reproduce(case: Case) -> str:
+    """The command that reruns exactly this case from any directory: this interpreter by its absolute
+    path, and on ``PYTHONPATH`` the project and, for a user's ``--model package.module:factory``, the
+    folder it is imported from (the ranks of the rerun import it again)."""
+    paths = [str(buildenv.PROJECT_ROOT)] + ([d] if (d := _model_import_root(case.model)) else [])
+    return (f"PYTHONPATH={shlex.quote(os.pathsep.join(dict.fromkeys(paths)))} {shlex.quote(sys.executable)} "
+            f"-m harness run --case {shlex.quote(case.to_json())}")
+
+
+def _model_import_root(model: str | None) -> str | None:
+    """The folder a ``package.module:factory`` is imported from (None for a built-in, or a module of an
+    installed package, which is importable anyway)."""
+    import importlib.util
+    import sysconfig
+
+    from harness import models
+
+    if not model or model in models.BUILTIN:
+        return None
+    mod_name = models.factory_path(model).partition(":")[0]
+    spec = importlib.util.find_spec(mod_name.split(".")[0])
+    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
+        return None
+    origin = Path(spec.origin).resolve()
+    root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
+    site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    return None if root in site else str(root)
 
 
 def _execute(plan: Plan, args, out: _Out) -> tuple[int, dict]:

@@ -37,6 +37,11 @@ class BadInput(Exception):
     """Input the check refuses, with a message that says what and where."""
 
 
+class ModelFailed(Exception):
+    """The user's model factory raised while the check planned the run: nothing to judge (exit 3), and
+    no input of ours to blame."""
+
+
 
 def _no_duplicates(pairs):
     d = {}
@@ -98,6 +103,8 @@ def check_optimizer(cfg: dict) -> None:
     for k in NUMERIC_OPT_KEYS:
         if k in params and not _is_num(params[k]):
             raise BadInput(f"optimizer.params.{k}: {params[k]!r} is not a number")
+        if k in params and params[k] < 0:  # torch.optim refuses these too ("Invalid learning rate: -0.02")
+            raise BadInput(f"optimizer.params.{k}: {params[k]!r} is negative (the optimizer refuses it)")
     if "betas" in params:
         b = params["betas"]
         if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_num(x) for x in b)):
@@ -106,6 +113,25 @@ def check_optimizer(cfg: dict) -> None:
     if ns is not None and ns not in NS_METHODS:
         raise BadInput(f"optimizer.params.ns_method: {ns!r} is not one of {list(NS_METHODS)} "
                        "(MuonWithAuxAdam asserts this in deepspeed.initialize)")
+
+
+def check_data_types(cfg: dict) -> None:
+    """``data_types.grad_accum_dtype``: DeepSpeed's config model takes any string and only
+    ``deepspeed.initialize`` converts it (``engine.get_data_types``: ``DtypeEnum(value)``), so a name it
+    does not know would start every rank before failing."""
+    from deepspeed.runtime.config import DtypeEnum
+
+    key = "data_types.grad_accum_dtype"
+    ds = view(cfg)
+    if not ds.source(key).startswith("config"):
+        return  # the default: the model dtype
+    value = ds.grad_accum_dtype
+    names = sorted(k for k in DtypeEnum._value2member_map_ if isinstance(k, str) and not k.startswith("torch."))
+    try:
+        DtypeEnum(value)
+    except (ValueError, TypeError):
+        raise BadInput(f"{key}: {value!r} is not a dtype DeepSpeed knows (one of {names}); deepspeed.initialize "
+                       "would raise ValueError") from None
 
 
 def check_zero(cfg: dict) -> int:

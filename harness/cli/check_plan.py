@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.case.spec import NVME_PATH_PLACEHOLDER, Case, canonical_json
-from harness.cli.check_config import (BadInput, _is_num, _nvme_sections, _pos_int_or_none, check_no_auto,
+from harness.cli.check_config import (BadInput, ModelFailed, _is_num, _nvme_sections, _pos_int_or_none,
+                                      check_data_types, check_no_auto,
                                       check_optimizer, check_writable_dir, check_zero, deepspeed_validate,
                                       load_config, view)
 from harness.cli.check_shapes import _fmt_shape, build_params, parse_shapes, scale_shapes
@@ -129,12 +130,15 @@ def validate(args) -> Plan:
         raise BadInput(f"--world-size {W}: this machine cannot host it ({why})")
     if not 1 <= args.steps <= MAX_STEPS:
         raise BadInput(f"--steps {args.steps}: expected 1..{MAX_STEPS}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise BadInput(f"--timeout {args.timeout:g}: expected a positive number of seconds")
     spec = _model_spec(args)  # --model: a real module instead of --shapes (harness.models)
     requested = parse_shapes(args.shapes) if spec is None else [tuple(p.shape) for p in spec.module.parameters()]
     cfg = load_config(args.ds_config)
     cfg, auto_notes = _resolve_auto(cfg, W, args, spec, requested)
     check_optimizer(cfg)
     check_zero(cfg)
+    check_data_types(cfg)
     check_no_auto(cfg)
     nvme_user = {}
     for key, off in _nvme_sections(cfg):
@@ -177,6 +181,8 @@ def _model_spec(args):
         raise BadInput(f"--model {name}: {e}") from None
     except (ValueError, TypeError, AttributeError, RuntimeError) as e:
         raise BadInput(f"--model {name}: {e}") from None
+    except Exception as e:  # the user's factory itself failed (a missing file, a missing key): no run
+        raise ModelFailed(f"--model {name}: the model factory raised {type(e).__name__}: {e}") from None
     return spec
 
 
@@ -200,15 +206,15 @@ def _model_case(case: Case, args, spec) -> Case:
 
 
 def _resolve_auto(cfg: dict, world_size: int, args, spec, shapes):
-    """Hugging Face "auto" values filled as the Trainer would (harness.case.hf_auto); the hidden size
-    is the named model's, or for --shapes the largest matrix dimension."""
+    """Hugging Face "auto" values filled as the Trainer fills them (harness.case.hf_auto); the hidden
+    size is the named model's, or for --shapes the largest matrix dimension."""
     from harness.case import hf_auto
 
-    try:
-        trainer_args = hf_auto.parse_trainer_args(getattr(args, "trainer_arg", None))
-    except ValueError as e:
-        raise BadInput(str(e)) from None
     hidden = hf_auto.hidden_size_of(spec.module) if spec is not None else None
     if hidden is None:
         hidden = max((max(s) for s in shapes if len(s) >= 2), default=None)
-    return hf_auto.resolve(cfg, world_size, hidden_size=hidden, trainer_args=trainer_args)
+    try:
+        trainer_args = hf_auto.parse_trainer_args(getattr(args, "trainer_arg", None))
+        return hf_auto.resolve(cfg, world_size, hidden_size=hidden, trainer_args=trainer_args)
+    except ValueError as e:
+        raise BadInput(str(e)) from None

@@ -246,13 +246,30 @@ def capture_notes(run: Run, rec, s: int) -> bool:
     return rank_split
 
 
-def check_gradients(run: Run, rec, s: int, forced: dict, true_G: dict, grads, mags) -> None:
-    """DeepSpeed's gradient against the float64 one (only on steps it was finite)."""
+def check_gradients(run: Run, rec, s: int, forced: dict, true_G: dict, grads, mags) -> set[str]:
+    """DeepSpeed's gradient against the float64 one where that is finite; returns the captured gradients
+    left unjudged because the oracle's is not (``unjudged_gradients`` fails them if the step applied)."""
+    unjudged = set()
     for n in run.spec:
-        if n in forced and bool(torch.isfinite(true_G[n]).all()):
-            a = grad_allowance(run.case, run.sc, n, grads, run.mode, mags, float(rec.params[n].grad_scale))
-            run.add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(),
-                    a if run.mo is None else run.mo.grad_allowance(n, a))
+        if n not in forced:
+            continue
+        if not bool(torch.isfinite(true_G[n]).all()):
+            unjudged.add(n)
+            continue
+        a = grad_allowance(run.case, run.sc, n, grads, run.mode, mags, float(rec.params[n].grad_scale))
+        run.add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(),
+                a if run.mo is None else run.mo.grad_allowance(n, a))
+    return unjudged
+
+
+def unjudged_gradients(run: Run, unjudged: set[str], orec, s: int) -> None:
+    """A gradient captured on a step the oracle applied, but not judged, is a failed check: a verdict
+    over fewer quantities than were captured must not read as a pass."""
+    if orec.skipped:
+        return
+    for n in sorted(unjudged):
+        run.missing(n, "grad", s, "the gradient was captured and applied, but the oracle's is not finite (its "
+                    "half-precision backward overflows at this loss scale): not judged")
 
 
 def check_group_lrs(run: Run, rec, s: int, expected: dict) -> None:

@@ -471,7 +471,7 @@ def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: 
     # forcing; oracles.step ``norm_directions``), unless ranks kept different copies of an update.
     own_updates = {n: checks._t(ps.update) for n, ps in rec.params.items() if ps.update is not None}
     rank_split = checks.capture_notes(run, rec, s)
-    checks.check_gradients(run, rec, s, forced, true_G, grads, mags)
+    unjudged = checks.check_gradients(run, rec, s, forced, true_G, grads, mags)
     # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count); the
     # replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input. A model-parallel
     # replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
@@ -482,6 +482,7 @@ def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: 
                                           norm_directions=None if rank_split else own_updates)
     checks.check_group_lrs(run, rec, s, expected_group_lrs(case, sc_s))
     checks.check_step(run, rec, orec, s, forced)
+    checks.unjudged_gradients(run, unjudged, orec, s)
     for n, ps in rec.params.items():
         checks.check_param(run, n, ps, orec, state, s, feed[n])
     if run.mo is not None:

@@ -39,7 +39,11 @@ strip, the colour bar) embedded as small PNGs, so ~40 failing cases stay well un
                     "killed_by": ["case-a"]}, ...],
      "mutation_cases": ["case-a", "case-b"],                      # column order when killed is a list
      "notes": ["free text", ...],
-     "verdict_reasons": ["extra reason the run failed", ...]}     # any entry makes the verdict FAIL
+     "verdict_reasons": ["extra reason the run failed", ...],    # any entry makes the verdict FAIL
+     "check": {"verdict_lines": [...], "exit_code": 1, "config": "/abs/config.json",
+               "resolved": [[key, value, source], ...], "unknown_keys": [...], "notes": [...],
+               "params": [[name, shape, "Muon"|"Adam", why], ...]}}  # python -m harness check: the page
+                                                                     # leads with the check's verdict, not PASS/FAIL
 """
 from __future__ import annotations
 

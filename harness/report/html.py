@@ -84,7 +84,10 @@ def build_html(records: list[CaseRecord], maps_for, *, title: str | None = None,
     verdict_ok, reasons = _verdict(main, mutations, extra)
 
     parts = [_head(title), "<body>"]
-    parts.append(_verdict_block(title, verdict_ok, reasons, main, source))
+    if extra.get("check"):  # a check's page leads with the check's own verdict, as the CLI printed it
+        parts.append(_check_block(title, extra["check"], main, source))
+    else:
+        parts.append(_verdict_block(title, verdict_ok, reasons, main, source))
     parts.append(_nav(main, mutations))
     parts.append(_counts_block(main))
     parts.append(_failure_list(main, anchors))
@@ -156,6 +159,33 @@ def _verdict_block(title, ok, reasons, main, source) -> str:
             f"<div class='verdict-line'><span class='vword'>{word}</span> <span class='why'>{_e(why)}</span></div>"
             f"<div class='sub'>{len(main)} outcome(s), {total_s:.1f} s of case time; results: "
             f"<code>{_e(source)}</code></div></header>")
+
+
+def _check_block(title, facts: dict, main, source) -> str:
+    """The head of a ``python -m harness check`` report: the CLI's verdict lines and exit code (the
+    gate's PASS means "as expected", and a known bug diverging is expected there, but not to a user
+    whose config it hits), then the config path, each resolved value with its source, the rewrites and
+    which parameters went to Muon or Adam, and why."""
+    code = facts.get("exit_code")
+    cls = "pass" if code == 0 else "fail"
+    lines = facts.get("verdict_lines") or ["verdict: (none recorded)"]
+    head = "".join(f"<div class='verdict-line'><span class='why'>{_e(v)}</span></div>" for v in lines)
+    total_s = sum(r.seconds for r in main if math.isfinite(r.seconds))
+
+    def table(cols, rows) -> str:
+        return ("<table class='checks'><thead><tr>" + "".join(f"<th>{_e(c)}</th>" for c in cols) + "</tr></thead>"
+                "<tbody>" + "".join("<tr>" + "".join(f"<td>{_e(x)}</td>" for x in row) + "</tr>" for row in rows)
+                + "</tbody></table>")
+
+    body = [f"<p>config: <code>{_e(facts.get('config', ''))}</code>; exit code {_e(code)}</p>"]
+    body += [f"<p class='hint'>{_e(w.strip())}</p>" for w in facts.get("unknown_keys", [])]
+    body.append("<h3>Resolved settings</h3>" + table(("key", "value", "source"), facts.get("resolved", [])))
+    body.append("<h3>Config rewritten for the harness</h3><ul>"
+                + "".join(f"<li>{_e(n)}</li>" for n in facts.get("notes", [])) + "</ul>")
+    body.append("<h3>Parameters</h3>" + table(("name", "shape", "optimizer", "why"), facts.get("params", [])))
+    return (f"<header class='verdict {cls}' id='verdict'><h1>{_e(title)}</h1>{head}"
+            f"<div class='sub'>{len(main)} outcome(s), {total_s:.1f} s of case time; results: "
+            f"<code>{_e(source)}</code></div></header><section id='check'>" + "".join(body) + "</section>")
 
 
 def _counts_block(main) -> str:
