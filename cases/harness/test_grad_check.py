@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import oracles
-from harness.case import synthetic as model_mod
+from harness.case import synthetic
 from harness.judge.compare import compare_arrays
 from harness.catalog.matrix import _case
 from harness.judge.verdict import grad_allowance, grad_store_dtype, step_config
@@ -29,8 +29,8 @@ LAYOUTS = {  # (stage, offload, world size, grad_accum)
 
 def _grads(case):
     lp = oracles.MODEL_DTYPES[case.dtype]
-    w = {n: t.to(lp).to(torch.float64) for n, t in model_mod.initial_weights(case).items()}
-    return [[model_mod.local_gradients(w, case, r, 1, mu) for mu in range(case.grad_accum)]
+    w = {n: t.to(lp).to(torch.float64) for n, t in synthetic.initial_weights(case).items()}
+    return [[synthetic.local_gradients(w, case, r, 1, mu) for mu in range(case.grad_accum)]
             for r in range(case.world_size)]
 
 

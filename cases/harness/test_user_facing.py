@@ -166,12 +166,12 @@ def test_check_names_the_dsm001_fix_of_the_stage(stage, fix):
 
 
 def test_fixes_for_filters_by_stage():
-    from harness import fixes as patched_runtime
+    from harness import fixes
 
-    assert set(patched_runtime.fixes_for("DSM-001")) == {"z12-fp32-muon-state", "z3-fp32-muon-state"}
-    assert patched_runtime.fixes_for("DSM-009", 3) == ["z3-fp32-muon-state"]  # one of several bugs the fix removes
-    assert patched_runtime.fixes_for("DSM-009", 1) == []
-    assert patched_runtime.fixes_for("DSM-003", 1) == patched_runtime.fixes_for("DSM-003", 3) != []
+    assert set(fixes.fixes_for("DSM-001")) == {"z12-fp32-muon-state", "z3-fp32-muon-state"}
+    assert fixes.fixes_for("DSM-009", 3) == ["z3-fp32-muon-state"]  # one of several bugs the fix removes
+    assert fixes.fixes_for("DSM-009", 1) == []
+    assert fixes.fixes_for("DSM-003", 1) == fixes.fixes_for("DSM-003", 3) != []
 
 
 # ------------------------------------------------------------------------------------------------

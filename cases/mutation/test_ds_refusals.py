@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from harness.registry import refusals as ds_refusals
+from harness.registry import refusals
 from harness.gate.decide import evaluate
 from harness.launch.launcher import RankFailed
 from harness.catalog.matrix import ds_refusal_cases, gate_cases
@@ -45,14 +45,14 @@ def _case():
 
 
 def test_each_refusal_case_expects_exactly_one_refusal():
-    got = {c.name: [r.name for r in ds_refusals.expected(c)] for c in ds_refusal_cases()}
+    got = {c.name: [r.name for r in refusals.expected(c)] for c in ds_refusal_cases()}
     assert got == {"z3-none-fp32-ws2-rs-refused": ["z3-muon-reduce-scatter"],
                    "z3-none-fp32-ws2-qg-refused": ["z3-muon-all2all"],
                    "z1-none-fp32-ws2-heads3d-refused": ["per-head-not-2d"],
                    "z1-none-fp32-ws2-heads8by3-refused": ["per-head-indivisible"],
                    "z3-none-fp32-ws2-betas-refused": ["z3-muon-group-betas"],
                    "z3-none-fp32-ws2-betas-fall-refused": ["z3-muon-group-betas"]}
-    others = [c.name for c in gate_cases() if ds_refusals.expected(c) and not c.name.endswith("-refused")]
+    others = [c.name for c in gate_cases() if refusals.expected(c) and not c.name.endswith("-refused")]
     assert others == [], f"gate cases DeepSpeed would refuse outside the refusals group: {others}"
 
 
@@ -84,7 +84,7 @@ def test_the_refusals_were_read_from_the_installed_source():
 
     from harness.selfcheck.source_mutation import workspace
 
-    for r in ds_refusals.REFUSALS:
+    for r in refusals.REFUSALS:
         file, _, func = r.frame.partition(":")
         path = next(Path(workspace.installed_deepspeed()).rglob(file))
         tree = ast.parse(path.read_text())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from harness.selfcheck import kill_matrix
-from harness.registry import mutants as known_bugs
-from harness import fixes as patched_runtime
+from harness.registry import mutants
+from harness import fixes
 
 
 def _snapshot():
@@ -33,33 +33,33 @@ def _snapshot():
 
 
 def test_catalogue():
-    assert len(known_bugs.MUTANTS) >= 12
-    assert "padded-tail-misslice" in known_bugs.MUTANTS
-    for m in known_bugs.MUTANTS.values():
+    assert len(mutants.MUTANTS) >= 12
+    assert "padded-tail-misslice" in mutants.MUTANTS
+    for m in mutants.MUTANTS.values():
         assert m.description and (callable(m.catches) or m.catches), m.name
 
 
 @pytest.mark.parametrize("patched", [False, True])
 def test_every_mutant_installs_and_undoes(patched):
-    patched_runtime.remove()
+    fixes.remove()
     if patched:
-        patched_runtime.apply()
+        fixes.apply()
     try:
         before = _snapshot()
-        for name in known_bugs.MUTANTS:
-            undo = known_bugs.install(name)
+        for name in mutants.MUTANTS:
+            undo = mutants.install(name)
             assert _snapshot() != before, f"{name} changed nothing"
             undo()
             after = _snapshot()
             changed = [k for k in before if after.get(k) is not before[k]]
             assert not changed, f"{name} left {changed}"
     finally:
-        patched_runtime.remove()
+        fixes.remove()
 
 
 def test_unknown_mutant_is_an_error():
     with pytest.raises(KeyError, match="unknown mutant"):
-        known_bugs.install("no-such-mutant")
+        mutants.install("no-such-mutant")
 
 
 @pytest.mark.pipeline

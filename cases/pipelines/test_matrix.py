@@ -215,9 +215,9 @@ def test_swapped_adam_subgroup(case, column, pool_manager, seed, request):
 @pytest.mark.parametrize("case,column", suite(matrix.equal_betas_cases))
 def test_zero3_accepts_equal_group_betas(case, column, pool_manager, seed, request):
     """Two Muon groups setting the same momentum: accepted (not one of harness.registry.refusals), stepped with it."""
-    from harness.registry import refusals as ds_refusals
+    from harness.registry import refusals
 
-    assert {g.momentum for g in case.groups} == {0.9} and ds_refusals.expected(case) == []
+    assert {g.momentum for g in case.groups} == {0.9} and refusals.expected(case) == []
     run_case(case, column, pool_manager, seed, request)
 
 

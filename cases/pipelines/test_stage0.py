@@ -45,9 +45,9 @@ def test_stage0_fp32_passes_stock(pool_manager):
 
 
 def test_muon_as_sgd_mutant_is_killed_by_stage0_only(pool_manager):
-    from harness.registry import mutants as known_bugs
+    from harness.registry import mutants
 
-    m = known_bugs.MUTANTS["muon-as-sgd-without-zero"]
+    m = mutants.MUTANTS["muon-as-sgd-without-zero"]
     z0 = pipeline_case(0, "none", "fp32", 2, steps=3).replace(patched=True, mutant=m.name)
     z1 = pipeline_case(1, "none", "fp32", 2, steps=3).replace(patched=True, mutant=m.name)
     assert m.expected(z0) and not m.expected(z1)

@@ -21,12 +21,12 @@ def save_and_convert(case, rank, world_size, workdir):
     rank 0 runs ``ds_to_universal`` on it; returns (return code, stderr) on rank 0."""
     import torch.distributed as tdist
 
-    from harness.case import synthetic as model_mod
+    from harness.case import synthetic
     from harness.rank.ds_run import build_engine, destroy_engine
 
     engine, _ = build_engine(case, Path(workdir) / "nvme")
     for step in (1, 2):
-        loss = engine(model_mod.batch_data(case, rank, step, 0))
+        loss = engine(synthetic.batch_data(case, rank, step, 0))
         engine.backward(loss)
         engine.step()
     ckpt = Path(workdir) / "ckpt"

@@ -105,18 +105,18 @@ def test_a_second_judge_of_one_run_reuses_its_gradients_except_where_a_model_rep
     so a bug model's judge of the same run reuses the intended judge's; a step whose weights the
     model replaces (DSM-010's fresh engine, ``fresh_after``) and another run get their own."""
     import oracles
-    from harness.case import synthetic as model_mod
+    from harness.case import synthetic
 
     case = pipeline_case(3, "none", "fp16", 2, steps=3)
     traj = pool_manager.run(case).result
     seen = []
-    real = model_mod.local_gradients
+    real = synthetic.local_gradients
 
     def counting(lp, c, rank, step, micro):
         seen.append(step)
         return real(lp, c, rank, step, micro)
 
-    monkeypatch.setattr(model_mod, "local_gradients", counting)
+    monkeypatch.setattr(synthetic, "local_gradients", counting)
     intended = judge(case, traj)
     first = len(seen)
     assert first == case.dp_size * case.grad_accum * len(traj.steps)

@@ -31,7 +31,7 @@ from harness.launch import shard as sharding
 def bare_run_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> float:
     """The same engine and steps as ``ds_run.run_case_on_rank`` with no capture; returns seconds."""
     from harness.rank import ds_run  # late: keeps this module numpy-free at import
-    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
+    from harness.case import synthetic  # late: keeps this module numpy-free at import
 
     t0 = time.perf_counter()
     state = ds_run.ProcessState()
@@ -40,7 +40,7 @@ def bare_run_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> f
     try:
         for step in range(1, case.steps + 1):
             for micro in range(engine.gradient_accumulation_steps()):
-                loss = engine(model_mod.batch_data(case, rank, step, micro))
+                loss = engine(synthetic.batch_data(case, rank, step, micro))
                 engine.backward(loss)
                 engine.step()
     finally:

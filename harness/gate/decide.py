@@ -29,7 +29,7 @@ from harness.launch.launcher import CaseFailure, Launcher, RankDied, RankFailed
 from harness.judge.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
 from harness.env import versions
 from harness.judge import tp_verdict
-from harness.registry import historical as historical_bugs
+from harness.registry import historical
 from harness.case.tp import autotp_size
 from harness.report import results
 
@@ -152,7 +152,7 @@ def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:
 
     o = _evaluate(case, column, manager)
     if o.status in ("failed", "error") and column == "stock":
-        notes = historical_bugs.intermittent_notes(o.case, versions.installed().release)
+        notes = historical.intermittent_notes(o.case, versions.installed().release)
         if notes:
             o = replace(o, message=o.message + "\n" + "\n".join(notes))
     return o

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import oracles
-from harness.case import synthetic as model_mod
+from harness.case import synthetic
 from harness.case.spec import Case
 from harness.case.trajectory import Trajectory
 from harness.judge.compare import LayoutView, compare_arrays, missing
@@ -65,7 +65,7 @@ def start_weights(case: Case, traj: Trajectory, conv: oracles.Conventions) -> di
     a 16-bit ulp, so the replay starts from the harness's own weights and applies that step itself.
     Module cases build their weights elsewhere: they keep the captured masters."""
     if replay.starts_before_initialize(conv) and not case.model:
-        return {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case).items()}
+        return {n: w.to(torch.float64) for n, w in synthetic.initial_weights(case).items()}
     return {n: _t(a) for n, a in traj.initial.items()}
 
 
@@ -195,7 +195,7 @@ def overflowed_backward(run: Run, shared, lp, state, s: int, at: tuple, data_ran
     S = replay.backward_scale(run.conv, float(state.scaler.scale))
     for r in range(run.case.dp_size):
         for mu in range(run.case.grad_accum):
-            if shared(("overflow",) + at + (r, mu, S), model_mod.backward_overflows,
+            if shared(("overflow",) + at + (r, mu, S), synthetic.backward_overflows,
                       lp, run.case, data_rank[r], s, mu, S):
                 grads[r][mu] = {n: torch.full_like(g, math.inf) for n, g in grads[r][mu].items()}
 

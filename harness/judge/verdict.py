@@ -30,7 +30,7 @@ import torch
 
 import oracles
 from harness.env import device, versions
-from harness.case import synthetic as model_mod
+from harness.case import synthetic
 from oracles import replay, schedules
 from oracles.step import fresh_engine_state
 from harness.case.spec import Case
@@ -437,7 +437,7 @@ def _step_gradients(run: checks.Run, traj: Trajectory, state, s: int, data_rank:
     fresh_here = replay.fresh_at(conv, s)
     if fresh_here:
         # what a resume left of a fresh engine (built on the variant-1 init, harness.rank.ds_run)
-        fresh = {n: w.to(torch.float64) for n, w in model_mod.initial_weights(case, variant=1).items()}
+        fresh = {n: w.to(torch.float64) for n, w in synthetic.initial_weights(case, variant=1).items()}
         state = fresh_engine_state(state, sc, fresh, conv)
         lp = replay.fresh_model_weights(conv, lp, {n: checks.round_to_lp(w, case) for n, w in fresh.items()})
     entries = _SharedGradients.of(traj) if not fresh_here else None
@@ -447,9 +447,9 @@ def _step_gradients(run: checks.Run, traj: Trajectory, state, s: int, data_rank:
     if run.mo is not None:
         grads, mags = run.mo.gradients(s, lp, float(state.scaler.scale)), None
     else:
-        grads = [[dict(shared(("grad",) + at + (r, mu), model_mod.local_gradients, lp, case, data_rank[r], s, mu))
+        grads = [[dict(shared(("grad",) + at + (r, mu), synthetic.local_gradients, lp, case, data_rank[r], s, mu))
                   for mu in range(GAS)] for r in range(W)]
-        mags = [[shared(("mag",) + at + (r, mu), model_mod.gradient_magnitudes, lp, case, data_rank[r], s, mu)
+        mags = [[shared(("mag",) + at + (r, mu), synthetic.gradient_magnitudes, lp, case, data_rank[r], s, mu)
                  for mu in range(GAS)] for r in range(W)]
     checks.overflowed_backward(run, shared, lp, state, s, at, data_rank, grads)
     return state, grads, mags

@@ -183,9 +183,9 @@ def _exit_when_orphaned(poll_s: float = 1.0) -> None:
 def _batches_on_device(device) -> None:
     """Non-CPU accelerators: ``harness.case.synthetic.batch_data`` builds CPU tensors; the engine's module is
     on ``device``. Wrap it in this rank process only (the parent's oracle keeps the CPU version)."""
-    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
+    from harness.case import synthetic  # late: keeps this module numpy-free at import
 
-    orig = model_mod.batch_data
+    orig = synthetic.batch_data
     if getattr(orig, "_on_device", None) == str(device):
         return
 
@@ -194,7 +194,7 @@ def _batches_on_device(device) -> None:
         return {n: {k: t.to(device) for k, t in d.items()} for n, d in out.items()}
 
     batch_data._on_device = str(device)
-    model_mod.batch_data = batch_data
+    synthetic.batch_data = batch_data
 
 
 def _log(msg: str) -> None:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from harness.rank import capture, gather_cache
-from harness.case import synthetic as model_mod
+from harness.case import synthetic
 from harness.case.spec import NVME_PATH_PLACEHOLDER, Case
 from harness.case.trajectory import Trajectory
 from harness.rank import patches
@@ -291,7 +291,7 @@ def build_engine(case: Case, nvme_dir: Path, variant: int = 0):
         from harness.rank.module_runtime import zero_init
 
         with zero_init(case, cfg):  # parameters are registered in __init__, so zero.Init partitions them
-            model = model_mod.build_model(case, variant=variant)
+            model = synthetic.build_model(case, variant=variant)
         model_params = model_parameters(case, model)
     mpu = None
     if case.model_parallel > 1:
@@ -619,7 +619,7 @@ class _CaseRun:
         lrs: dict = {}
         for micro in range(gas):
             if self.forward is None:
-                loss = self.engine(model_mod.batch_data(case, rank, step, micro))
+                loss = self.engine(synthetic.batch_data(case, rank, step, micro))
             else:
                 loss = self.forward(self.engine, rank, step, micro)
             losses.append(float(loss.detach().float()))

@@ -27,16 +27,16 @@ def enter(case: Case, part: str = "all") -> None:
     undo: list = []
     try:
         if case.patched and part != "mutant":
-            from harness import fixes as patched_runtime
+            from harness import fixes
 
-            before = set(patched_runtime.applied())
-            now = set(patched_runtime.apply())
+            before = set(fixes.applied())
+            now = set(fixes.apply())
             added = sorted(now - before)
-            undo.append(lambda added=added: patched_runtime.remove(added))
+            undo.append(lambda added=added: fixes.remove(added))
         if case.mutant and part != "fixes":
-            from harness.registry import mutants as known_bugs
+            from harness.registry import mutants
 
-            undo.append(known_bugs.install(case.mutant))
+            undo.append(mutants.install(case.mutant))
     except BaseException:
         for u in reversed(undo):
             u()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from harness.env import versions
-from harness.registry import historical as historical_bugs
+from harness.registry import historical
 from harness.registry.releases import measured
 from harness.case import nvme
 from harness.case.spec import Case
@@ -37,7 +37,7 @@ from oracles.layout import zero3_padded_tail
 import oracles
 import torch
 from harness.case.nvme import predict_swapped_subgroups
-from harness import fixes as patched_runtime
+from harness import fixes
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def _has_adam(c: Case) -> bool:
     return any(not _is_muon(p) for p in c.params)
 
 
-_bf16_optimizer = historical_bugs.bf16_optimizer_route  # the BF16_Optimizer route (one home: historical_bugs)
+_bf16_optimizer = historical.bf16_optimizer_route  # the BF16_Optimizer route (one home: historical_bugs)
 
 
 def _resumes(c: Case) -> bool:
@@ -222,19 +222,19 @@ def _z3_padded_tail(c: Case) -> bool:
 def _max_update_cached(case_json: str) -> tuple:
     """Per step (S used, max|O| over Muon params, skipped) from the float64 oracle run free of DeepSpeed."""
 
-    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
+    from harness.case import synthetic  # late: keeps this module numpy-free at import
     from harness.judge.verdict import step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
     sc = step_config(c)
     conv = oracles.Conventions(momentum_dtype="fp32")
     lp = oracles.MODEL_DTYPES[c.dtype]
-    init = {n: t.to(torch.float64) for n, t in model_mod.initial_weights(c).items()}
+    init = {n: t.to(torch.float64) for n, t in synthetic.initial_weights(c).items()}
     state = oracles.initial_state(sc, init, conv)
     out = []
     for s in range(1, c.steps + 1):
         w = {n: m.to(lp).to(torch.float64) for n, m in state.master.items()}
-        grads = [[model_mod.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
+        grads = [[synthetic.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
                  for r in range(c.dp_size)]
         state, rec = oracles.oracle_step(state, grads, sc, conv, ns_mode="exact")
         m = max((float(p.direction.abs().max()) for p in rec.params.values()
@@ -292,7 +292,7 @@ def _z3_momentum_tail_past_end(c: Case) -> bool:
     ``n`` exactly when ``n % q != 0`` and ``ceil(n / q) < W``. Only a step that is not skipped runs Muon. Releases
     that run Muon in the reduce (0.19.0-0.19.7) write the momentum back the same way with offload too
     (measured: z3-cpu-fp32-ws4-emptyshare, 0.19.0-0.19.7, in ``_apply_distributed_muon_update``)."""
-    if c.stage != 3 or c.dp_size < 2 or (c.offload != "none" and not historical_bugs.muon_in_z3_reduce()):
+    if c.stage != 3 or c.dp_size < 2 or (c.offload != "none" and not historical.muon_in_z3_reduce()):
         return False
     W = c.dp_size
     for p in c.params:
@@ -527,7 +527,7 @@ BUGS: tuple[Bug, ...] = (
         symptom="muon_update reshapes a 4-D update to 2-D for Newton-Schulz, then torch.where broadcasts it "
                 "against the 4-D gradient: RuntimeError at the first step, on every ZeRO path.",
         trigger=lambda c: (any(len(p.shape) == 4 and _is_muon(p) for p in c.params)
-                           and (c.stage == 3 or not historical_bugs.muon_update_returns_2d_for_4d())),
+                           and (c.stage == 3 or not historical.muon_update_returns_2d_for_4d())),
         quantities=frozenset({"crash"}),
         crash=("RuntimeError", "must match the size of tensor", "muon_update"),
         # A 1x1 conv (k x c x 1 x 1): the 2-D update (k, c) broadcasts against the 4-D gradient instead of
@@ -839,7 +839,7 @@ BY_ID = {b.id: b for b in BUGS}
 
 # Bugs of releases older than 0.19.8 (harness/registry/historical.py), excused only where measured
 # (their ``releases``); kept out of BUGS, which is the 0.19.8 registry.
-HISTORICAL: tuple[Bug, ...] = tuple(Bug(**spec) for spec in historical_bugs.SPECS)
+HISTORICAL: tuple[Bug, ...] = tuple(Bug(**spec) for spec in historical.SPECS)
 
 # bug id -> {release: affected?}, every registered bug's ``releases``
 AFFECTED: dict[str, dict[str, bool]] = {b.id: dict(b.releases) for b in BUGS + HISTORICAL}
@@ -864,14 +864,14 @@ def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
     """The bugs a case is expected to hit; with ``patched``, only those the patched runtime can't fix."""
     # as measured on the installed release (``excuses``); older releases' own bugs too
     hits = [b for b in BUGS + HISTORICAL if excuses(b.id) and b.trigger(case)]
-    unreached = {f for b in hits for f in historical_bugs.SKIPPED_FRAMES.get(b.id, ())}
+    unreached = {f for b in hits for f in historical.SKIPPED_FRAMES.get(b.id, ())}
     hits = [b for b in hits if not (b.crash and b.crash[2] in unreached)]
-    if any(b.id in historical_bugs.NO_MUON_GROUP for b in hits):
-        hits = [b for b in hits if b.id not in historical_bugs.IN_MUON_CODE]
+    if any(b.id in historical.NO_MUON_GROUP for b in hits):
+        hits = [b for b in hits if b.id not in historical.IN_MUON_CODE]
     if patched:
-        from harness import fixes as patched_runtime
+        from harness import fixes
 
-        fixed = set(patched_runtime.fix_names())
+        fixed = set(fixes.fix_names())
         hits = [b for b in hits if b.fix is None or b.fix not in fixed
                 or (b.fix_covers is not None and not b.fix_covers(case))]
     return hits
@@ -880,5 +880,5 @@ def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
 def refusals_for(case: Case) -> list[Bug]:
     """Bugs whose patched fix refuses this case (with the text each refusal must carry)."""
 
-    fixed = set(patched_runtime.fix_names())
+    fixed = set(fixes.fix_names())
     return [b for b in BUGS if b.refused_when_patched and b.fix in fixed and b.trigger(case)]

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import oracles
-from harness import fixes as patched_runtime
+from harness import fixes
 from harness.registry.bugs import BUGS, HISTORICAL, Bug
 from harness.registry.releases import spans
 
@@ -75,8 +75,8 @@ def modelled_text(b: Bug) -> str:
 def fix_text(b: Bug) -> str:
     if b.fix is None:
         return "none"
-    fix = patched_runtime.FIXES[b.fix]
-    others = [f for f in patched_runtime.fixes_for(b.id) if f != b.fix]
+    fix = fixes.FIXES[b.fix]
+    others = [f for f in fixes.fixes_for(b.id) if f != b.fix]
     out = f"`{b.fix}`" + "".join(f", `{f}`" for f in others)
     if b.refused_when_patched:
         out += f" (a refusal: the patched runtime raises ValueError \"{b.refused_when_patched}...\")"
@@ -105,7 +105,7 @@ def readme_table() -> str:
     lines = ["| id | bug | releases | fix in `harness.fixes` | modelled |", "|---|---|---|---|---|"]
     for b in BUGS:
         fix = "none" if b.fix is None else ", ".join(f"`{f}`" for f in [b.fix] + [
-            f for f in patched_runtime.fixes_for(b.id) if f != b.fix])
+            f for f in fixes.fixes_for(b.id) if f != b.fix])
         lines.append(f"| {b.id} | {b.title} | {releases_text(b)} | {fix} | {modelled_text(b)} |")
     return "\n".join(lines)
 

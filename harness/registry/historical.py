@@ -290,7 +290,7 @@ def _gram_input_flushed(c: Case) -> bool:
 @functools.lru_cache(maxsize=64)
 def _flushed_gram_step(case_json: str) -> bool:
 
-    from harness.case import synthetic as model_mod  # late: keeps this module numpy-free at import
+    from harness.case import synthetic  # late: keeps this module numpy-free at import
     from harness.judge.verdict import INTENDED, step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
@@ -299,11 +299,11 @@ def _flushed_gram_step(case_json: str) -> bool:
     if not gram:
         return False
     lp = oracles.MODEL_DTYPES[c.dtype]
-    state = oracles.initial_state(sc, {n: t.to(torch.float64) for n, t in model_mod.initial_weights(c).items()},
+    state = oracles.initial_state(sc, {n: t.to(torch.float64) for n, t in synthetic.initial_weights(c).items()},
                                   INTENDED)
     for s in range(1, c.steps + 1):
         w = {n: m.to(lp).to(torch.float64) for n, m in state.master.items()}
-        grads = [[model_mod.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
+        grads = [[synthetic.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
                  for r in range(c.dp_size)]
         before = state.momentum
         state, rec = oracles.oracle_step(state, grads, sc, INTENDED, ns_mode="exact")

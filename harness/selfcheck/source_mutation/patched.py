@@ -33,10 +33,10 @@ def _rel(module: str) -> str:
 def spans(ds_root: Path) -> list[dict]:
     """Every function the patched runtime replaces: file (relative to the package), qualified name,
     first and last line (decorators included), the fixes that need it."""
-    from harness import fixes as patched_runtime  # late: keeps this module torch-free at import
+    from harness import fixes  # late: keeps this module torch-free at import
 
     by_key: dict[str, dict] = {}
-    for fix in patched_runtime.FIXES.values():
+    for fix in fixes.FIXES.values():
         for t in fix.targets:
             e = by_key.setdefault(t.key, {"file": _rel(t.module), "qualname": t.qualname, "fixes": []})
             e["fixes"].append(fix.name)
