@@ -5,13 +5,13 @@ import argparse
 import json
 from pathlib import Path
 
-from harness.cli import check
+from harness.cli import parser
 from harness.cli.check_plan import Plan, validate
 
 
 def parse(config: Path, *extra: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    check.add_arguments(ap)
+    parser.add_check_arguments(ap)
     return ap.parse_args(["--ds-config", str(config), "--no-report", *extra])
 
 

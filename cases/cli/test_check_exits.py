@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from harness.cli import check
+from harness.cli import check, parser
 
 
 def _cfg(**top) -> dict:
@@ -23,7 +23,7 @@ def run_check(tmp_path, capfd, cfg: dict, *extra: str) -> tuple[int, str, str]:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     ap = argparse.ArgumentParser()
-    check.add_arguments(ap)
+    parser.add_check_arguments(ap)
     args = ap.parse_args(["--ds-config", str(path), "--no-report", "--shapes", "16x8", *extra])
     code = check.run_check(args)
     out, err = capfd.readouterr()

@@ -32,8 +32,7 @@ from harness.launch.pool import CaseFailure, CaseOutcome
 from harness.case.scenarios import pipeline_case
 from harness.env import buildenv
 import torch
-from harness.launch.torchrun import TorchrunManager
-from harness.launch.torchrun import run_cases_with_torchrun
+from harness.launch import torchrun
 
 STAGES = (1, 2, 3)
 OFFLOADS = ("none", "cpu")
@@ -62,7 +61,7 @@ class PrelaunchedManager:
 
     def __init__(self, accelerator: str, root: Path):
 
-        self.single = TorchrunManager(accelerator, root=root)
+        self.single = torchrun.TorchrunManager(accelerator, root=root)
         self.accelerator = self.single.accelerator
         self.root = root
         self.done: dict[str, tuple[object, float]] = {}
@@ -75,7 +74,7 @@ class PrelaunchedManager:
         for (ws, _compiled), group in sorted(by_ws.items()):
             t0 = time.perf_counter()
             try:
-                trajs = run_cases_with_torchrun(group, ws, accelerator=self.accelerator, root=self.root)
+                trajs = torchrun.run_cases_with_torchrun(group, ws, accelerator=self.accelerator, root=self.root)
             except CaseFailure as exc:
                 print(f"gpu: batch launch of {len(group)} ws={ws} case(s) failed; running them one by one\n"
                       f"  {str(exc).splitlines()[0]}", flush=True)

@@ -21,7 +21,7 @@ from harness.registry import mutants as known_bugs
 from harness.report.build import render
 from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
 from harness.report import results
-from harness.catalog.matrix import gate_cases
+from harness.catalog import matrix as catalog
 from harness.env import versions
 from harness.launch import shard as sharding
 from collections import Counter
@@ -114,7 +114,7 @@ def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 
              quiet: bool = False, mutate: bool = True, shard: str | None = None, jobs: int = 1,
              render_report: bool = True) -> int:
 
-    cases = [c.replace(seed=seed) for c in gate_cases(full) if not only or only in c.name]
+    cases = [c.replace(seed=seed) for c in catalog.gate_cases(full) if not only or only in c.name]
     part = sharding.Shard.parse(shard) if shard else None
     if jobs > 1 and part is None:
         return _run_jobs(jobs, cases, Path(report), full=full, seed=seed, only=only, quiet=quiet, mutate=mutate)
