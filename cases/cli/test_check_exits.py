@@ -116,3 +116,15 @@ def test_a_verdict_over_fewer_applied_steps_than_asked_says_so():
     applied = Outcome(case, "stock", "passed", [], "", 1.0,
                       trajectory=SimpleNamespace(steps=[SimpleNamespace(step=s, skipped=False) for s in (1, 2, 3)]))
     assert check.applied_steps_text(applied) == ""
+
+
+def test_run_refuses_a_world_size_the_machine_cannot_host(capsys):
+    """``run --case`` with a thousand ranks is bad input (exit 2) before any rank starts."""
+    from harness.case.scenarios import pipeline_case
+    from harness.cli.check_plan import max_world_size
+    from harness.cli.main import main
+
+    case = pipeline_case(stage=1, offload="none", dtype="fp32", world_size=2)
+    big = case.replace(world_size=max_world_size("cpu") + 2)
+    assert main(["run", "--case", big.to_json()]) == 2
+    assert f"world size {big.world_size}" in capsys.readouterr().err

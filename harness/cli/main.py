@@ -36,6 +36,7 @@ def _gate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from harness.case.spec import Case  # late: torch and DeepSpeed (see the module doc)
+    from harness.cli.check_plan import MAX_WORLD_SIZE, max_world_size
     from harness.cli.main_job import run_single
 
     try:
@@ -46,6 +47,10 @@ def _run(args: argparse.Namespace) -> int:
         case = Case.from_json(text)
     except (ValueError, TypeError, KeyError) as exc:
         return _error(f"not a valid case: {exc}")
+    limit = max_world_size("cpu")
+    if case.world_size > limit:  # before any rank starts: a thousand ranks would never come up
+        return _error(f"the case's world size {case.world_size}: this machine hosts at most {limit} ranks "
+                      f"(min({MAX_WORLD_SIZE}, 2 x CPUs))")
     return run_single(case, report=args.report)
 
 

@@ -214,7 +214,10 @@ def _judge_failure(c: Case, column: str, bugs, refusals, exc: CaseFailure, t0: f
         hit = [b.id for b in crashes if b.crash_matches(exc.details)]
         return Outcome(c, column, "xfailed", hit, f"{c.name}: crashed exactly as {', '.join(hit)} predicts\n"
                        + text[-1500:], time.perf_counter() - t0, strength="crash")
-    return Outcome(c, column, "error", [b.id for b in bugs], text, time.perf_counter() - t0, strength=None)
+    # No bug id: only a matched crash signature names a bug; the ones the case triggers are said in words.
+    triggered = ", ".join(b.id for b in bugs)
+    expected = f"\n  (the case triggers {triggered}; no crash signature of theirs matched)" if bugs else ""
+    return Outcome(c, column, "error", [], text + expected, time.perf_counter() - t0, strength=None)
 
 
 def _judge_trajectory(c: Case, column: str, bugs, traj, t0: float) -> Outcome:
