@@ -8,8 +8,12 @@ selection     the coverage map and which cases can kill a mutant (stdlib only)
 coverage_map  recording the map on the ranks (coverage.py)
 worker        the engine's test command: judge the mutant in the copy
 session       builds the engine's session (runs in the engine's own virtual environment)
-equivalents   the checked-in equivalent mutants
-ledger        the checked-in judged results, so the whole-scope run resumes across machines
+equivalents   the curated equivalent mutants (harness/data)
+ledger        the judged results (an output under reports/mutation-ledger), so a whole-scope run resumes
 report        mutation.html
 cli           the ``mutate --engine cosmic-ray`` driver
+
+Imports inside functions are deliberate in this package: DeepSpeed must be imported from the mutated
+copy, so nothing may import it before ``workspace.use_copy()`` has put the copy first on the path, and
+the engine's own environment (session, selection, ledger) has no torch at all.
 """

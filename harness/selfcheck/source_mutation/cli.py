@@ -25,10 +25,6 @@ import time
 from pathlib import Path
 
 from harness.env import buildenv
-import tempfile
-from harness.selfcheck.source_mutation import workspace
-from harness.selfcheck.source_mutation import zygote
-from harness.selfcheck.source_mutation import report
 
 ENGINE_ENV = "MUON_COSMIC_RAY"
 
@@ -74,7 +70,9 @@ def _engine_env() -> dict:
 def _start_zygote(env: dict):
     """Start ``harness.selfcheck.source_mutation.zygote`` and wait for its socket: (process, socket path), or
     None when it does not come up (the workers then judge in their own processes)."""
+    import tempfile
 
+    from harness.selfcheck.source_mutation import workspace
 
     folder = Path(tempfile.mkdtemp(prefix="muon-zygote-"))  # short: a unix socket path is <= 107 bytes
     sock = folder / "judge.sock"
@@ -150,6 +148,7 @@ def _open_session(engine_py: Path, copy: Path, session: Path, cmap_path: Path, a
 
 def _exec(engine: Path, config: Path, session: Path, copy: Path, env: dict, args) -> None:
     """``cosmic-ray exec``: judge the pending mutants (in children of a warm zygote where it comes up)."""
+    from harness.selfcheck.source_mutation import zygote
 
     server = _start_zygote(env) if args.zygote and args.distributor == "local" else None
     try:
@@ -166,6 +165,7 @@ def _exec(engine: Path, config: Path, session: Path, copy: Path, env: dict, args
 
 def _report(mutants, session: Path, tag: str, args, seconds: float) -> int:
     """Write the HTML report, print the summary and the verdict; the exit code."""
+    from harness.selfcheck.source_mutation import report
 
     scope_file = Path(str(session) + ".scope.json")
     summary = report.Summary(mutants, seconds, title=f"Cosmic Ray source mutation ({tag}, {args.column} column)",
@@ -186,7 +186,7 @@ def _report(mutants, session: Path, tag: str, args, seconds: float) -> int:
 def _coverage_map(column: str):
     """The coverage map (recorded once per source, scope and candidate set) and its path; says which
     candidate cases have no usable baseline."""
-    from harness.selfcheck.source_mutation import coverage_map  # late: keeps this module torch-free at import
+    from harness.selfcheck.source_mutation import coverage_map
 
     cmap, cmap_path = coverage_map.load_or_record(progress=lambda s: print(s, flush=True), column=column)
     usable = [n for n in cmap.cases if cmap.usable(n)]
@@ -209,7 +209,6 @@ def run(args) -> int:
         return 2
     engine_py = engine.parent / "python"
     buildenv.apply_base_env()
-    # late: keeps this module torch-free at import
     from harness.selfcheck.source_mutation import coverage_map, equivalents, ledger, patched, report, scope, workspace
 
     t0 = time.perf_counter()

@@ -20,10 +20,6 @@ from pathlib import Path
 from harness.launch.launcher import DEFAULT_ENTRY
 from harness.selfcheck.source_mutation import scope, workspace
 from harness.selfcheck.source_mutation.selection import CaseInfo, CoverageMap
-from harness.selfcheck.kill_matrix import default_kill_cases
-from harness.catalog.matrix import gate_cases
-import importlib
-from harness.launch.pool import PoolManager
 
 COVERAGE_DIR_ENV = "MUON_MUTATION_COVERAGE_DIR"
 COVERED_ENTRY = "harness.selfcheck.source_mutation.coverage_map:run_case_covered"
@@ -127,6 +123,8 @@ CASES_ENV = "MUON_MUTATION_CASES"  # comma-separated case names: a smaller candi
 
 
 def candidate_cases() -> list:
+    from harness.selfcheck.kill_matrix import default_kill_cases
+    from harness.catalog.matrix import gate_cases
 
     by_name = {c.name: c for c in gate_cases()}
     out = list(default_kill_cases())
@@ -149,8 +147,9 @@ def candidate_cases() -> list:
 
 def run_case_covered(case, rank: int, world_size: int, workdir: Path):
     """The ordinary rank entry under coverage.py, restricted to the copy's scoped files."""
+    import importlib
 
-    import coverage  # late: optional (the mutation extra)
+    import coverage
 
     out = Path(os.environ[COVERAGE_DIR_ENV])
     root = workspace.copy_root()
@@ -213,9 +212,10 @@ def map_path(cases, column: str = "stock") -> Path:
 def record(cases, progress=print, column: str = "stock") -> CoverageMap:
     """Run each case once under coverage on the copy, on ``column``, and return their map. The process
     must already import DeepSpeed from the copy (``workspace.use_copy``)."""
-    import coverage  # late: optional (the mutation extra)
+    import coverage
 
-    from harness.gate.decide import evaluate  # late: keeps this module numpy-free at import
+    from harness.gate.decide import evaluate
+    from harness.launch.pool import PoolManager
 
     root = workspace.copy_root()
     out = workspace.state_dir() / "coverage-data"

@@ -16,8 +16,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from harness.selfcheck.source_mutation.session import RESULT_TAG, mutant_key
-from harness.selfcheck.source_mutation import scope
-from harness.selfcheck.source_mutation.scope import NOT_REACHED_WHY
 
 
 @dataclass
@@ -38,6 +36,7 @@ def _record(output: str | None) -> dict:
 
 
 def read_dump(lines, resolved, equivalents: dict[str, str]) -> list[Mutant]:
+    from harness.selfcheck.source_mutation import scope
 
     out = []
     for raw in lines:
@@ -83,6 +82,7 @@ class Summary:
     scope: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def scope_lines(self) -> list[str]:
+        from harness.selfcheck.source_mutation.scope import NOT_REACHED_WHY
 
         out = []
         for fn, c in sorted(self.scope.items()):
@@ -184,6 +184,7 @@ def render_html(summary: Summary) -> str:
     killed = [f"<tr><td><code>{e(m.key)}</code></td><td>{e(str(m.record.get('by')))}</td>"
               f"<td>{e(str(m.record.get('how')))}</td><td>{e(str(m.record.get('detail', ''))[:160])}</td></tr>"
               for m in summary.mutants if m.status == "killed"]
+    from harness.selfcheck.source_mutation.scope import NOT_REACHED_WHY
 
     scope_rows = "".join(
         f"<tr><td>{e(fn)}</td><td>{c['mutants']}</td><td>{c['reached']}</td><td>"

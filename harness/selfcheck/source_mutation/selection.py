@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.selfcheck.source_mutation import scope as scope_mod
-import difflib
 
 
 @dataclass
@@ -75,6 +74,7 @@ class CoverageMap:
 
 def changed_lines(original: str, mutated: str) -> list[int]:
     """1-based lines of ``original`` that the mutation replaced or deleted (or inserted before)."""
+    import difflib
 
     a, b = original.splitlines(), mutated.splitlines()
     out: list[int] = []

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from harness.selfcheck.source_mutation import ledger, patched, scope
 from harness.selfcheck.source_mutation.selection import CoverageMap
-from harness.selfcheck.source_mutation import equivalents
 
 RESULT_TAG = "MUTATION-RESULT "  # the worker's tag (harness.selfcheck.source_mutation.worker.RESULT_TAG)
 
@@ -54,8 +53,8 @@ def _selected(only: str, text: str, fn) -> bool:
 def scoped_items(ds_root: Path, only: str | None = None):
     """(key, WorkItem, Resolved) for every Cosmic Ray mutant whose span starts on a scoped line
     (with ``only``: in a file or function whose name contains it)."""
-    from cosmic_ray.commands.init import _all_work_items  # late: the mutation engine's own environment
-    from cosmic_ray.work_item import WorkItem  # late: the mutation engine's own environment
+    from cosmic_ray.commands.init import _all_work_items
+    from cosmic_ray.work_item import WorkItem
 
     resolved = scope.resolve(ds_root)
     out = []
@@ -79,7 +78,7 @@ def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalen
     replaces (patched column only: ``replaced`` is empty on stock), on a line no case executes,
     listed in ``equivalent`` (key -> reason; empty to judge the listed ones too), or judged before
     (``carried``: the ledger's lines, ``harness.selfcheck.source_mutation.ledger``)."""
-    from cosmic_ray.work_item import WorkerOutcome, WorkResult  # late: the mutation engine's own environment
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     m = w.mutations[0]
     rel = str(m.module_path)
@@ -108,8 +107,9 @@ def _premark(db, w, resolved, cmap: CoverageMap, replaced: list[dict], equivalen
 def build(session: Path, ds_root: Path, cmap_path: Path, sample: int | None, seed: int,
           only: str | None = None, replaced: list[dict] | None = None, judge_equivalents: bool = False,
           ledger_path: Path | None = None) -> dict:
-    from cosmic_ray.work_db import WorkDB, use_db  # late: the mutation engine's own environment
+    from cosmic_ray.work_db import WorkDB, use_db
 
+    from harness.selfcheck.source_mutation import equivalents
 
     items, resolved = scoped_items(ds_root, only)
     if only:
@@ -148,8 +148,9 @@ def retry(session: Path, ds_root: Path, cmap_path: Path, statuses: set[str],
     """Make the mutants whose recorded status is in ``statuses`` pending again (after a new case or a
     sharper tolerance), except listed equivalents; re-mark the ones the current coverage map still
     does not reach."""
-    from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db  # late: the mutation engine's own environment
+    from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db
 
+    from harness.selfcheck.source_mutation import equivalents
 
     resolved = scope.resolve(ds_root)
     cmap = CoverageMap.load(cmap_path)

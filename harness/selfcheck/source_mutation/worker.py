@@ -25,9 +25,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-from harness.selfcheck.source_mutation import patched, scope
-from harness.selfcheck.source_mutation.selection import CoverageMap, changed_lines
-import os
 
 RESULT_TAG = "MUTATION-RESULT "
 # A mutant's case gets 4x its unmutated time (measured under coverage, pool start-up included, so
@@ -75,9 +72,11 @@ def _emit(record: dict) -> None:
 
 def judge_mutant(pristine: Path, copy: Path, cmap_path: Path, column: str = "stock",
                  max_cases: int | None = None) -> dict:
-    from harness.case.spec import Case  # late: keeps this module torch-free at import
-    from harness.gate.decide import evaluate  # late: keeps this module numpy-free at import
-    from harness.launch.pool import PoolManager  # late: keeps this module torch-free at import
+    from harness.case.spec import Case
+    from harness.gate.decide import evaluate
+    from harness.launch.pool import PoolManager
+    from harness.selfcheck.source_mutation import patched, scope
+    from harness.selfcheck.source_mutation.selection import CoverageMap, changed_lines
 
     cmap = CoverageMap.load(cmap_path)
     resolved = scope.resolve(pristine)
@@ -148,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--column", default="stock", choices=("stock", "patched"))
     ap.add_argument("--max-cases", type=int, default=None)
     args = ap.parse_args(argv)
+    import os
 
     server = os.environ.get(ZYGOTE_ENV)
     if server:  # a warm judging process (harness.selfcheck.source_mutation.zygote): forward, print its answer

@@ -23,14 +23,11 @@ from pathlib import Path
 
 from harness.env import buildenv
 from harness.selfcheck.source_mutation import scope
-import importlib.util
-from importlib import metadata
-import sys
-import fcntl
 
 
 def installed_deepspeed() -> Path:
     """The package folder of the DeepSpeed this interpreter imports (never mutated)."""
+    import importlib.util
 
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or not spec.submodule_search_locations:
@@ -87,6 +84,7 @@ def _copy_metadata(site: Path) -> None:
     on ``sys.path``, and ``harness.env.versions`` refuses a ``deepspeed`` whose nearest metadata describes
     another folder (a tree without metadata would be judged as some other release); with its own
     metadata the copy is, as it should be, the installed release."""
+    from importlib import metadata
 
     dist = metadata.distribution("deepspeed")
     info = Path(str(dist._path))  # the .dist-info / .egg-info folder of the installed release
@@ -118,6 +116,7 @@ def clear_scoped_bytecode(root: Path | None = None) -> None:
 def use_copy(site: Path | None = None) -> None:
     """Make this process, and every rank it spawns (spawn hands the parent's ``sys.path`` over), import
     DeepSpeed from the copy. Must run before anything imports deepspeed."""
+    import sys
 
     site = Path(site or site_dir())
     if "deepspeed" in sys.modules:
@@ -133,6 +132,7 @@ def use_copy(site: Path | None = None) -> None:
 def lock_copy(progress=print):
     """Hold the copy for this process: the engine edits it in place, so two runs on one machine would
     judge each other's mutants. Blocks until the other run ends; released when the process exits."""
+    import fcntl
 
     state_dir().mkdir(parents=True, exist_ok=True)
     f = open(state_dir() / "copy.lock", "w")

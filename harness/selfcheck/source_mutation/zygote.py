@@ -30,16 +30,14 @@ from pathlib import Path
 from harness.selfcheck.source_mutation.worker import ZYGOTE_ENV as SOCKET_ENV  # noqa: F401
 from harness.selfcheck.source_mutation.worker import ask_zygote as ask  # noqa: F401
 from harness.selfcheck.source_mutation.worker import recv_line
-from harness.selfcheck.source_mutation import workspace
-from harness.selfcheck.source_mutation.worker import judge_mutant
-from harness.env import buildenv
-import argparse
 
 
 def _judge_in_child(request: dict) -> dict:
-    import torch  # late: keeps this module torch-free at import
+    import torch
 
-    from harness.launch.pool import RankPool  # late: keeps this module torch-free at import
+    from harness.launch.pool import RankPool
+    from harness.selfcheck.source_mutation import workspace
+    from harness.selfcheck.source_mutation.worker import judge_mutant
 
     # One thread: no OpenMP team ever starts in this process, so forking ranks from it is safe; the
     # ranks then inherit torch instead of importing it (RankPool.START_METHOD).
@@ -56,6 +54,7 @@ def _judge_in_child(request: dict) -> dict:
 
 def serve(path: str, log: str) -> None:
     """Accept requests one at a time until killed; each is judged in a forked child."""
+    from harness.env import buildenv
 
     buildenv.apply_base_env()
     import torch  # noqa: F401 - the point: imported once, inherited by every child
@@ -116,6 +115,7 @@ def serve(path: str, log: str) -> None:
 
 
 def main(argv=None) -> int:
+    import argparse
 
     ap = argparse.ArgumentParser(prog="python -m harness.selfcheck.source_mutation.zygote")
     ap.add_argument("--socket", required=True)
