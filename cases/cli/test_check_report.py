@@ -8,6 +8,7 @@ import sys
 
 from cases.cli._plan import plan
 from harness.cli import check
+from harness.judge import verdict
 from harness.report.html import build_html
 
 
@@ -37,12 +38,12 @@ def test_the_model_listing_names_each_parameter_with_muon_or_adam_and_why(tmp_pa
 
 def test_the_reproducer_names_the_interpreter_and_the_users_module_folder(tmp_path, monkeypatch):
     p = _user_plan(tmp_path, monkeypatch, module="user_tiny_lm_reproduced")  # not imported from elsewhere yet
-    words = shlex.split(check.check_reproduce(p.case))
+    words = shlex.split(verdict.reproduce_command(p.case))
     env, python = words[0], words[1]
     assert python == sys.executable and python.startswith("/")
     assert env.startswith("PYTHONPATH=") and str(tmp_path.resolve()) in env.split("=", 1)[1].split(":")
     assert words[2:5] == ["-m", "harness", "run"]
-    builtin = check.check_reproduce(p.case.replace(model="moe"))
+    builtin = verdict.reproduce_command(p.case.replace(model="moe"))
     assert str(tmp_path) not in builtin
 
 

@@ -97,7 +97,7 @@ def test_a_failing_judge_is_the_gate_s_shared_record():
     bad = [r for r in rec.checks if r.quantity == "master" and r.record and r.record["ratio"] > 1]
     assert bad and all(r.rank is not None and "oracle:" in r.region for r in bad)
     assert any(k.endswith("|master|1") and "[tp " in k for k in maps)
-    assert rec.reproduce.startswith(".venv/bin/python -m harness run --case ")
+    assert rec.reproduce.startswith("PYTHONPATH=") and " -m harness run --case " in rec.reproduce
 
 
 def test_judge_fails_a_master_stepped_with_another_lr():

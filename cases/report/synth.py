@@ -5,7 +5,6 @@ and hence where the heatmap must draw everything are known here.
 from __future__ import annotations
 
 import json
-import shlex
 import zlib
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 from harness.case.spec import ParamShape
 from harness.report.results import CaseRecord, CheckRow, ResultStore
 from harness.case.scenarios import TINY_PARAMS, pipeline_case
+from harness.judge.verdict import reproduce_command
 
 BIG = ParamShape("big.weight", (512, 1024))  # 524288 elements: the NVMe-sized matrix class
 
@@ -22,8 +22,8 @@ def _key(*parts) -> str:
     return f"{zlib.crc32(repr(parts).encode()):08x}{zlib.adler32(repr(parts).encode()):08x}"
 
 
-def reproduce(case) -> str:  # what harness.judge.verdict.reproduce_command prints
-    return f".venv/bin/python -m harness run --case {shlex.quote(case.to_json())}"
+def reproduce(case) -> str:
+    return reproduce_command(case)
 
 
 def zero_layout(params, world_size: int, stage: int) -> dict:

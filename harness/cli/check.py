@@ -94,7 +94,6 @@ import contextlib
 import json
 import math
 import os
-import shlex
 import shutil
 import sys
 import time
@@ -115,6 +114,7 @@ from harness.cli.check_config import BadInput, ModelFailed  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
 from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
 from harness.cli.parser import add_check_arguments  # noqa: E402
+from harness.judge.verdict import reproduce_command
 
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
 QUANTITY_ORDER = ("grad", "momentum", "update", "master", "model", "global_norm", "loss_scale",
@@ -629,7 +629,7 @@ def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out
             if b["id"] in s.bug_ids and s.status == "xfailed":
                 b["observed_fixed_by_patched"] = _exit_of(p.status) == EXIT_OK
     decisive = outcomes[columns[-1]]
-    result = CheckResult(plan, columns, outcomes, bugs, None, None, check_reproduce(decisive.case))
+    result = CheckResult(plan, columns, outcomes, bugs, None, None, reproduce_command(decisive.case))
     extra = {"environment": environment(), "check": report_facts(result), "elapsed_s": time.perf_counter() - t_all}
     if report is None and not no_report:
         report = str(buildenv.PROJECT_ROOT / "reports" / f"{decisive.case.name}.html")
@@ -649,35 +649,6 @@ def report_facts(result: CheckResult) -> dict:
             "notes": result.plan.notes,
             "params": [list(row) for row in param_rows(case)],
             "shapes": [_fmt_shape(s) for s in result.plan.run_shapes]}
-
-
-def check_reproduce(case: Case) -> str:
-    """The command that reruns exactly this case from any directory: this interpreter by its absolute
-    path, and on ``PYTHONPATH`` the project and, for a user's ``--model package.module:factory``, the
-    folder it is imported from (the ranks of the rerun import it again)."""
-    paths = [str(buildenv.PROJECT_ROOT)] + ([d] if (d := _model_import_root(case.model)) else [])
-    return (f"PYTHONPATH={shlex.quote(os.pathsep.join(dict.fromkeys(paths)))} {shlex.quote(sys.executable)} "
-            f"-m harness run --case {shlex.quote(case.to_json())}")
-
-
-def _model_import_root(model: str | None) -> str | None:
-    """The folder a ``package.module:factory`` is imported from (None for a built-in, or a module of an
-    installed package, which is importable anyway)."""
-    import importlib.util
-    import sysconfig
-
-    from harness import models
-
-    if not model or model in models.BUILTIN:
-        return None
-    mod_name = models.factory_path(model).partition(":")[0]
-    spec = importlib.util.find_spec(mod_name.split(".")[0])
-    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
-        return None
-    origin = Path(spec.origin).resolve()
-    root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
-    site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
-    return None if root in site else str(root)
 
 
 def _execute(plan: Plan, args, out: _Out) -> tuple[int, dict]:

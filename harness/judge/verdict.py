@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shlex
+import sys
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 import oracles
-from harness.env import device, versions
+from harness.env import buildenv, device, versions
 from harness.case import synthetic
 from oracles import replay, schedules
 from oracles.step import fresh_engine_state
@@ -60,7 +63,32 @@ def bug_model(changes: dict) -> oracles.Conventions:
 
 
 def reproduce_command(case: Case) -> str:
-    return f".venv/bin/python -m harness run --case {shlex.quote(case.to_json())}"
+    """The command that reruns exactly this case from any directory: this interpreter by its absolute
+    path, and on ``PYTHONPATH`` the project and, for a user's ``--model package.module:factory``, the
+    folder it is imported from (the ranks of the rerun import it again)."""
+    paths = [str(buildenv.PROJECT_ROOT)] + ([d] if (d := _model_import_root(case.model)) else [])
+    return (f"PYTHONPATH={shlex.quote(os.pathsep.join(dict.fromkeys(paths)))} {shlex.quote(sys.executable)} "
+            f"-m harness run --case {shlex.quote(case.to_json())}")
+
+
+def _model_import_root(model: str | None) -> str | None:
+    """The folder a ``package.module:factory`` is imported from (None for a built-in, or a module of an
+    installed package, which is importable anyway)."""
+    import importlib.util
+    import sysconfig
+
+    from harness import models
+
+    if not model or model in models.BUILTIN:
+        return None
+    mod_name = models.factory_path(model).partition(":")[0]
+    spec = importlib.util.find_spec(mod_name.split(".")[0])
+    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
+        return None
+    origin = Path(spec.origin).resolve()
+    root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
+    site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    return None if root in site else str(root)
 
 
 def comparison_mode(case: Case) -> str:
