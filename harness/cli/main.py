@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness.cli.parser import parse_args
 from harness.env import buildenv
+from harness.launch import lifecycle
 
 
 def _error(message: str) -> int:
@@ -19,7 +20,7 @@ def _error(message: str) -> int:
 
 
 def _gate(args: argparse.Namespace) -> int:
-    from harness.cli.main_job import run_gate  # late: torch and DeepSpeed (see the module doc)
+    from harness.cli.main_job import GateInputError, run_gate  # late: torch and DeepSpeed (see the module doc)
     from harness.launch.shard import Shard
 
     if args.shard:
@@ -30,8 +31,15 @@ def _gate(args: argparse.Namespace) -> int:
     if args.jobs < 1 or (args.jobs > 1 and args.shard):
         return _error(f"--jobs {args.jobs}: N must be >= 1, and a --shard K/N is already one part of a split "
                       "(run the N shards side by side with --jobs N instead)")
-    return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
-                    mutate=not args.no_mutate, shard=args.shard, jobs=args.jobs, render_report=not args.no_report)
+    if args.resume and not Path(args.resume).is_dir():
+        return _error(f"--resume {args.resume}: no results folder there")
+    try:
+        return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
+                        mutate=not args.no_mutate, shard=args.shard, jobs=args.jobs,
+                        render_report=not args.no_report, results=args.resume or args.results,
+                        resume=bool(args.resume), append=args.append, shuffle=args.shuffle, column=args.column)
+    except GateInputError as exc:
+        return _error(str(exc))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -57,6 +65,7 @@ def _run(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from harness.launch.shard import merge_results  # late: torch and DeepSpeed (see the module doc)
     from harness.report.build import render
+    from harness.report.build import incomplete as report_incomplete
     from harness.report.build import verdict as report_verdict
 
     folders = [Path(p) for p in args.results]
@@ -71,6 +80,9 @@ def _report(args: argparse.Namespace) -> int:
                  only=args.only, all_plots=args.all_plots)
     ok, reasons = report_verdict(results, only=args.only)
     print(out)
+    if report_incomplete(results):
+        print("verdict: " + "; ".join(reasons))
+        return 4
     print("verdict: " + ("PASS" if ok else "FAIL: " + "; ".join(reasons)))
     return 0 if ok else 1
 
@@ -121,7 +133,14 @@ def main(argv=None) -> int:
     # never forked a rank pool (``harness.launch.pool._fork_is_safe``).
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     buildenv.apply_base_env()
-    return HANDLERS[args.cmd](args)
+    if args.cmd == "report":  # starts no process
+        return HANDLERS[args.cmd](args)
+    try:
+        with lifecycle.command_scope():
+            return HANDLERS[args.cmd](args)
+    except lifecycle.Interrupted as exc:  # stopped outside a handler's own summary: one line, no traceback
+        print(f"{args.cmd}: stopped by {exc.name}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -8,28 +8,32 @@ matrix: one module doing both would be an import cycle.
 from __future__ import annotations
 
 import platform
+import random
 import shutil
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.case.spec import Case
-from harness.gate.decide import columns, evaluate, record
-from harness.launch.pool import PoolManager
 import torch
-from harness.registry import mutants as known_bugs
-from harness.report.build import render
-from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
-from harness.report import results
+
+from harness.case.spec import Case
 from harness.catalog import matrix as catalog
-from harness.env import versions
-from harness.launch import shard as sharding
-from collections import Counter
 from harness.catalog import sweep
 from harness.catalog.matrix import group_of
+from harness.env import versions
+from harness.gate.decide import columns, evaluate, record
+from harness.launch import shard as sharding
+from harness.launch.jobs import run_shards
+from harness.launch.lifecycle import Interrupted
+from harness.launch.pool import PoolManager
+from harness.registry import mutants as known_bugs
+from harness.report import results
+from harness.report.build import render, save_extra
 from harness.report.html import BAD_STATUSES, MAIN_COLUMNS
 from harness.report.results import load_records, strength_line, strength_summary
-from harness.launch.jobs import run_shards
+from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
 
 
 def environment() -> dict:
@@ -63,23 +67,20 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
     return str(report)
 
 
-def _run_cases(cases: list, cols: list[str], manager, store, quiet: bool) -> None:
-    """Every case on every column, each outcome to the store on disk and dropped before the next case,
-    so the parent stays flat however many cases fail (the summary is read back: ``summary``). A case's
-    columns run back to back: where the patched run is bit-identical to the stock one, the patched
-    column takes the stock verdict instead of judging again (``gate.judged``)."""
-    total = len(cases) * len(cols)
-    n = 0
-    for case in cases:
-        for col in cols:
-            n += 1
-            o = evaluate(case, col, manager)
-            record(store, o)
-            if not quiet:
-                ids = f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else ""
-                print(f"[{n}/{total}] {col:7s} {case.name:55s} {o.status.upper()}{ids} ({o.seconds:.1f}s)",
-                      flush=True)
-            del o
+def _run_cases(pairs: list[tuple[Case, str]], manager, store, quiet: bool) -> None:
+    """Every case-column in order, each outcome to the store on disk and dropped before the next, so
+    the parent stays flat however many cases fail (the summary is read back: ``summary``). In the
+    normal order a case's columns run back to back: where the patched run is bit-identical to the
+    stock one, the patched column takes the stock verdict instead of judging again (``gate.judged``)."""
+    total = len(pairs)
+    for n, (case, col) in enumerate(pairs, start=1):
+        o = evaluate(case, col, manager)
+        record(store, o)
+        if not quiet:
+            ids = f" [{', '.join(o.bug_ids)}]" if o.bug_ids and o.status == "xfailed" else ""
+            print(f"[{n}/{total}] {col:7s} {case.name:55s} {o.status.upper()}{ids} ({o.seconds:.1f}s)",
+                  flush=True)
+        del o
 
 
 def _mutation_checks(manager, seed: int, patched_check: bool, stock_check: bool):
@@ -101,62 +102,191 @@ def _mutation_checks(manager, seed: int, patched_check: bool, stock_check: bool)
     return km, skm, failed
 
 
-def _fresh_store(report_path: Path, part):
+@dataclass(frozen=True)
+class GateArgs:
+    """One gate command. ``results``: the results folder (default: ``<report stem>-results`` next to the
+    report). ``resume``: judge only what that folder's runs planned and never judged. ``append``: write
+    into the folder as it is (a ``--jobs`` shard; the parent prepared it). ``shuffle``: run the
+    case-columns in this seed's random order; ``column``: run this column alone (both for showing that
+    a verdict does not depend on what ran before it)."""
+    report: str = "reports/gate.html"
+    full: bool = False
+    seed: int = 0
+    only: str | None = None
+    quiet: bool = False
+    mutate: bool = True
+    shard: str | None = None
+    jobs: int = 1
+    render_report: bool = True
+    results: str | None = None
+    resume: bool = False
+    append: bool = False
+    shuffle: int | None = None
+    column: str | None = None
 
-    results_dir = report_path.parent / (report_path.stem + "-results")
-    if results_dir.exists():
-        shutil.rmtree(results_dir)
-    writer = "gate" if part is None else f"gate-shard{part.index}of{part.count}"
-    return results_dir, results.ResultStore(results_dir, writer=writer)
+    @property
+    def results_dir(self) -> Path:
+        report = Path(self.report)
+        return Path(self.results) if self.results else report.parent / (report.stem + "-results")
+
+    def plan_args(self) -> dict:
+        """What ``--resume`` needs to rebuild the same case-columns."""
+        return {"report": self.report, "full": self.full, "seed": self.seed, "only": self.only,
+                "mutate": self.mutate, "shuffle": self.shuffle, "column": self.column}
 
 
-def run_gate(report: str = "reports/gate.html", full: bool = False, seed: int = 0, only: str | None = None,
-             quiet: bool = False, mutate: bool = True, shard: str | None = None, jobs: int = 1,
-             render_report: bool = True) -> int:
+KEEP_PREVIOUS = 2  # results folders a plain rerun keeps aside (each --full one is hundreds of MB)
 
-    cases = [c.replace(seed=seed) for c in catalog.gate_cases(full) if not only or only in c.name]
-    part = sharding.Shard.parse(shard) if shard else None
-    if jobs > 1 and part is None:
-        return _run_jobs(jobs, cases, Path(report), full=full, seed=seed, only=only, quiet=quiet, mutate=mutate)
+
+def _move_aside(results_dir: Path) -> Path | None:
+    """A plain rerun keeps the last folders instead of deleting them: ``<name>.prev-<UTC time>``,
+    the newest ``KEEP_PREVIOUS`` kept."""
+    if not results_dir.exists():
+        return None
+    aside = results_dir.with_name(f"{results_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    results_dir.rename(aside)
+    older = sorted(results_dir.parent.glob(results_dir.name + ".prev-*"))[:-KEEP_PREVIOUS]
+    for old in older:
+        shutil.rmtree(old, ignore_errors=True)
+    return aside
+
+
+def _all_pairs(a: GateArgs) -> list[tuple[Case, str]]:
+    cases = [c.replace(seed=a.seed) for c in catalog.gate_cases(a.full) if not a.only or a.only in c.name]
+    cols = [a.column] if a.column else columns()
+    pairs = [(c, col) for c in cases for col in cols]
+    if a.shuffle is not None:
+        random.Random(a.shuffle).shuffle(pairs)
+    return pairs
+
+
+def _resumed(a: GateArgs) -> tuple[GateArgs, list[tuple[Case, str]], list[str]]:
+    """The arguments a folder's runs were started with, the case-columns they left unjudged, and the
+    self-checks they left unrun."""
+    plans = results.load_plans(a.results_dir)
+    if not plans:
+        raise GateInputError(f"--resume {a.results_dir}: no run plan in that folder (run-*.json); it was not "
+                             "written by a gate that records its plan, so there is nothing to resume")
+    first = plans[0]["args"]
+    a = replace(a, report=first["report"], full=first["full"], seed=first["seed"], only=first["only"],
+                mutate=first["mutate"], shuffle=first["shuffle"], column=first["column"], append=True)
+    state = results.completeness(a.results_dir)
+    missing = set(state.missing)
+    pairs = [(c, col) for c, col in _all_pairs(a) if results.Planned(c.name, col) in missing]
+    if len(pairs) < len(missing):
+        raise GateInputError(f"--resume {a.results_dir}: {len(missing) - len(pairs)} planned case-column(s) are no "
+                             "longer in the catalogue (the harness changed since the run); rerun the gate instead")
+    return a, pairs, state.selfchecks_missing
+
+
+class GateInputError(ValueError):
+    """Arguments that cannot be run; the CLI prints the message and exits 2."""
+
+
+def _writer(a: GateArgs, part) -> str:
+    """The name a run writes under (``results-<writer>.jsonl``, ``run-<writer>.json``): unique per shard
+    and per resume of the folder."""
+    name = "gate" if part is None else f"gate-shard{part.index}of{part.count}"
+    if a.resume:
+        name += f"-resume{len(list(a.results_dir.glob(f'run-{name}-resume*.json'))) + 1}"
+    return name
+
+
+def _selfchecks_for(a: GateArgs, part, unrun: list[str] | None) -> list[str]:
+    """Each mutation self-check runs once: the patched one on shard 1, the stock one on shard 2 (shard 1
+    when there is only one), so that with --jobs 2 neither shard idles while the other runs both."""
+    if not a.mutate or a.only or a.column or a.shuffle is not None:
+        return []
+    mine = []
+    if part is None or part.index == 1:
+        mine.append("patched")
+    if part is None or part.index == min(2, part.count):
+        mine.append("stock")
+    return [s for s in mine if unrun is None or s in unrun]
+
+
+def run_gate(**kwargs) -> int:
+    """``python -m harness gate``; keyword arguments as :class:`GateArgs`. Exit 0 all as expected, 1 an
+    unexpected outcome or a failed self-check, 128 + N when stopped by signal N (the folder then says
+    what was not judged; ``--resume`` finishes it)."""
+    a = GateArgs(**kwargs)
+    unrun = None
+    if a.resume:
+        a, pairs, unrun = _resumed(a)
+    else:
+        pairs = _all_pairs(a)
+    if not pairs and not a.resume:
+        raise GateInputError(f"--only {a.only!r} matches no gate case" + (" of --full" if a.full else
+                             " of the CI gate (try --full)"))
+    part = sharding.Shard.parse(a.shard) if a.shard else None
+    if a.jobs > 1 and part is None:
+        return _run_jobs(a, pairs)
     if part is not None:
-        # Every machine computes the same split. Each mutation self-check runs once: the patched one on
-        # shard 1, the stock one on shard 2 (shard 1 when there is only one), so that with --jobs 2
-        # neither shard idles while the other runs both.
-        cases = sharding.select(cases, part)
-        print(f"gate: shard {part}: {len(cases)} cases", flush=True)
-    cols = columns()
+        mine = {c.name for c in sharding.select(list({c.name: c for c, _ in pairs}.values()), part)}
+        pairs = [(c, col) for c, col in pairs if c.name in mine]
+        print(f"gate: shard {part}: {len({c.name for c, _ in pairs})} cases", flush=True)
     print(f"gate: {versions.banner()}", flush=True)
-    report_path = Path(report)
-    results_dir, store = _fresh_store(report_path, part)
+    if not a.append:
+        aside = _move_aside(a.results_dir)
+        if aside:
+            print(f"gate: the previous results moved to {aside}", flush=True)
+    writer = _writer(a, part)
+    selfchecks = _selfchecks_for(a, part, unrun)
+    results.write_plan(a.results_dir, writer, [results.Planned(c.name, col)
+                                               for c, col in pairs], selfchecks, a.plan_args())
+    return _gate_body(a, pairs, writer, selfchecks)
+
+
+def _gate_body(a: GateArgs, pairs: list, writer: str, selfchecks: list[str]) -> int:
+    store = results.ResultStore(a.results_dir, writer=writer)
     manager = PoolManager()
     t0 = time.perf_counter()
+    km = skm = None
+    mutation_failed, stopped = False, None
     try:
-        _run_cases(cases, cols, manager, store, quiet)
-        km, skm, mutation_failed = _mutation_checks(
-            manager, seed, patched_check=mutate and not only and (part is None or part.index == 1),
-            stock_check=mutate and not only and (part is None or part.index == min(2, part.count)))
+        _run_cases(pairs, manager, store, a.quiet)
+        km, skm, mutation_failed = _mutation_checks(manager, a.seed, "patched" in selfchecks, "stock" in selfchecks)
+    except Interrupted as exc:
+        stopped = exc
     finally:
-        manager.close()
+        if stopped:
+            manager.close(kill=True)
+        else:
+            manager.close()
     elapsed = time.perf_counter() - t0
+    done = [s for s, m in (("patched", km), ("stock", skm)) if m is not None]
+    results.finish_plan(a.results_dir, writer, selfchecks_done=done, interrupted=stopped and stopped.name)
     env = environment()
-    env["seed"] = seed
+    env["seed"] = a.seed
     extra = {"environment": env, "elapsed_s": elapsed}
     if km is not None or skm is not None:
         extra.update(mutation_extra(km, skm))
-    if part is not None:
-        # Stored with the results so that merging the shards' folders keeps the kill matrices.
-        from harness.report.build import save_extra
-
-        save_extra(results_dir, extra, name=f"shard{part.index}of{part.count}")
-    rendered = _render(results_dir, report_path, extra) if render_report else None
-    bad = summary(results_dir, f"gate: {len(cases)} cases x {len(cols)} column(s) in {elapsed:.0f}s")
-    if mutation_failed:
-        print("the mutation self-check failed (tables above)")
-    print(f"results: {results_dir}" + (f"\nreport: {rendered}" if rendered else ""))
-    return 1 if bad or mutation_failed else 0
+    save_extra(a.results_dir, extra, name=writer)  # with the results: a merge or a resume keeps it
+    if not a.render_report:  # a --jobs shard: the parent reads the folder and reports
+        print(f"gate: {writer}: {'stopped by ' + stopped.name if stopped else 'done'} after {elapsed:.0f}s", flush=True)
+        return stopped.exit_code if stopped else (1 if mutation_failed else 0)
+    return _report_run(a, f"gate: {len({c.name for c, _ in pairs})} cases in {elapsed:.0f}s", stopped,
+                       "the mutation self-check failed (tables above)" if mutation_failed else None)
 
 
-def summary(results_dir: Path, headline: str) -> int:
+def _report_run(a: GateArgs, headline: str, stopped: Interrupted | None, failed: str | None) -> int:
+    """The end of a gate, whole or stopped: the report, the summary (brief when stopped), the exit code."""
+    rendered = _render(a.results_dir, Path(a.report), {})
+    state = results.completeness(a.results_dir)
+    if stopped:
+        headline = f"gate STOPPED by {stopped.name} ({headline})"
+    bad = summary(a.results_dir, headline, brief=stopped is not None)
+    if not state.complete:
+        print(state.headline(a.results_dir))
+    if failed:
+        print(failed)
+    print(f"results: {a.results_dir}" + (f"\nreport: {rendered}" if rendered else ""))
+    if stopped:
+        return stopped.exit_code
+    return 1 if bad or failed else 4 if not state.complete else 0
+
+
+def summary(results_dir: Path, headline: str, brief: bool = False) -> int:
     """Print the gate's summary from its stored outcomes: the layout sweep tables, the counts, the
     full-strength share, the time per path group and every unexpected outcome's message. One reading
     for a gate run in one process and for its shards merged; returns how many outcomes were bad."""
@@ -171,7 +301,7 @@ def summary(results_dir: Path, headline: str) -> int:
         g = group_time.setdefault(group_of(r.case_name), [0, 0.0])
         g[0] += 1
         g[1] += r.seconds
-    for col in sorted(by_col, key=MAIN_COLUMNS.index):
+    for col in sorted(by_col, key=MAIN_COLUMNS.index) if not brief else []:  # a stopped run's tables are holes
         table = sweep.gate_summary(col, by_col[col])
         if table:
             print(table, flush=True)
@@ -181,26 +311,49 @@ def summary(results_dir: Path, headline: str) -> int:
     print("time per group (case runs over all columns, seconds): " + ", ".join(
         f"{g} {n}/{sec:.0f}s" for g, (n, sec) in sorted(group_time.items(), key=lambda kv: -kv[1][1])))
     bad = [r for r in records if r.status in BAD_STATUSES]
-    for r in bad:
+    for r in bad[:3] if brief else bad:
         print("\n" + r.message)
+    if brief and len(bad) > 3:
+        print(f"\n... and {len(bad) - 3} more unexpected outcome(s): see the report")
     return len(bad)
 
 
-def _run_jobs(jobs: int, cases: list, report_path: Path, *, full: bool, seed: int, only: str | None, quiet: bool,
-              mutate: bool) -> int:
-    """The gate as ``jobs`` local shards (``harness.launch.jobs``); the summary is read from the merged results."""
-
-    results_dir = report_path.parent / (report_path.stem + "-results")
-    print(f"gate: {len(cases)} cases as {jobs} local shards (python -m harness gate --shard K/{jobs})", flush=True)
-    codes, elapsed = run_shards(jobs, report_path, results_dir, full=full, seed=seed, only=only, quiet=quiet,
-                                mutate=mutate)
-    rendered = _render(results_dir, report_path, {"elapsed_s": elapsed})
-    bad = summary(results_dir, f"gate (all {jobs} shards merged): {len(cases)} cases in {elapsed:.0f}s wall")
-    failed_shards = [f"shard {k}/{jobs} exited with {c}" for k, c in enumerate(codes, start=1) if c != 0]
-    for line in failed_shards:  # a shard's own failure (its mutation self-check, a crash) is in its output above
+def _run_jobs(a: GateArgs, pairs: list) -> int:
+    """The gate as ``a.jobs`` local shards (``harness.launch.jobs``) writing into one results folder; the
+    summary and the report are read from it."""
+    print(f"gate: {len({c.name for c, _ in pairs})} cases as {a.jobs} local shards "
+          f"(python -m harness gate --shard K/{a.jobs})", flush=True)
+    if not a.append:
+        aside = _move_aside(a.results_dir)
+        if aside:
+            print(f"gate: the previous results moved to {aside}", flush=True)
+    # the whole run's plan, so a shard killed before writing its own still counts as missing
+    writer = _writer(a, None)
+    results.write_plan(a.results_dir, writer, [results.Planned(c.name, col) for c, col in pairs], [], a.plan_args())
+    codes, elapsed, stopped = run_shards(a.jobs, shard_args(a))
+    results.finish_plan(a.results_dir, writer, selfchecks_done=[], interrupted=stopped and stopped.name)
+    failed = [f"shard {k}/{a.jobs} exited with {c}" for k, c in enumerate(codes, start=1) if c not in (0, 1)]
+    for line in failed if not stopped else []:  # a shard's own failure (a crash) is in its output above
         print(line)
-    print(f"results: {results_dir}\nreport: {rendered}")
-    return 1 if failed_shards or bad else 0
+    shard_failed = not stopped and (bool(failed) or any(c == 1 for c in codes))
+    return _report_run(a, f"gate (all {a.jobs} shards): {len({c.name for c, _ in pairs})} cases in {elapsed:.0f}s "
+                       "wall", stopped, "a shard failed (its output above)" if shard_failed else None)
+
+
+def shard_args(a: GateArgs) -> list[list[str]]:
+    """Each shard's ``gate`` arguments: the same selection, one folder, appended to."""
+    out = []
+    for k in range(1, a.jobs + 1):
+        cmd = ["--shard", f"{k}/{a.jobs}", "--report", a.report, "--seed", str(a.seed), "--no-report", "--append"]
+        cmd += ["--resume" if a.resume else "--results", str(a.results_dir)]
+        cmd += ["--full"] if a.full else []
+        cmd += ["--only", a.only] if a.only else []
+        cmd += ["--quiet"] if a.quiet else []
+        cmd += [] if a.mutate else ["--no-mutate"]
+        cmd += ["--shuffle", str(a.shuffle)] if a.shuffle is not None else []
+        cmd += ["--column", a.column] if a.column else []
+        out.append(cmd)
+    return out
 
 
 def run_single(case: Case, report: str | None = None) -> int:

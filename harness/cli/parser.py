@@ -40,7 +40,9 @@ def _gate(sub) -> None:
         "0  every outcome as expected (passed, or failed as a known bug predicts) and the mutation self-checks held",
         "1  an outcome failed, passed unexpectedly or errored (a crashed rank is an error), a mutation "
         "self-check failed, or a --jobs shard exited non-zero",
-        "2  bad input: --shard not K/N, --jobs below 1 or with --shard"))
+        "2  bad input: --shard not K/N, --jobs below 1 or with --shard, --resume of a folder with no run plan",
+        "4  the results folder is incomplete (planned case-columns not judged; finish with --resume)",
+        "130/143  stopped by SIGINT (Ctrl-C) / SIGTERM: what was judged is kept, a summary printed"))
     g.add_argument("--report", default="reports/gate.html",
                    help="the HTML report (default %(default)s); the results go to a folder next to it, <stem>-results")
     g.add_argument("--full", action="store_true", help="the whole product instead of the CI covering subset")
@@ -53,7 +55,19 @@ def _gate(sub) -> None:
     g.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="run the gate as N local shards side by side and merge them into one report "
                         "(overlaps one shard's oracle replay with another's ranks; 2 on a 2-core machine)")
+    g.add_argument("--results", default=None, metavar="DIR",
+                   help="the results folder (default: <report stem>-results next to the report); a plain rerun "
+                        "moves an existing one aside to DIR.prev-<time>, keeping the last two")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="judge only what the run that wrote DIR planned and did not judge (stopped, killed, a "
+                        "shard lost), with that run's own arguments, appending to DIR; then report the whole")
+    g.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                   help="run the case-columns in this seed's random order (a verdict must not depend on what "
+                        "ran before it in the same ranks); skips the mutation self-checks")
+    g.add_argument("--column", default=None, choices=("stock", "patched"),
+                   help="run this column alone; skips the mutation self-checks")
     g.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: the parent renders
+    g.add_argument("--append", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: the parent made DIR
 
 
 def _run(sub) -> None:
@@ -85,7 +99,8 @@ def _bench(sub) -> None:
 
 def _report(sub) -> None:
     rp = _sub(sub, "report", "re-render the HTML divergence report from stored results (nothing reruns)", (
-        "0  verdict PASS", "1  verdict FAIL (the reasons are printed)", "2  a results folder does not exist"))
+        "0  verdict PASS", "1  verdict FAIL (the reasons are printed)", "2  a results folder does not exist",
+        "4  INCOMPLETE: the runs that wrote the folder(s) planned case-columns they did not judge"))
     rp.add_argument("results", nargs="+",
                     help="results folder(s) (results-*.jsonl, maps/, extra-*.json); several are merged into one "
                          "report with one verdict (the shards of a gate)")

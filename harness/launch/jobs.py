@@ -7,70 +7,59 @@ therefore keeps about one core busy, whatever the machine has. Running the gate'
 shards (``harness.launch.shard``) as N processes overlaps one shard's judge with another's ranks.
 Processes, not threads: the judge is Python-heavy and would serialise on the GIL.
 
-Each shard is the ordinary ``gate --shard K/N`` command (its own rank pools, its own results
-folder, the patched mutation self-check on shard 1 and the stock one on shard 2), so a local run
-and N CI machines split the same way, and the merge is the same ``harness.launch.shard.merge_results``
-that ``python -m harness report`` uses. The shards' folders are removed once merged; the parent is
-killed cleanly: it terminates its shards, whose ranks die with them (``harness.launch.pool``).
+Each shard is the ordinary ``gate --shard K/N`` command (its own rank pools, the patched mutation
+self-check on shard 1 and the stock one on shard 2), writing into the one results folder under its own
+writer name (``harness.report.results``), so a local run and N CI machines split the same way and a
+stopped run leaves one folder to resume. Each shard leads its own session, so a Ctrl-C at the terminal
+reaches the parent only, which stops the shards with SIGTERM and reports once; a shard also gets SIGTERM
+when the parent dies (a parent-death signal), and the command's reaper (``harness.launch.lifecycle``)
+ends anything left.
 """
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-from harness.launch.shard import merge_results
+
+from harness.launch.lifecycle import Interrupted, set_parent_death_signal
+
+STOP_GRACE_S = 10.0
 
 
-def shard_command(k: int, n: int, *, report: Path, full: bool, seed: int, only: str | None, quiet: bool,
-                  mutate: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "harness", "gate", "--shard", f"{k}/{n}", "--report", str(report),
-           "--seed", str(seed), "--no-report"]
-    if full:
-        cmd.append("--full")
-    if only:
-        cmd += ["--only", only]
-    if quiet:
-        cmd.append("--quiet")
-    if not mutate:
-        cmd.append("--no-mutate")
-    return cmd
+def run_shards(n: int, shard_args: list[list[str]]) -> tuple[list[int], float, Interrupted | None]:
+    """Run ``python -m harness gate ARGS`` for each of the ``n`` argument lists at once.
 
-
-def run_shards(n: int, report_path: Path, results_dir: Path, *, full: bool, seed: int, only: str | None,
-               quiet: bool, mutate: bool) -> tuple[list[int], float]:
-    """Run shards 1..n of the gate at once; merge their results into ``results_dir``.
-
-    Returns the shards' exit codes and the wall seconds. Their output goes to this process's
-    stdout as it comes (each progress line names its case and column)."""
-
-    work = report_path.parent / f"{report_path.stem}-shards"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    reports = [work / f"shard{k}.html" for k in range(1, n + 1)]
+    Returns the shards' exit codes, the wall seconds, and the signal that stopped the run (None when
+    it ran to the end). Their output goes to this process's stdout as it comes."""
+    assert len(shard_args) == n
     procs: list[subprocess.Popen] = []
     t0 = time.perf_counter()
+    stopped = None
     try:
-        for k, rep in enumerate(reports, start=1):
-            procs.append(subprocess.Popen(shard_command(k, n, report=rep, full=full, seed=seed, only=only,
-                                                        quiet=quiet, mutate=mutate)))
+        for args in shard_args:
+            procs.append(subprocess.Popen([sys.executable, "-m", "harness", "gate", *args], start_new_session=True,
+                                          preexec_fn=set_parent_death_signal))
         codes = [p.wait() for p in procs]
+    except Interrupted as exc:
+        stopped = exc
+        codes = _stop(procs)
     except BaseException:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
         raise
-    elapsed = time.perf_counter() - t0
-    folders = [rep.parent / (rep.stem + "-results") for rep in reports]
-    present = [f for f in folders if f.is_dir()]
-    merge_results(present, results_dir)
-    shutil.rmtree(work, ignore_errors=True)
-    return codes + [2] * (len(folders) - len(present)), elapsed
+    return codes, time.perf_counter() - t0, stopped
+
+
+def _stop(procs: list[subprocess.Popen]) -> list[int]:
+    """SIGTERM to every shard still running (each writes down what it judged), SIGKILL after the grace."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in procs]

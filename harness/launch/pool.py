@@ -81,6 +81,8 @@ def _name_process(name: str) -> None:
 def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env: dict) -> None:
     os.setsid()
     set_parent_death_signal()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a forked rank must not raise the parent's Interrupted
+        signal.signal(sig, signal.SIG_DFL)
     os.environ.update(env)
     _name_process(_process_name(env.get(POOL_MARKER, "")))
     pool = Path(pool_dir)
@@ -469,10 +471,11 @@ class PoolManager:
             if pool.broken:
                 self.pools.pop(key, None)
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """``kill``: the command is being stopped; do not wait for ranks to finish a case."""
         for pool in self.pools.values():
             if not pool.broken:
-                pool.close()
+                pool.close(kill=kill)
         self.pools.clear()
 
 

@@ -117,8 +117,9 @@ def merge_results(sources: Sequence[Path], dest: Path) -> Path:
         tag = f"s{i + 1}"
         for path in sorted(src.glob("results-*.jsonl")):
             shutil.copyfile(path, dest / f"results-{tag}-{path.name[len('results-'):]}")
-        for path in sorted(src.glob("extra-*.json")):
-            shutil.copyfile(path, dest / f"extra-{tag}-{path.name[len('extra-'):]}")
+        for prefix in ("extra-", "run-"):  # stored extras, and the plans that say what the runs meant to judge
+            for path in sorted(src.glob(prefix + "*.json")):
+                shutil.copyfile(path, dest / f"{prefix}{tag}-{path.name[len(prefix):]}")
         for path in sorted((src / "maps").glob("*.npz")) if (src / "maps").is_dir() else []:
             shutil.copyfile(path, dest / "maps" / path.name)
     return dest

@@ -56,7 +56,7 @@ import numpy as np
 
 from harness.report.html import build_html, environment_info  # noqa: F401 - the report's API
 from harness.report.plots import MAX_CELLS, heatmap_svg, maxpool, steps_svg  # noqa: F401 - the report's API
-from harness.report.results import load_records
+from harness.report.results import completeness, load_records
 
 # --------------------------------------------------------------------------------------------- API
 
@@ -72,7 +72,7 @@ def render(records_root, out_html, *, title: str | None = None, extra: dict | No
     """
     root = Path(records_root)
     records = load_records(root) if root.exists() else []
-    merged = merge_extra(load_stored_extra(root), extra or {})
+    merged = merge_extra(_with_completeness(root, records), extra or {})
     if only:
         records = [r for r in records if only in r.case_name]
         merged = merge_extra(merged, {"notes": [f"Only the outcomes of cases whose name contains {only!r}: "
@@ -96,11 +96,26 @@ def verdict(records_root, only: str | None = None) -> tuple[bool, list[str]]:
 
     root = Path(records_root)
     records = load_records(root) if root.exists() else []
-    extra = load_stored_extra(root)
+    extra = _with_completeness(root, records)
     if only:
         records = [r for r in records if only in r.case_name]
         extra.pop("mutations", None)
     return page_verdict(records, extra)
+
+
+def incomplete(records_root) -> str | None:
+    """The INCOMPLETE headline of a folder whose runs did not judge all they planned, else None."""
+    return _with_completeness(Path(records_root), None).get("incomplete")
+
+
+def _with_completeness(root: Path, records) -> dict:
+    """The stored extra, with the INCOMPLETE headline when the folder's runs planned more than it holds."""
+    extra = load_stored_extra(root)
+    if root.exists():
+        state = completeness(root, records)
+        if not state.complete:
+            extra["incomplete"] = state.headline(root)
+    return extra
 
 
 class _LazyMaps(Mapping):

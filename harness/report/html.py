@@ -87,7 +87,7 @@ def build_html(records: list[CaseRecord], maps_for, *, title: str | None = None,
     if extra.get("check"):  # a check's page leads with the check's own verdict, as the CLI printed it
         parts.append(_check_block(title, extra["check"], main, source))
     else:
-        parts.append(_verdict_block(title, verdict_ok, reasons, main, source))
+        parts.append(_verdict_block(title, verdict_ok, reasons, main, source, bool(extra.get("incomplete"))))
     parts.append(_nav(main, mutations))
     parts.append(_counts_block(main))
     parts.append(_failure_list(main, anchors))
@@ -132,6 +132,8 @@ def _verdict(main, mutations, extra) -> tuple[bool, list[str]]:
     if survived:
         reasons.append(f"{len(survived)} mutant(s) survived: {', '.join(survived)}")
     reasons += [str(x) for x in extra.get("verdict_reasons", [])]
+    if extra.get("incomplete"):  # never PASS over case-columns that never ran
+        reasons.insert(0, str(extra["incomplete"]))
     if not main and not mutations:
         reasons.append("no results stored")
     return not reasons, reasons
@@ -150,10 +152,10 @@ def page_verdict(records: list[CaseRecord], extra: dict) -> tuple[bool, list[str
     return _verdict(main, _mutation_rows(extra, [r for r in records if r not in main]), extra)
 
 
-def _verdict_block(title, ok, reasons, main, source) -> str:
+def _verdict_block(title, ok, reasons, main, source, incomplete: bool = False) -> str:
     cls = "pass" if ok else "fail"
-    word = "PASS" if ok else "FAIL"
-    why = "all outcomes as expected" if ok else "; ".join(reasons)
+    word = "INCOMPLETE" if incomplete else "PASS" if ok else "FAIL"
+    why = "all outcomes as expected" if ok else "; ".join(r.removeprefix("INCOMPLETE: ") for r in reasons)
     total_s = sum(r.seconds for r in main if math.isfinite(r.seconds))
     return (f"<header class='verdict {cls}' id='verdict'><h1>{_e(title)}</h1>"
             f"<div class='verdict-line'><span class='vword'>{word}</span> <span class='why'>{_e(why)}</span></div>"

@@ -196,8 +196,15 @@ class ResultStore:
             arrays = {k.replace("/", "_"): v for k, v in maps.items()}
             np.savez_compressed(self.root / "maps" / f"{rec.key}.npz", **arrays)
         line = json.dumps(asdict(rec), sort_keys=True)
-        with open(self.root / f"results-{self.writer}.jsonl", "a") as f:
-            f.write(line + "\n")
+        path = self.root / f"results-{self.writer}.jsonl"
+        with open(path, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"  # a writer killed mid-line: the record after it keeps its own line
+            else:
+                torn = False
+            f.write((("\n" if torn else "") + line + "\n").encode())
 
     def load(self) -> list[CaseRecord]:
         return load_records(self.root)
@@ -210,7 +217,11 @@ def load_records(root: Path) -> list[CaseRecord]:
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
-            d = json.loads(line)
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue  # the last line of a writer killed mid-write; the case-column counts as not run
+
             d["checks"] = [CheckRow(**c) for c in d.get("checks", [])]
             rec = CaseRecord(**d)
             recs[rec.key] = rec
@@ -223,3 +234,82 @@ def load_maps(root: Path, key: str) -> dict[str, np.ndarray]:
         return {}
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
+
+
+# --------------------------------------------------------------------------------------------------
+# what a run planned, and whether it got there
+
+
+@dataclass(frozen=True, order=True)
+class Planned:
+    """One case-column a run set out to judge, by name: the stored record's key hashes the case as it
+    ran (adapted to the release, marked patched), which the plan cannot know beforehand; a gate's case
+    names are unique."""
+    case_name: str
+    column: str
+
+
+@dataclass
+class Completeness:
+    """A results folder against what the runs that wrote it planned (``run-<writer>.json``). A folder
+    without plans (pytest's, or from before plans were written) is taken as complete."""
+    planned: int
+    judged: int
+    missing: list[Planned]
+    selfchecks_missing: list[str]
+    interrupted: list[str]  # "<writer>: SIGTERM" for every run that was stopped
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and not self.selfchecks_missing
+
+    def headline(self, folder: Path) -> str:
+        parts = [f"judged {self.judged} of {self.planned} planned case-columns, {len(self.missing)} not run"]
+        if self.selfchecks_missing:
+            parts.append("mutation self-check(s) not run: " + ", ".join(self.selfchecks_missing))
+        return ("INCOMPLETE: " + "; ".join(parts) + f" (finish with: python -m harness gate --resume {folder})")
+
+
+def _plan_path(root: Path, writer: str) -> Path:
+    return Path(root) / f"run-{writer}.json"
+
+
+def write_plan(root: Path, writer: str, planned: list[Planned], selfchecks: list[str], args: dict) -> None:
+    """Before the first case: what this writer will judge, and the arguments that chose it (``--resume``
+    reads them back)."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    data = {"writer": writer, "args": args, "selfchecks": list(selfchecks), "selfchecks_done": [],
+            "completed": False, "interrupted": None, "started": time.time(),
+            "planned": [[p.case_name, p.column] for p in planned]}
+    _plan_path(root, writer).write_text(json.dumps(data))
+
+
+def finish_plan(root: Path, writer: str, *, selfchecks_done: list[str], interrupted: str | None) -> None:
+    path = _plan_path(root, writer)
+    data = json.loads(path.read_text())
+    data.update(selfchecks_done=list(selfchecks_done), interrupted=interrupted, completed=interrupted is None,
+                ended=time.time())
+    path.write_text(json.dumps(data))
+
+
+def load_plans(root: Path) -> list[dict]:
+    plans = []
+    for path in sorted(Path(root).glob("run-*.json")):
+        try:
+            plans.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return plans
+
+
+def completeness(root: Path, records: list[CaseRecord] | None = None) -> Completeness:
+    plans = load_plans(root)
+    records = load_records(root) if records is None else records
+    judged = {Planned(r.case_name, r.column) for r in records}
+    planned = {Planned(*p) for plan in plans for p in plan["planned"]}
+    wanted = {s for plan in plans for s in plan["selfchecks"]}
+    done = {s for plan in plans for s in plan["selfchecks_done"]}
+    return Completeness(
+        planned=len(planned), judged=len(judged & planned), missing=sorted(planned - judged),
+        selfchecks_missing=sorted(wanted - done),
+        interrupted=[f"{plan['writer']}: {plan['interrupted']}" for plan in plans if plan.get("interrupted")])

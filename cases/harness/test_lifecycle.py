@@ -1,0 +1,131 @@
+"""A command's processes end with it, however it ends, and its scratch folder goes with them
+(``harness.launch.lifecycle``); a results folder says what its runs planned and did not judge
+(``harness.report.results`` plans), and the report never calls such a folder PASS."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.catalog import matrix as catalog
+from harness.launch import lifecycle
+from harness.report import results
+from harness.report.build import render
+from harness.report.build import verdict as report_verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A command inside a scope that starts the three kinds of process the harness starts: an exec'd child
+# (a shard, a torchrun rank), a child in a session of its own (a pool rank) with a grandchild (its JIT
+# build), and a forked child that never execs. It prints "ready" and waits to be ended.
+# It exits as ``python -m harness`` does when stopped (``harness.cli.main``).
+TREE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from harness.launch import lifecycle
+    try:
+        with lifecycle.command_scope() as scratch:
+            kids = [subprocess.Popen(["sleep", "300"]),
+                    subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"], start_new_session=True)]
+            if os.fork() == 0:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a pool rank does
+                time.sleep(300)
+                os._exit(0)
+            time.sleep(1.5)  # the reaper records the descendants twice a second
+            print("ready", scratch, flush=True)
+            time.sleep(300)
+    except lifecycle.Interrupted as exc:
+        sys.exit(exc.exit_code)
+""")
+
+
+def _start_tree(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MUON_HARNESS_SCRATCH_BASE=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    line = proc.stdout.readline().split()
+    assert line and line[0] == "ready", line
+    return proc, Path(line[1])
+
+
+def _run_id(scratch: Path) -> str:
+    return scratch.name[len(lifecycle.SCRATCH_PREFIX):].split("-")[0]
+
+
+def _alive_of(pgid: int, pid: int, run_id: str) -> list[int]:
+    """Every live process in the command's process group, whose parent is the command, or that carries
+    the command's run id."""
+    out = set(lifecycle.marked(run_id))
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or lifecycle.start_time(int(entry)) is None:
+            continue
+        try:
+            if os.getpgid(int(entry)) == pgid:
+                out.add(int(entry))
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.add(int(entry))
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+    return sorted(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_nothing_of_a_command_outlives_it(tmp_path, sig):
+    proc, scratch = _start_tree(tmp_path)
+    run_id = _run_id(scratch)
+    assert len(lifecycle.marked(run_id)) >= 3  # the marker is seen: the check below can fail
+    os.kill(proc.pid, sig)
+    rc = proc.wait(timeout=30)
+    assert rc == (-9 if sig == signal.SIGKILL else 143)  # SIGTERM: Interrupted, 128 + 15
+    time.sleep(5)
+    assert _alive_of(proc.pid, proc.pid, run_id) == []
+    assert not scratch.exists()
+
+
+def test_a_dead_commands_scratch_folder_is_cleaned_at_the_next_start(tmp_path):
+    stale = tmp_path / f"{lifecycle.SCRATCH_PREFIX}0123456789ab-xyz"
+    (stale / "pool").mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (stale / "owner").write_text(json.dumps({"pid": dead.pid, "start": 1}))
+    live = tmp_path / f"{lifecycle.SCRATCH_PREFIX}ba9876543210-xyz"
+    live.mkdir()
+    (live / "owner").write_text(json.dumps({"pid": os.getpid(), "start": lifecycle.start_time(os.getpid())}))
+    assert lifecycle.clean_stale(tmp_path) == [stale]
+    assert not stale.exists() and live.exists()
+
+
+def _record(name: str, column: str) -> results.CaseRecord:
+    case = next(c for c in catalog.gate_cases(False) if c.name == "z1-none-fp32-ws1").replace(name=name)
+    return results.error_record(case, column=column, message="m", seconds=0.1, status="passed")
+
+
+def test_a_folder_missing_planned_case_columns_is_incomplete_never_pass(tmp_path):
+    root = tmp_path / "gate-results"
+    planned = [results.Planned(n, col) for n in ("a", "b") for col in ("stock", "patched")]
+    results.write_plan(root, "gate", planned, ["patched"], {"report": "x"})
+    store = results.ResultStore(root, writer="gate")
+    for p in planned[:3]:
+        store.add(_record(p.case_name, p.column))
+    with open(root / "results-gate.jsonl", "a") as f:
+        f.write('{"key": "torn')  # a writer killed mid-line
+    state = results.completeness(root)
+    assert (state.planned, state.judged, state.missing) == (4, 3, [results.Planned("b", "patched")])
+    assert state.selfchecks_missing == ["patched"] and not state.complete
+    ok, reasons = report_verdict(root)
+    assert not ok and reasons[0].startswith("INCOMPLETE: judged 3 of 4")
+    page = render(root, tmp_path / "r.html").read_text()
+    assert "class='vword'>INCOMPLETE" in page and "PASS" not in page.split("</header>")[0]
+    # the last case-column and the self-check arrive (a resume): complete, and PASS
+    store.add(_record("b", "patched"))
+    results.write_plan(root, "gate-resume1", [], ["patched"], {"report": "x"})
+    results.finish_plan(root, "gate-resume1", selfchecks_done=["patched"], interrupted=None)
+    assert results.completeness(root).complete
+    assert report_verdict(root) == (True, [])
