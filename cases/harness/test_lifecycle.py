@@ -54,38 +54,16 @@ def _start_tree(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, Path(line[1])
 
 
-def _run_id(scratch: Path) -> str:
-    return scratch.name[len(lifecycle.SCRATCH_PREFIX):].split("-")[0]
-
-
-def _alive_of(pgid: int, pid: int, run_id: str) -> list[int]:
-    """Every live process in the command's process group, whose parent is the command, or that carries
-    the command's run id."""
-    out = set(lifecycle.marked(run_id))
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or lifecycle.start_time(int(entry)) is None:
-            continue
-        try:
-            if os.getpgid(int(entry)) == pgid:
-                out.add(int(entry))
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.add(int(entry))
-        except (ProcessLookupError, FileNotFoundError):
-            continue
-    return sorted(out)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_nothing_of_a_command_outlives_it(tmp_path, sig):
     proc, scratch = _start_tree(tmp_path)
-    run_id = _run_id(scratch)
+    run_id = lifecycle.run_id_of(scratch)
     assert len(lifecycle.marked(run_id)) >= 3  # the marker is seen: the check below can fail
     os.kill(proc.pid, sig)
     rc = proc.wait(timeout=30)
     assert rc == (-9 if sig == signal.SIGKILL else 143)  # SIGTERM: Interrupted, 128 + 15
     time.sleep(5)
-    assert _alive_of(proc.pid, proc.pid, run_id) == []
+    assert lifecycle.survivors(run_id, group=proc.pid, parent=proc.pid) == []
     assert not scratch.exists()
 
 

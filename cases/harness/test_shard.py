@@ -102,8 +102,9 @@ def test_two_shards_in_separate_processes_merge_into_the_unsharded_statuses(tmp_
     out: list[str] = []
     jobs = _statuses(_gate(tmp_path, "jobs", "--jobs", "2", out=out))
     assert jobs == whole
-    assert "gate (all 2 shards merged)" in out[0] and (tmp_path / "jobs.html").exists()
-    assert not (tmp_path / "jobs-shards").exists()  # the shards' own folders are merged, then removed
+    assert "gate (all 2 shards)" in out[0] and (tmp_path / "jobs.html").exists()
+    assert sorted(p.name for p in (tmp_path / "jobs-results").glob("run-*.json")) == [
+        "run-gate-shard1of2.json", "run-gate-shard2of2.json", "run-gate.json"]  # one folder, each writer its plan
 
 
 def test_case_times_refreshed_from_a_gate_runs_stored_outcomes(tmp_path):

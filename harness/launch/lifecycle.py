@@ -115,6 +115,24 @@ def marked(run_id: str) -> list[int]:
     return found
 
 
+def survivors(run_id: str, *, group: int | None = None, parent: int | None = None) -> list[int]:
+    """Live processes of a run: carrying its id, in process group ``group``, or children of ``parent``
+    (the three ways a leftover can be found; a fault test asks for all of them)."""
+    found = set(marked(run_id))
+    for pid, ppid in _parents().items():
+        if start_time(pid) is None or pid == os.getpid():
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            if (group is not None and os.getpgid(pid) == group) or (parent is not None and ppid == parent):
+                found.add(pid)
+    return sorted(found)
+
+
+def run_id_of(scratch: Path) -> str:
+    """The run id in a scratch folder's name (``muon-run-<id>-<random>``)."""
+    return Path(scratch).name[len(SCRATCH_PREFIX):].split("-")[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # ending processes
 
@@ -183,7 +201,7 @@ def clean_stale(base: Path | None = None) -> list[Path]:
         with contextlib.suppress(OSError):
             if not folder.is_dir() or _owner_alive(folder):
                 continue
-            end_processes(_identities(marked(folder.name[len(SCRATCH_PREFIX):].split("-")[0])))
+            end_processes(_identities(marked(run_id_of(folder))))
             shutil.rmtree(folder, ignore_errors=True)
             cleaned.append(folder)
     return cleaned
