@@ -184,6 +184,8 @@ CHECK_EXIT_CODES = (
     "1  diverged (including divergences a known stock DeepSpeed bug explains: your config is affected)",
     "2  bad input, reported before any rank starts",
     "3  the run itself failed: a rank raised, died or timed out, or the harness crashed (no verdict)",
+    "4  cannot judge: nothing diverged, but a captured quantity has no finite reference (the message names the "
+    "step, tensor and loss scale): not a pass",
 )
 
 
