@@ -110,6 +110,7 @@ if __name__ == "__main__":
     # every core and never forks its rank pools). ``python -m harness check`` sets it in its own main.
     buildenv.apply_base_env()
 
+from harness.case.nvme import swap_expected  # noqa: E402
 from harness.case.spec import Case, canonical_json  # noqa: E402
 from harness.cli.check_config import BadInput, ModelFailed  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
@@ -486,6 +487,24 @@ def applied_steps_text(o) -> str:
             f"{', '.join(map(str, skipped))} skipped on overflow; raise --steps, or lower fp16.initial_scale_power]")
 
 
+def _swap_text(o) -> str:
+    """The swap folder's bytes against DeepSpeed's swap rule for the case (``harness.case.nvme.swap_expected``)."""
+    moved = o.swapped_bytes > 0
+    if swap_expected(o.case):
+        return f"{o.swapped_bytes / 2**20:.1f} MiB moved to/from the swap folder" if moved else \
+            "NOTHING written to the swap folder"
+    return (f"{o.swapped_bytes / 2**20:.1f} MiB moved, but no sub-group reaches DeepSpeed's swap threshold"
+            if moved else "nothing swapped, as DeepSpeed's swap threshold says for this model")
+
+
+def swap_not_exercised_text(case: Case) -> str:
+    """A pass on ZeRO-3 NVMe whose model has no sub-group at the swap threshold covers the offload path
+    without the swap path: the verdict says so (the plan said why and what to pass)."""
+    if case.offload != "nvme" or swap_expected(case):
+        return ""
+    return " [NVMe swapping not exercised: no sub-group of this model reaches the swap threshold; see the plan]"
+
+
 def _without_unmatched_bugs(o):
     """An error outcome names no bug: the gate lists on it every bug the pipeline triggers, but a run
     that died matched none of them (a crash bug whose signature matched is an xfailed outcome), so a
@@ -532,7 +551,7 @@ class CheckResult:
         o = self.outcomes[col]
         worst = worst_by_quantity(o)
         if o.swapped_bytes is not None:
-            worst["swap"] = 0.0 if o.swapped_bytes > 0 else float("inf")
+            worst["swap"] = 0.0 if (o.swapped_bytes > 0) == swap_expected(o.case) else float("inf")
         return worst, _first_fail_by_quantity(o)
 
     def text_lines(self) -> list[tuple[str, bool]]:
@@ -558,9 +577,7 @@ class CheckResult:
                         f"({', '.join(sorted({c.param for c in cs}))}){judged_txt}")
                     continue
                 if q == "swap":
-                    line = (f"{o.swapped_bytes / 2**20:.1f} MiB moved to/from the swap folder"
-                            if o.swapped_bytes > 0 else "NOTHING written to the swap folder")
-                    add(f"    {'swap':18s} {'ok' if o.swapped_bytes > 0 else 'DIVERGED':9s} {line}")
+                    add(f"    {'swap':18s} {'ok' if worst[q] == 0.0 else 'DIVERGED':9s} {_swap_text(o)}")
                     continue
                 first = firsts.get(q)
                 where = f"  first at step {first.step}, {first.param}" if first else ""
@@ -582,7 +599,7 @@ class CheckResult:
             elif o.status == "unjudged" and o.verdict is not None:
                 line += ": " + "; ".join(c.unjudged for c in o.verdict.unjudged)
             label = "verdict" if not self.patched else f"verdict ({col})"
-            add(f"{label}: {line}{applied_steps_text(o)}", True)
+            add(f"{label}: {line}{applied_steps_text(o)}{swap_not_exercised_text(o.case)}", True)
         decisive = self.decisive
         if decisive.status == "error" and decisive.message:
             tail = decisive.message.splitlines()[-15:]

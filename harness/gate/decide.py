@@ -3,7 +3,7 @@
 The decision is shared by the pytest suite and ``python -m harness gate`` (``harness.cli.main_job``), so
 the two can never disagree about what passed:
 
-* passed   -- every quantity within tolerance (and an NVMe case really swapped);
+* passed   -- every quantity within tolerance (and an NVMe case swapped as DeepSpeed's swap rule says);
              or, for a config DeepSpeed itself must refuse (``harness.registry.refusals``), refused exactly so;
              or, for a tensor-parallel case (``harness.rank.tp_case``), every rank's shards as
              ``harness.judge.tp_verdict`` says;
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from harness.registry import refusals as ds_refusals
 from harness.registry.bugs import NUMERIC, bugs_for, refusals_for
+from harness.case import nvme
 from harness.case.spec import Case
 from harness.launch.launcher import CaseFailure, Launcher, RankDied, RankFailed
 from harness.judge.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
@@ -67,13 +68,23 @@ def columns() -> list[str]:
 
 
 def _problems(c: Case, verdict: Verdict, traj) -> tuple[list[tuple[str, str]], list[str]]:
-    """(param, quantity) of every failed check, plus an NVMe case that never swapped."""
+    """(param, quantity) of every failed check, plus an NVMe case whose swap folder saw other than what
+    DeepSpeed's swap rule says (``harness.case.nvme.swap_expected``): bytes where a sub-group reaches the
+    threshold, none where no ZeRO-3 sub-group does."""
     problems = [(f.param, f.quantity) for f in verdict.failures]
     msgs = []
-    if c.offload == "nvme" and traj.swapped_bytes <= 0:
+    if c.offload != "nvme":
+        return problems, msgs
+    expected = nvme.swap_expected(c)
+    if expected and traj.swapped_bytes <= 0:
         problems.append(("<case>", "swap"))
         msgs.append(f"{c.name}: claims NVMe offload but wrote and read 0 bytes in the swap folder "
                     f"(a case that never swapped is not an NVMe check)\n  reproduce: {reproduce_command(c)}")
+    elif not expected and traj.swapped_bytes > 0:
+        problems.append(("<case>", "swap"))
+        msgs.append(f"{c.name}: moved {traj.swapped_bytes} bytes through the swap folder, but no ZeRO-3 sub-group "
+                    f"reaches DeepSpeed's swap threshold ({nvme.min_swap_bytes(c)} bytes per rank)\n"
+                    f"  reproduce: {reproduce_command(c)}")
     return problems, msgs
 
 
