@@ -38,7 +38,8 @@ def _sub(sub, name: str, help: str, codes: tuple[str, ...], description: str | N
 def _gate(sub) -> None:
     g = _sub(sub, "gate", "check every pipeline against the oracle; write the HTML report", (
         "0  every outcome as expected (passed, or failed as a known bug predicts) and the mutation self-checks held",
-        "1  an outcome failed, passed unexpectedly or errored (a crashed rank is an error), a mutation "
+        "1  an outcome failed, could not be judged, passed unexpectedly or errored (a crashed rank is an error), a "
+        "mutation "
         "self-check failed, or a --jobs shard exited non-zero",
         "2  bad input: --shard not K/N, --jobs below 1 or with --shard"))
     g.add_argument("--report", default="reports/gate.html",
@@ -59,7 +60,8 @@ def _gate(sub) -> None:
 def _run(sub) -> None:
     r = _sub(sub, "run", "rerun one case given as JSON (what divergence messages print)", (
         "0  passed, or failed as a known bug predicts",
-        "1  diverged, passed unexpectedly, or the run itself failed (a rank raised, died or timed out)",
+        "1  diverged, could not be judged, passed unexpectedly, or the run itself failed (a rank raised, died or "
+        "timed out)",
         "2  bad input: not a valid case, or the case file cannot be read"))
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--case", help="the case as JSON text")
