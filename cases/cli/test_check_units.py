@@ -250,3 +250,70 @@ def test_nvme_planning_of_a_module_case_with_an_embedding(tmp_path, monkeypatch)
     assert "DSM-001" in {b["id"] for b in check.known_bug_info(case)}
     with pytest.raises(ValueError, match="embed"):  # the synthetic model still refuses the names
         nvme.predict_swapped_subgroups(case.replace(model=None))
+
+
+NVME_Z3 = {"stage": 3, "reduce_scatter": False, "offload_optimizer": {"device": "nvme"}}
+
+
+def _nvme_module_plan(tmp_path, monkeypatch, **zero):
+    from cases.cli import _plan, _user_model
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = _user_model.write(tmp_path)
+    cfg = _cfg(train_micro_batch_size_per_gpu=1, zero_optimization={**NVME_Z3, **zero})
+    return _plan.plan(tmp_path, cfg, "--model", model)
+
+
+def test_a_small_module_on_zero3_nvme_is_told_it_will_not_swap_and_what_to_pass(tmp_path, monkeypatch):
+    """A user's module whose ZeRO-3 sub-groups are all below the swap threshold: the plan says, before any
+    rank, that swapping is not exercised, why (the threshold, the largest sub-group) and what to pass; the
+    module runs as it is (no matrix added), and its swap quantity is expected empty."""
+    from harness import models
+    from harness.case import nvme
+
+    p = _nvme_module_plan(tmp_path, monkeypatch)
+    note = next((n for n in p.notes if "swapping will NOT be exercised" in n), None)
+    assert note is not None, p.notes
+    subs = nvme.predict_swapped_subgroups(p.case)
+    largest = max(s["partition_bytes"] for s in subs)
+    assert largest < nvme.MIN_AIO_BYTES  # the premise, from DeepSpeed's rule
+    assert f"{largest / 1024:.1f} KiB" in note and f">= {nvme.MIN_AIO_BYTES // 1024} KiB" in note
+    assert "--shapes" in note
+    assert p.case.params == models.param_shapes(models.build_spec(p.case.model, 0))
+    assert not nvme.swap_expected(p.case)
+
+
+def test_a_synthetic_model_on_zero3_nvme_still_gets_a_swap_sized_matrix(tmp_path):
+    from cases.cli import _plan
+    from harness.case import nvme
+
+    p = _plan.plan(tmp_path, _cfg(zero_optimization=NVME_Z3))
+    assert any(par.name == "swap.weight" for par in p.case.params)
+    assert nvme.swap_expected(p.case) and not any("NOT be exercised" in n for n in p.notes)
+
+
+def test_the_swap_quantity_follows_deepspeeds_swap_rule(tmp_path, monkeypatch):
+    """No bytes is right for a module with no sub-group at the threshold and wrong for a swap-sized model; bytes
+    moved for the former is wrong too; ZeRO-1/2 NVMe must swap (DSM-002 is that they do not)."""
+    from types import SimpleNamespace
+
+    from cases.cli import _plan
+    from harness.cli import check
+    from harness.gate import decide
+
+    small = _nvme_module_plan(tmp_path, monkeypatch).case
+    big = _plan.plan(tmp_path, _cfg(zero_optimization=NVME_Z3)).case
+    z2 = _plan.plan(tmp_path, _cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}})).case
+    empty = SimpleNamespace(failures=[])
+
+    def swap_problem(case, moved):
+        problems, msgs = decide._problems(case, empty, SimpleNamespace(swapped_bytes=moved))
+        return ("<case>", "swap") in problems
+
+    assert not swap_problem(small, 0) and swap_problem(small, 4096)
+    assert swap_problem(big, 0) and not swap_problem(big, 4096)
+    assert swap_problem(z2, 0)
+    o = SimpleNamespace(case=small, swapped_bytes=0)
+    assert check._swap_text(o).startswith("nothing swapped, as DeepSpeed's swap threshold says")
+    assert "NVMe swapping not exercised" in check.swap_not_exercised_text(small)
+    assert check.swap_not_exercised_text(big) == "" and check.swap_not_exercised_text(z2) == ""

@@ -123,12 +123,12 @@ def test_a_template_without_trainer_arguments_is_refused_naming_what_to_pass(tmp
 # a handful for real
 
 
-def _check(tmp_path, cfg: dict, *extra: str) -> dict:
+def _check(tmp_path, cfg: dict, *extra: str, env: dict | None = None) -> dict:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     r = subprocess.run([sys.executable, "-m", "harness", "check", "--ds-config", str(path), "--json",
                         "--no-report", "--shapes", "24x16", "--steps", "2", *extra], cwd=ROOT, capture_output=True,
-                       text=True, timeout=900)
+                       text=True, timeout=900, env=env)
     result = json.loads(r.stdout)
     assert r.returncode == result["exit_code"], r.stderr[-2000:]
     return result
@@ -146,3 +146,39 @@ def test_the_hf_zero2_template_runs_for_real(tmp_path):
     result = _check(tmp_path, HF_ZERO2, *TRAINER, "--trainer-arg", "bf16=true")
     assert result["exit_code"] in (0, 1) and result["pipeline"]["dtype"] == "bf16"
     assert result["verdict"] == "pass" or result["bug_ids"], result["message"]
+
+
+NVME_Z3 = {"stage": 3, "reduce_scatter": False, "offload_optimizer": {"device": "nvme"}}
+
+
+@pytest.mark.pipeline
+def test_zero3_fp16_nvme_at_the_default_loss_scale_judges_the_applied_steps_gradient(tmp_path):
+    """DeepSpeed's default scale 2^16 is past fp16's range, so the first steps skip until the scale is 2^15;
+    the step then applied has a scaled loss past 65504 and finite gradients, and its gradient is judged."""
+    cfg = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "fp16": {"enabled": True},
+           "train_micro_batch_size_per_gpu": 2, "zero_optimization": NVME_Z3}
+    result = _check(tmp_path, cfg, "--steps", "3", "--world-size", "1", "--patched")
+    assert result["resolved"]["fp16.initial_scale_power"] == {"value": 16, "source": "DeepSpeed 0.19.8 default"}
+    applied = [s for s in range(1, 4) if s not in result["skipped_steps"]]
+    assert applied, result["message"]
+    assert result["cannot_judge"] == [], result["cannot_judge"]
+    assert (result["verdict"], result["exit_code"]) == ("pass", 0), result["message"]
+    assert 0.0 <= result["columns"]["patched"]["worst_ratio"]["grad"] <= 1.0
+
+
+@pytest.mark.pipeline
+def test_a_small_module_on_zero3_nvme_passes_without_swapping_and_says_so(tmp_path):
+    """None of the module's sub-groups reaches DeepSpeed's swap threshold: nothing is swapped, which is what
+    DeepSpeed should do, so it is no divergence; the plan and the verdict say swapping was not exercised."""
+    import os
+
+    from cases.cli import _user_model
+
+    model = _user_model.write(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    cfg = {"optimizer": {"type": "Muon", "params": {"lr": 0.02}}, "train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": NVME_Z3}
+    result = _check(tmp_path, cfg, "--model", model, env=env)
+    assert (result["verdict"], result["exit_code"]) == ("pass", 0), result["message"]
+    assert result["columns"]["stock"]["swapped_bytes"] == 0 and result["worst_ratio"]["swap"] == 0.0
+    assert any("swapping will NOT be exercised" in n and "--shapes" in n for n in result["rewrites"])

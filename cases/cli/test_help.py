@@ -76,7 +76,8 @@ def test_check_exit_codes_are_those_check_returns():
     from harness.cli import check  # the real constants (this imports torch, in this process only)
 
     listed = [int(c.split()[0]) for c in parser.CHECK_EXIT_CODES]
-    assert listed == [check.EXIT_OK, check.EXIT_DIVERGED, check.EXIT_BAD_INPUT, check.EXIT_RUN_FAILED]
+    assert listed == [check.EXIT_OK, check.EXIT_DIVERGED, check.EXIT_BAD_INPUT, check.EXIT_RUN_FAILED,
+                      check.EXIT_CANNOT_JUDGE]
 
 
 @pytest.mark.parametrize("args, says", [(["--sample", "3"], "--sample needs --engine cosmic-ray"),

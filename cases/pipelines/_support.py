@@ -55,7 +55,7 @@ def settle(o, request):
         record(store, o)
     if o.status == "skipped":  # the installed DeepSpeed refuses the combination by design (harness.env.versions)
         pytest.skip(o.message)
-    if o.status in ("error", "failed"):
+    if o.status in ("error", "failed", "unjudged"):  # "cannot judge" is never a pass
         pytest.fail(o.message, pytrace=False)
     if o.status == "xfailed":
         raise KnownBugDivergence(o.message)

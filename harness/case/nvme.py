@@ -160,5 +160,12 @@ def expects_swap(case: Case) -> bool:
     return any(s["swapped"] for s in predict_swapped_subgroups(case))
 
 
+def swap_expected(case: Case) -> bool:
+    """Whether an NVMe case must move bytes through its swap folder. ZeRO-3 keeps a sub-group below the swap
+    threshold in memory by its own rule, so a model with none above it correctly swaps nothing; ZeRO-1/2
+    were asked for NVMe and must swap (that they run CPU offload instead is DSM-002)."""
+    return case.offload == "nvme" and (case.stage != 3 or expects_swap(case))
+
+
 def describe(case: Case) -> str:
     return json.dumps(predict_swapped_subgroups(case), indent=1)

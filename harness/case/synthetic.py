@@ -334,7 +334,13 @@ def backward_overflows(lp_weights: dict[str, torch.Tensor], case, rank: int, ste
     gradient. The float64 gradient cannot say: an *intermediate* of the fp16 backward (e.g. the
     scaled elementwise term ``S * D``) can pass 65504 while the final gradient stays small, and
     DeepSpeed then (rightly) skips the step. Run the same loss in the model dtype, as the engine
-    does, and look. Only meaningful for fp16 (bf16 and fp32 have fp32's range)."""
+    does (``loss / GAS`` first, then times the scale), and look. Only meaningful for fp16 (bf16 and
+    fp32 have fp32's range).
+
+    Only the gradients decide, as in DeepSpeed, whose overflow test reads the gradients alone: the
+    forward value of the scaled loss is never read by the backward (the product's derivative is the
+    scale itself), so a scaled loss past 65504 (10.8 x 2^15) with finite gradients is an applied step.
+    A scale of 2^16 itself is past fp16's range: the backward's first product is already inf."""
     dtype = MODEL_DTYPES[case.dtype]
     data = _model_dtype_data(case, rank, step, micro)
     leaves = {p.name: lp_weights[p.name].to(dtype).clone().requires_grad_(True) for p in case.params}
@@ -344,10 +350,7 @@ def backward_overflows(lp_weights: dict[str, torch.Tensor], case, rank: int, ste
             continue
         t = term_loss(leaves[p.name], data[p.name])
         total = t if total is None else total + t
-    scaled = (total / case.grad_accum) * scale
-    if not bool(torch.isfinite(scaled)):
-        return True
-    scaled.backward()
+    ((total / case.grad_accum) * scale).backward()
     return any(not bool(torch.isfinite(leaves[n].grad).all()) for n in data)
 
 

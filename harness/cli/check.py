@@ -17,9 +17,10 @@ the command that reruns exactly this case.
 Exit codes: 0 within tolerance; 1 diverged (including divergences a known stock DeepSpeed bug
 explains -- your config is affected); 2 bad input, reported before any rank starts; 3 the run itself
 failed (a rank raised, died or timed out: no verdict; a known stock bug that crashes, e.g. DSM-012, is
-named). With ``--patched`` both the stock and the
-patched column run, the output says whether the bundled fixes change the verdict, and the exit code
-is the patched column's (what you get with the fixes).
+named); 4 cannot judge: nothing diverged, but a quantity DeepSpeed produced has no finite reference
+(the message names the step, the tensor and the loss scale), so the verdict is not a pass. With
+``--patched`` both the stock and the patched column run, the output says whether the bundled fixes
+change the verdict, and the exit code is the patched column's (what you get with the fixes).
 
 Scale-down rule (``harness.cli.check_shapes.scale_shapes``)
 -------------------------------------------------------
@@ -109,6 +110,7 @@ if __name__ == "__main__":
     # every core and never forks its rank pools). ``python -m harness check`` sets it in its own main.
     buildenv.apply_base_env()
 
+from harness.case.nvme import swap_expected  # noqa: E402
 from harness.case.spec import Case, canonical_json  # noqa: E402
 from harness.cli.check_config import BadInput, ModelFailed  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
@@ -116,7 +118,7 @@ from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
 from harness.cli.parser import add_check_arguments  # noqa: E402
 from harness.judge.verdict import reproduce_command
 
-EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_CANNOT_JUDGE = 0, 1, 2, 3, 4
 QUANTITY_ORDER = ("grad", "momentum", "update", "master", "model", "global_norm", "loss_scale",
                   "loss_scale_after", "skipped", "muon_calls", "swap")
 
@@ -161,10 +163,20 @@ def _ratio_txt(x) -> str:
 
 
 def worst_by_quantity(outcome) -> dict[str, float]:
+    """Worst ratio per compared quantity (a check that cannot be judged has none: ``_unjudged_by_quantity``)."""
     out: dict[str, float] = {}
     if outcome.verdict is not None:
         for c in outcome.verdict.checks:
-            out[c.quantity] = max(out.get(c.quantity, 0.0), c.worst_ratio)
+            if c.unjudged is None:
+                out[c.quantity] = max(out.get(c.quantity, 0.0), c.worst_ratio)
+    return out
+
+
+def _unjudged_by_quantity(outcome) -> dict[str, list]:
+    out: dict[str, list] = {}
+    if outcome.verdict is not None:
+        for c in outcome.verdict.unjudged:
+            out.setdefault(c.quantity, []).append(c)
     return out
 
 
@@ -182,7 +194,8 @@ def _step_lines(outcome) -> list[str]:
         return []
     lines = []
     for rec in traj.steps:
-        checks = [c for c in verdict.checks if c.step == rec.step]
+        unjudged = [c for c in verdict.unjudged if c.step == rec.step]
+        checks = [c for c in verdict.checks if c.step == rec.step and c.unjudged is None]
         worst = max(checks, key=lambda c: c.worst_ratio, default=None)
         loss = sum(rec.losses) / len(rec.losses) if rec.losses else float("nan")
         parts = [f"loss {loss:.5g}", f"loss scale {rec.loss_scale:g}"]
@@ -196,6 +209,9 @@ def _step_lines(outcome) -> list[str]:
             bad = sum(1 for c in checks if not c.passed)
             parts.append(f"worst {_ratio_txt(worst.worst_ratio)}x allowance ({worst.param} {worst.quantity})"
                          + (f", {bad} of {len(checks)} checks out of tolerance" if bad else ", all within tolerance"))
+        if unjudged:
+            parts.append(f"CANNOT JUDGE {len(unjudged)} captured quantity(ies): "
+                         + ", ".join(f"{c.param} {c.quantity}" for c in unjudged))
         lines.append(f"    step {rec.step}: " + ", ".join(parts))
     return lines
 
@@ -211,6 +227,9 @@ def _status_text(o) -> str:
         return f"DIVERGED (known stock DeepSpeed bug {', '.join(o.bug_ids)})"
     if o.status == "failed":
         return "DIVERGED" + (f" (beyond known bug {', '.join(o.bug_ids)})" if o.bug_ids else "")
+    if o.status == "unjudged":
+        return "CANNOT JUDGE" + (f" (known stock DeepSpeed bug {', '.join(o.bug_ids)} matched elsewhere)"
+                                 if o.bug_ids else "")
     return "ERROR (the run failed; no verdict)"
 
 
@@ -227,6 +246,8 @@ def _exit_of(status: str) -> int:
         return EXIT_OK
     if status in ("xfailed", "failed"):
         return EXIT_DIVERGED
+    if status == "unjudged":
+        return EXIT_CANNOT_JUDGE
     return EXIT_RUN_FAILED
 
 
@@ -466,6 +487,24 @@ def applied_steps_text(o) -> str:
             f"{', '.join(map(str, skipped))} skipped on overflow; raise --steps, or lower fp16.initial_scale_power]")
 
 
+def _swap_text(o) -> str:
+    """The swap folder's bytes against DeepSpeed's swap rule for the case (``harness.case.nvme.swap_expected``)."""
+    moved = o.swapped_bytes > 0
+    if swap_expected(o.case):
+        return f"{o.swapped_bytes / 2**20:.1f} MiB moved to/from the swap folder" if moved else \
+            "NOTHING written to the swap folder"
+    return (f"{o.swapped_bytes / 2**20:.1f} MiB moved, but no sub-group reaches DeepSpeed's swap threshold"
+            if moved else "nothing swapped, as DeepSpeed's swap threshold says for this model")
+
+
+def swap_not_exercised_text(case: Case) -> str:
+    """A pass on ZeRO-3 NVMe whose model has no sub-group at the swap threshold covers the offload path
+    without the swap path: the verdict says so (the plan said why and what to pass)."""
+    if case.offload != "nvme" or swap_expected(case):
+        return ""
+    return " [NVMe swapping not exercised: no sub-group of this model reaches the swap threshold; see the plan]"
+
+
 def _without_unmatched_bugs(o):
     """An error outcome names no bug: the gate lists on it every bug the pipeline triggers, but a run
     that died matched none of them (a crash bug whose signature matched is an xfailed outcome), so a
@@ -512,7 +551,7 @@ class CheckResult:
         o = self.outcomes[col]
         worst = worst_by_quantity(o)
         if o.swapped_bytes is not None:
-            worst["swap"] = 0.0 if o.swapped_bytes > 0 else float("inf")
+            worst["swap"] = 0.0 if (o.swapped_bytes > 0) == swap_expected(o.case) else float("inf")
         return worst, _first_fail_by_quantity(o)
 
     def text_lines(self) -> list[tuple[str, bool]]:
@@ -526,13 +565,19 @@ class CheckResult:
             if o.verdict is None:
                 continue
             worst, firsts = self.per_quantity(col)
+            unjudged = _unjudged_by_quantity(o)
             add(f"  {col}: per quantity, worst |error| / allowance over all parameters and steps (<= 1 is within "
                 "tolerance):")
-            for q in sorted(worst, key=lambda q: QUANTITY_ORDER.index(q) if q in QUANTITY_ORDER else 99):
+            for q in sorted(set(worst) | set(unjudged),
+                            key=lambda q: QUANTITY_ORDER.index(q) if q in QUANTITY_ORDER else 99):
+                if q in unjudged:
+                    cs = unjudged[q]
+                    judged_txt = f"; the other checks {_ratio_txt(worst[q])}x at worst" if q in worst else ""
+                    add(f"    {q:18s} CANNOT JUDGE {len(cs)} at step(s) {sorted({c.step for c in cs})} "
+                        f"({', '.join(sorted({c.param for c in cs}))}){judged_txt}")
+                    continue
                 if q == "swap":
-                    line = (f"{o.swapped_bytes / 2**20:.1f} MiB moved to/from the swap folder"
-                            if o.swapped_bytes > 0 else "NOTHING written to the swap folder")
-                    add(f"    {'swap':18s} {'ok' if o.swapped_bytes > 0 else 'DIVERGED':9s} {line}")
+                    add(f"    {'swap':18s} {'ok' if worst[q] == 0.0 else 'DIVERGED':9s} {_swap_text(o)}")
                     continue
                 first = firsts.get(q)
                 where = f"  first at step {first.step}, {first.param}" if first else ""
@@ -551,8 +596,10 @@ class CheckResult:
                 line += f": every quantity within tolerance (worst {_ratio_txt(o.verdict.worst_ratio)}x its allowance)"
             elif o.status == "error":
                 line += ": " + (o.message.splitlines()[0] if o.message else "")
+            elif o.status == "unjudged" and o.verdict is not None:
+                line += ": " + "; ".join(c.unjudged for c in o.verdict.unjudged)
             label = "verdict" if not self.patched else f"verdict ({col})"
-            add(f"{label}: {line}{applied_steps_text(o)}", True)
+            add(f"{label}: {line}{applied_steps_text(o)}{swap_not_exercised_text(o.case)}", True)
         decisive = self.decisive
         if decisive.status == "error" and decisive.message:
             tail = decisive.message.splitlines()[-15:]
@@ -571,7 +618,8 @@ class CheckResult:
         worst, _ = self.per_quantity(self.columns[-1])
         first = decisive.verdict.first if decisive.verdict is not None else None
         return {
-            "verdict": {EXIT_OK: "pass", EXIT_DIVERGED: "diverged", EXIT_RUN_FAILED: "error"}[code],
+            "verdict": {EXIT_OK: "pass", EXIT_DIVERGED: "diverged", EXIT_RUN_FAILED: "error",
+                        EXIT_CANNOT_JUDGE: "cannot judge"}[code],
             "exit_code": code,
             "status": decisive.status,
             "column": self.columns[-1],
@@ -595,7 +643,11 @@ class CheckResult:
                 "param": first.param, "quantity": first.quantity, "step": first.step,
                 "ratio": _finite(first.worst_ratio), "rank": first.rank, "region": first.region,
                 "record": _record_json(first), "problem": first.problem},
-            "bug_ids": list(decisive.bug_ids) if decisive.status in ("xfailed", "failed", "xpassed") else [],
+            "cannot_judge": [] if decisive.verdict is None else [
+                {"param": c.param, "quantity": c.quantity, "step": c.step, "reason": c.unjudged}
+                for c in decisive.verdict.unjudged],
+            "bug_ids": list(decisive.bug_ids) if decisive.status in ("xfailed", "failed", "xpassed", "unjudged")
+            else [],
             "known_bugs": [{k: b.get(k) for k in ("id", "title", "fix", "fixed_by_patched",
                                                    "observed_fixed_by_patched")} for b in self.bugs],
             "columns": {col: {"status": o.status, "bug_ids": list(o.bug_ids), "seconds": round(o.seconds, 3),

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.case.nvme import FP32_BYTES, expects_swap, min_swap_bytes, nvme_matrix, predict_swapped_subgroups
 from harness.case.spec import NVME_PATH_PLACEHOLDER, Case, canonical_json
 from harness.cli.check_config import (BadInput, ModelFailed, _is_num, _nvme_sections, _pos_int_or_none,
                                       check_data_types, check_no_auto,
@@ -155,16 +156,32 @@ def validate(args) -> Plan:
     params = build_params(run_shapes) if spec is None else _model_params(spec)
     case = Case(name=_case_name(args.ds_config, new_cfg, W), params=params, ds_config=canonical_json(new_cfg),
                 world_size=W, steps=args.steps, seed=args.seed, timeout_s=float(args.timeout))
-    case = _model_case(case, args, spec)
-    if case.stage == 3 and case.offload == "nvme" and spec is None:
-        from harness.case.nvme import expects_swap, min_swap_bytes, nvme_matrix
-
-        if not expects_swap(case):
-            big = nvme_matrix(W, name="swap.weight", min_bytes=min_swap_bytes(case))
-            case = case.replace(params=case.params + (big,))
-            notes.append(f"added matrix swap.weight {_fmt_shape(big.shape)}: DeepSpeed swaps only sub-groups of "
-                         f">= {min_swap_bytes(case) // 1024} KiB per rank to NVMe, and none of the scaled model is")
+    case = _swap_sized(_model_case(case, args, spec), spec is not None, notes)
     return Plan(args.ds_config, case, requested, run_shapes, factor, notes, nvme_user, launcher, accel)
+
+
+def _swap_sized(case: Case, module: bool, notes: list[str]) -> Case:
+    """ZeRO-3 NVMe swaps only sub-groups of ``min_swap_bytes`` per rank or more (``harness.case.nvme``). The
+    synthetic model gets a swap-sized matrix where none of it is; a user's module is run as it is, so
+    when none of its sub-groups is, swapping is not exercised: said here, before any rank starts, with what
+    to pass to exercise it, and the ``swap`` quantity is then judged by that rule (nothing moved)."""
+    if case.stage != 3 or case.offload != "nvme" or expects_swap(case):
+        return case
+    kib = min_swap_bytes(case) // 1024
+    if not module:
+        big = nvme_matrix(case.world_size, name="swap.weight", min_bytes=min_swap_bytes(case))
+        notes.append(f"added matrix swap.weight {_fmt_shape(big.shape)}: DeepSpeed swaps only sub-groups of "
+                     f">= {kib} KiB per rank to NVMe, and none of the scaled model is")
+        return case.replace(params=case.params + (big,))
+    largest = max(predict_swapped_subgroups(case), key=lambda sub: sub["partition_bytes"])
+    notes.append(f"NVMe swapping will NOT be exercised: DeepSpeed swaps only ZeRO-3 sub-groups of >= {kib} KiB "
+                 f"per rank and keeps smaller ones in memory (as with device cpu); the largest of {case.model!r} at "
+                 f"world size {case.dp_size} is {largest['partition_bytes'] / 1024:.1f} KiB "
+                 f"({', '.join(largest['params'][:3])}{', ...' if len(largest['params']) > 3 else ''}), so the "
+                 "swap quantity is judged by that rule (nothing moved). To check the swap path itself, run "
+                 f"--shapes instead of --model (a swap-sized matrix is then added), or a model with a sub-group of "
+                 f">= {min_swap_bytes(case) // FP32_BYTES * case.dp_size} elements (fp32 masters) in all")
+    return case
 
 
 def _model_spec(args):

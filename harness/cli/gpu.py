@@ -107,6 +107,7 @@ def run(args) -> int:
     from harness.gate.decide import columns, evaluate, record  # late: keeps this module numpy-free at import
     from harness.cli.main_job import environment  # late: keeps this module numpy-free at import
     from harness.report.build import render, save_extra  # late: keeps this module numpy-free at import
+    from harness.report.html import BAD_STATUSES  # late: keeps this module numpy-free at import
 
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("error: --accelerator cuda but torch sees no CUDA device (torch "
@@ -136,7 +137,7 @@ def run(args) -> int:
                 counts[o.status] = counts.get(o.status, 0) + 1
                 tag = o.status.upper() + (f" [{', '.join(o.bug_ids)}]" if o.bug_ids else "")
                 print(f"{col:7s} {case.name:48s} {tag} ({o.seconds:.1f}s)", flush=True)
-                if o.status in ("failed", "error", "xpassed"):
+                if o.status in BAD_STATUSES:
                     bad.append(o.message)
                 o.trajectory = None
         finally:

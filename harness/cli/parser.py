@@ -38,7 +38,8 @@ def _sub(sub, name: str, help: str, codes: tuple[str, ...], description: str | N
 def _gate(sub) -> None:
     g = _sub(sub, "gate", "check every pipeline against the oracle; write the HTML report", (
         "0  every outcome as expected (passed, or failed as a known bug predicts) and the mutation self-checks held",
-        "1  an outcome failed, passed unexpectedly or errored (a crashed rank is an error), a mutation "
+        "1  an outcome failed, could not be judged, passed unexpectedly or errored (a crashed rank is an error), a "
+        "mutation "
         "self-check failed, or a --jobs shard exited non-zero",
         "2  bad input: --shard not K/N, --jobs below 1 or with --shard, --resume of a folder with no run plan",
         "4  the results folder is incomplete (planned case-columns not judged; finish with --resume)",
@@ -73,7 +74,8 @@ def _gate(sub) -> None:
 def _run(sub) -> None:
     r = _sub(sub, "run", "rerun one case given as JSON (what divergence messages print)", (
         "0  passed, or failed as a known bug predicts",
-        "1  diverged, passed unexpectedly, or the run itself failed (a rank raised, died or timed out)",
+        "1  diverged, could not be judged, passed unexpectedly, or the run itself failed (a rank raised, died or "
+        "timed out)",
         "2  bad input: not a valid case, or the case file cannot be read"))
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--case", help="the case as JSON text")
@@ -199,6 +201,8 @@ CHECK_EXIT_CODES = (
     "1  diverged (including divergences a known stock DeepSpeed bug explains: your config is affected)",
     "2  bad input, reported before any rank starts",
     "3  the run itself failed: a rank raised, died or timed out, or the harness crashed (no verdict)",
+    "4  cannot judge: nothing diverged, but a captured quantity has no finite reference (the message names the "
+    "step, tensor and loss scale): not a pass",
 )
 
 

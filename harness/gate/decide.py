@@ -3,7 +3,7 @@
 The decision is shared by the pytest suite and ``python -m harness gate`` (``harness.cli.main_job``), so
 the two can never disagree about what passed:
 
-* passed   -- every quantity within tolerance (and an NVMe case really swapped);
+* passed   -- every quantity within tolerance (and an NVMe case swapped as DeepSpeed's swap rule says);
              or, for a config DeepSpeed itself must refuse (``harness.registry.refusals``), refused exactly so;
              or, for a tensor-parallel case (``harness.rank.tp_case``), every rank's shards as
              ``harness.judge.tp_verdict`` says;
@@ -12,6 +12,10 @@ the two can never disagree about what passed:
               the usual tolerances (or crashed exactly as a crash bug says); carries the bug ids;
 * xpassed  -- a bug was expected and did not show: the registry is stale (a failure);
 * failed   -- a divergence no bug model explains (the usual localised message);
+* unjudged -- nothing diverged (or only as a bug's model predicts), but a captured quantity has no finite
+              reference ("cannot judge", ``harness.judge.compare.cannot_judge``): not a pass, since the
+              verdict covers less than was captured, and not a divergence; the gate counts it as a bad
+              outcome of its own (``harness.report.html.BAD_STATUSES``);
 * error    -- the case produced no trajectory (a rank raised, died or hung).
 
 ``Outcome.strength`` says how strongly the case was judged (``harness.report.results.strength_summary``).
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from harness.registry import refusals as ds_refusals
 from harness.registry.bugs import NUMERIC, bugs_for, refusals_for
+from harness.case import nvme
 from harness.case.spec import Case
 from harness.launch.launcher import CaseFailure, Launcher, RankDied, RankFailed
 from harness.judge.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
@@ -49,7 +54,8 @@ class Outcome:
     refused: bool = False  # the patched runtime refused the case, as its fix for a bug says it must
     # How strongly the case was judged: "full" (no excuse, or every excuse matched its bug model),
     # "excused" (a bug without a model excused quantities by name), "crash" / "refusal" (an exact
-    # exception was the expected result), None (no verdict: error).
+    # exception was the expected result), "unjudged" (a captured quantity had no reference), None (no
+    # verdict: error).
     strength: str | None = "full"
     intended: Verdict | None = None  # the intended-oracle verdict where ``verdict`` is the bug model's
     model_verdict: Verdict | None = None  # the bug model's verdict of an xfailed case
@@ -62,13 +68,23 @@ def columns() -> list[str]:
 
 
 def _problems(c: Case, verdict: Verdict, traj) -> tuple[list[tuple[str, str]], list[str]]:
-    """(param, quantity) of every failed check, plus an NVMe case that never swapped."""
+    """(param, quantity) of every failed check, plus an NVMe case whose swap folder saw other than what
+    DeepSpeed's swap rule says (``harness.case.nvme.swap_expected``): bytes where a sub-group reaches the
+    threshold, none where no ZeRO-3 sub-group does."""
     problems = [(f.param, f.quantity) for f in verdict.failures]
     msgs = []
-    if c.offload == "nvme" and traj.swapped_bytes <= 0:
+    if c.offload != "nvme":
+        return problems, msgs
+    expected = nvme.swap_expected(c)
+    if expected and traj.swapped_bytes <= 0:
         problems.append(("<case>", "swap"))
         msgs.append(f"{c.name}: claims NVMe offload but wrote and read 0 bytes in the swap folder "
                     f"(a case that never swapped is not an NVMe check)\n  reproduce: {reproduce_command(c)}")
+    elif not expected and traj.swapped_bytes > 0:
+        problems.append(("<case>", "swap"))
+        msgs.append(f"{c.name}: moved {traj.swapped_bytes} bytes through the swap folder, but no ZeRO-3 sub-group "
+                    f"reaches DeepSpeed's swap threshold ({nvme.min_swap_bytes(c)} bytes per rank)\n"
+                    f"  reproduce: {reproduce_command(c)}")
     return problems, msgs
 
 
@@ -236,9 +252,10 @@ def _judge_trajectory(c: Case, column: str, bugs, traj, t0: float) -> Outcome:
                        + "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs),
                        seconds, verdict, problems, swapped, traj)
     if not bugs:
-        status = "failed" if problems else "passed"
+        status = "failed" if problems else ("unjudged" if verdict.unjudged else "passed")
         message = "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs) or verdict.message()
-        return Outcome(c, column, status, ids, message, seconds, verdict, problems, swapped, traj)
+        return Outcome(c, column, status, ids, message, seconds, verdict, problems, swapped, traj,
+                       strength="unjudged" if status == "unjudged" else "full")
     named = set().union(*(b.quantities for b in bugs))
     # (a) the bugs must show against the intended oracle, in the quantities they name
     if not any(q in named for _, q in problems):
@@ -273,6 +290,11 @@ def _judge_models(c: Case, column: str, bugs, traj, digest: str, verdict: Verdic
                f"model(s) ({model_txt or 'none'}) within the usual tolerances"
                + (f"; not modelled, excused by quantity: {', '.join(b.id for b in unmodelled)}" if unmodelled else "")
                + "\n" + "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs))
+    if mverdict.unjudged:  # the model matched only where there was a reference: that is not an xfail
+        said = "\n".join(f"  cannot judge: {u.unjudged}" for u in mverdict.unjudged)
+        return Outcome(c, column, "unjudged", ids, f"{c.name}: cannot judge {len(mverdict.unjudged)} captured "
+                       f"quantity(ies); the rest {message[len(c.name) + 2:]}\n{said}", seconds, mverdict, [],
+                       swapped, traj, strength="unjudged", intended=verdict)
     return Outcome(c, column, "xfailed", ids, message, seconds, verdict, [], swapped, traj, strength=strength,
                    model_verdict=mverdict)
 

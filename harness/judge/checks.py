@@ -20,7 +20,7 @@ import oracles
 from harness.case import synthetic
 from harness.case.spec import Case
 from harness.case.trajectory import Trajectory
-from harness.judge.compare import LayoutView, compare_arrays, missing
+from harness.judge.compare import LayoutView, cannot_judge, compare_arrays, missing
 from oracles import replay
 
 
@@ -248,7 +248,7 @@ def capture_notes(run: Run, rec, s: int) -> bool:
 
 def check_gradients(run: Run, rec, s: int, forced: dict, true_G: dict, grads, mags) -> set[str]:
     """DeepSpeed's gradient against the float64 one where that is finite; returns the captured gradients
-    left unjudged because the oracle's is not (``unjudged_gradients`` fails them if the step applied)."""
+    left unjudged because the oracle's is not (``unjudged_gradients`` says "cannot judge" where applied)."""
     unjudged = set()
     for n in run.spec:
         if n not in forced:
@@ -262,15 +262,19 @@ def check_gradients(run: Run, rec, s: int, forced: dict, true_G: dict, grads, ma
     return unjudged
 
 
-def unjudged_gradients(run: Run, unjudged: set[str], orec, s: int) -> None:
-    """A gradient captured on a step the oracle applied, but not judged, is said in the verdict's notes, so
-    that a verdict over fewer quantities than were captured never reads as complete. Not a failure: the
-    oracle's own half-precision backward overflowing where DeepSpeed's did not is a limit of the oracle's
-    emulation, not a divergence of DeepSpeed's (the update, master and weights of that step are judged)."""
-    if orec.skipped or not unjudged:
+def unjudged_gradients(run: Run, unjudged: set[str], orec, s: int, scale: float) -> None:
+    """A gradient captured on a step the oracle applied, whose float64 reference is not finite, cannot be
+    judged: its own verdict (``compare.cannot_judge``), never a pass, since a verdict over fewer quantities
+    than were captured must not read as complete, and never a divergence, since nothing says DeepSpeed's
+    gradient is wrong. The reference is non-finite where the oracle's model-dtype backward overflowed at
+    the step's loss scale (``overflowed_backward``) while DeepSpeed's did not."""
+    if orec.skipped:
         return
-    run.notes.append(f"step {s}: gradient of {', '.join(sorted(unjudged))} captured and applied but not judged: "
-                     "the oracle's half-precision backward overflows at this loss scale")
+    for n in sorted(unjudged):
+        run.checks.append(cannot_judge(
+            run.label, n, "grad", s, f"{n} gradient at step {s}: DeepSpeed's {run.case.dtype} backward at loss "
+            f"scale {scale:g} gave a finite gradient and applied the step, but the oracle's {run.case.dtype} "
+            "backward of the same loss overflows there, so it has no finite reference"))
 
 
 def check_group_lrs(run: Run, rec, s: int, expected: dict) -> None:

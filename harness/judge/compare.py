@@ -39,6 +39,9 @@ class Check:
     region_counts: dict[str, int] = field(default_factory=dict)  # bad elements per region
     error_map: np.ndarray | None = None  # |err|/allowance per element (kept for the report)
     problem: str | None = None  # a check that had no data to compare (see ``missing``): always a failure
+    # a captured quantity with no finite reference to compare it against (see ``cannot_judge``): never a
+    # pass, and not a divergence either
+    unjudged: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -107,15 +110,24 @@ def missing(case: str, param: str, quantity: str, step: int, why: str) -> Check:
     return Check(case=case, param=param, quantity=quantity, step=step, record=None, problem=why)
 
 
+def cannot_judge(case: str, param: str, quantity: str, step: int, why: str) -> Check:
+    """A quantity DeepSpeed did produce but the oracle has no finite reference for: neither a pass (the
+    verdict would then cover less than was captured) nor a divergence (nothing says DeepSpeed is wrong),
+    so it has a verdict of its own, "cannot judge", with ``why`` naming the step, tensor and cause."""
+    return Check(case=case, param=param, quantity=quantity, step=step, record=None, unjudged=why)
+
+
 def first_divergence(checks: list[Check]) -> Check | None:
     """The earliest failing check: later ones are usually consequences of it."""
-    failing = [c for c in checks if not c.passed]
+    failing = [c for c in checks if not c.passed and c.unjudged is None]
     if not failing:
         return None
     return min(failing, key=lambda c: (c.step, -c.worst_ratio))
 
 
 def describe(check: Check, reproduce: str, first: Check | None = None) -> str:
+    if check.unjudged is not None:
+        return f"{check.case}: cannot judge: {check.unjudged}\n  reproduce: {reproduce}"
     if check.problem is not None:
         return (f"{check.case}: {check.param} {check.quantity} at step {check.step}: no data to check: "
                 f"{check.problem}\n  reproduce: {reproduce}")

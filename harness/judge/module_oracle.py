@@ -105,6 +105,38 @@ def _model_dtype_copy(module: torch.nn.Module, dtype: torch.dtype, zero_init: bo
     return module.train()
 
 
+def float64_gradients(m64: torch.nn.Module, names: list[str], b64: dict, extra) -> dict[str, torch.Tensor]:
+    """The float64 gradient of one unscaled micro-batch loss of ``m64`` (at its current weights) on the
+    micro-batch ``b64`` (rounded to the model dtype, then promoted); a parameter the loss does not reach
+    gets DeepSpeed's zero gradient."""
+    p64 = dict(m64.named_parameters())
+    loss = models.loss_of(m64(**b64, **extra(b64, torch.float64)))
+    g64 = torch.autograd.grad(loss, [p64[n] for n in names], allow_unused=True)
+    return {n: (g if g is not None else torch.zeros_like(p64[n])).detach() for n, g in zip(names, g64)}
+
+
+def free_gradients(case):
+    """(initial weights, ``grads(weights, step)``) of the case's own module, free of DeepSpeed: the module's
+    float32 initial weights in float64, and at given weights the float64 gradient of every (rank, micro)
+    batch as ``grads[rank][micro][name]``. For what must be known before any rank runs (a registry trigger
+    replaying the oracle); the buffers are the float64 copy's own as it runs, since none is captured yet."""
+    spec = models.build_spec(case.model, case.seed)
+    m64 = spec.module.to(torch.float64).train()
+    names = [p.name for p in case.params]
+    extra = spec.oracle_inputs or (lambda batch, dtype: {})
+    lp = MODEL_DTYPES[case.dtype]
+    init = {n: p.detach().clone() for n, p in m64.named_parameters()}
+
+    def grads(weights: dict, step: int) -> list:
+        with torch.no_grad():
+            for n, p in m64.named_parameters():
+                p.copy_(weights[n])
+        return [[float64_gradients(m64, names, models.batch_in(models.batch_in(spec.batch(r, step, mu), lp),
+                                                                 torch.float64), extra)
+                 for mu in range(case.grad_accum)] for r in range(case.world_size)]
+    return init, grads
+
+
 class ModuleOracle:
     """One per judged case: a float64 copy and a model-dtype copy of the case's module."""
 
@@ -139,7 +171,6 @@ class ModuleOracle:
             grads, self.expected_buffers, self.buffer_err, self.grad_err = memo
             return grads
         W, GAS = self.case.world_size, self.case.grad_accum
-        p64 = dict(self.m64.named_parameters())
         plp = dict(self.mlp.named_parameters())
         err = {n: 0.0 for n in self.names}
         grads, self.expected_buffers, self.buffer_err = [], [], []
@@ -151,9 +182,7 @@ class ModuleOracle:
             for mu in range(GAS):
                 b_lp = models.batch_in(self.batch(r, step, mu), self.lp_dtype)
                 b64 = models.batch_in(b_lp, torch.float64)
-                loss = models.loss_of(self.m64(**b64, **self.extra(b64, torch.float64)))
-                g64 = torch.autograd.grad(loss, [p64[n] for n in self.names], allow_unused=True)
-                g64 = {n: (g if g is not None else torch.zeros_like(p64[n])).detach() for n, g in zip(self.names, g64)}
+                g64 = float64_gradients(self.m64, self.names, b64, self.extra)
                 loss_lp = models.loss_of(self.mlp(**b_lp, **self.extra(b_lp, self.lp_dtype)))
                 scaled = loss_lp / GAS * scale if GAS > 1 or scale != 1.0 else loss_lp
                 glp = torch.autograd.grad(scaled, [plp[n] for n in self.names], allow_unused=True)

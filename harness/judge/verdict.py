@@ -325,11 +325,16 @@ class Verdict:
 
     @property
     def failures(self) -> list[Check]:
-        return [c for c in self.checks if not c.passed]
+        return [c for c in self.checks if not c.passed and c.unjudged is None]
+
+    @property
+    def unjudged(self) -> list[Check]:
+        """The captured quantities without a finite reference (``compare.cannot_judge``)."""
+        return [c for c in self.checks if c.unjudged is not None]
 
     @property
     def passed(self) -> bool:
-        return not self.failures
+        return not self.failures and not self.unjudged
 
     @property
     def first(self) -> Check | None:
@@ -337,7 +342,8 @@ class Verdict:
 
     @property
     def worst_ratio(self) -> float:
-        return max((c.worst_ratio for c in self.checks), default=0.0)
+        """Over the compared checks (a check that cannot be judged has no ratio)."""
+        return max((c.worst_ratio for c in self.checks if c.unjudged is None), default=0.0)
 
     def failed_quantities(self) -> set[tuple[str, str]]:
         return {(c.param, c.quantity) for c in self.failures}
@@ -347,7 +353,9 @@ class Verdict:
             return f"{self.case.name}: all {len(self.checks)} checks within tolerance (worst {self.worst_ratio:.3g}x)"
         first = self.first
         fails = sorted(self.failures, key=lambda c: (c.step, -c.worst_ratio))
-        out = [f"{self.case.name} [{self.mode}]: {len(fails)} of {len(self.checks)} checks out of tolerance"]
+        out = [f"{self.case.name} [{self.mode}]: {len(fails)} of {len(self.checks)} checks out of tolerance"
+               + (f", {len(self.unjudged)} cannot be judged" if self.unjudged else "")]
+        out += [describe(c, reproduce_command(self.case)) for c in self.unjudged[:limit]]
         seen = set()
         for c in fails:
             key = (c.param, c.quantity)
@@ -510,7 +518,7 @@ def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: 
                                           norm_directions=None if rank_split else own_updates)
     checks.check_group_lrs(run, rec, s, expected_group_lrs(case, sc_s))
     checks.check_step(run, rec, orec, s, forced)
-    checks.unjudged_gradients(run, unjudged, orec, s)
+    checks.unjudged_gradients(run, unjudged, orec, s, replay.backward_scale(conv, float(state.scaler.scale)))
     for n, ps in rec.params.items():
         checks.check_param(run, n, ps, orec, state, s, feed[n])
     if run.mo is not None:

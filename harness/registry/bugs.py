@@ -218,25 +218,38 @@ def _z3_padded_tail(c: Case) -> bool:
     return W > 1 and any(_is_muon(p) and zero3_padded_tail(p.numel, W) is not None for p in c.params)
 
 
+def _free_gradients(c: Case):
+    """(initial weights, ``grads(weights, step)``) of the case's own model, free of DeepSpeed: the synthetic
+    model's closed form, or a real module's float64 autograd (``harness.judge.module_oracle.free_gradients``),
+    never the synthetic model standing in for a module with the same parameter names."""
+    if c.model:
+        from harness.judge import module_oracle  # late: keeps this module numpy-free at import
+
+        return module_oracle.free_gradients(c)
+    from harness.case import synthetic  # late: keeps this module numpy-free at import
+
+    init = {n: t.to(torch.float64) for n, t in synthetic.initial_weights(c).items()}
+    return init, lambda w, s: [[synthetic.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
+                               for r in range(c.dp_size)]
+
+
 @functools.lru_cache(maxsize=128)
 def _max_update_cached(case_json: str) -> tuple:
-    """Per step (S used, max|O| over Muon params, skipped) from the float64 oracle run free of DeepSpeed."""
+    """Per step (S used, max|O| over Muon params, skipped) from the float64 oracle run free of DeepSpeed, on
+    the case's own model (``_free_gradients``)."""
 
-    from harness.case import synthetic  # late: keeps this module numpy-free at import
     from harness.judge.verdict import step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
     sc = step_config(c)
     conv = oracles.Conventions(momentum_dtype="fp32")
     lp = oracles.MODEL_DTYPES[c.dtype]
-    init = {n: t.to(torch.float64) for n, t in synthetic.initial_weights(c).items()}
+    init, gradients = _free_gradients(c)
     state = oracles.initial_state(sc, init, conv)
     out = []
     for s in range(1, c.steps + 1):
         w = {n: m.to(lp).to(torch.float64) for n, m in state.master.items()}
-        grads = [[synthetic.local_gradients(w, c, c.data_rank(r), s, mu) for mu in range(c.grad_accum)]
-                 for r in range(c.dp_size)]
-        state, rec = oracles.oracle_step(state, grads, sc, conv, ns_mode="exact")
+        state, rec = oracles.oracle_step(state, gradients(w, s), sc, conv, ns_mode="exact")
         m = max((float(p.direction.abs().max()) for p in rec.params.values()
                  if p.use_muon and p.direction is not None), default=0.0)
         out.append((float(rec.loss_scale_used), m, bool(rec.skipped)))

@@ -20,8 +20,12 @@ from harness.case import dsconfig
 from harness.report.plots import HUGE, MAX_CELLS, _finite, heatmap_svg, steps_svg
 from harness.report.results import CaseRecord, CheckRow, strength_line, strength_summary
 
-DETAIL_STATUSES = ("failed", "xpassed", "error", "xfailed")  # statuses that get a details section
-BAD_STATUSES = ("failed", "xpassed", "error")  # statuses that make the verdict FAIL
+DETAIL_STATUSES = ("failed", "unjudged", "xpassed", "error", "xfailed")  # statuses that get a details section
+# Statuses that make the verdict FAIL. "unjudged" (a captured quantity without a finite reference) is one: the
+# gate's cases are the harness's own choice, so one it cannot judge is a hole in the coverage the gate
+# claims, and it must block like a failure; it is counted under its own name because it is no evidence that
+# DeepSpeed is wrong.
+BAD_STATUSES = ("failed", "unjudged", "xpassed", "error")
 MAIN_COLUMNS = ("stock", "patched")  # other columns are mutants: they feed the kill matrix
 MAX_HEATMAPS_PER_CASE = 4
 # The plot budget. Plots are ~95% of a report's bytes and nearly all of its render time (matplotlib),
@@ -194,8 +198,9 @@ def _counts_block(main) -> str:
     counts = Counter(r.status for r in main)
     by_bug = Counter(b for r in main if r.status == "xfailed" for b in (r.bug_ids or ["(no bug id)"]))
     cells = []
-    for st, label in (("passed", "passed"), ("failed", "failed"), ("xfailed", "strict xfail"),
-                      ("xpassed", "xpassed"), ("error", "error"), ("skipped", "skipped")):
+    for st, label in (("passed", "passed"), ("failed", "failed"), ("unjudged", "cannot judge"),
+                      ("xfailed", "strict xfail"), ("xpassed", "xpassed"), ("error", "error"),
+                      ("skipped", "skipped")):
         cells.append(f"<div class='count st-{st}{' zero' if not counts[st] else ''}'>"
                      f"<span class='n'>{counts[st]}</span><span class='l'>{label}</span></div>")
     bugs = ""
@@ -223,7 +228,7 @@ def _counts_block(main) -> str:
     return f"<section id='counts'><div class='counts'>{''.join(cells)}</div>{per_col}{bugs}</section>"
 
 
-STATUS_ORDER = ("passed", "failed", "xfailed", "xpassed", "error", "skipped")
+STATUS_ORDER = ("passed", "failed", "unjudged", "xfailed", "xpassed", "error", "skipped")
 
 
 def _col_order(c: str):
@@ -631,7 +636,9 @@ def _checks_table(checks: list[CheckRow], max_rows: int | None = None) -> str:
         cls = "bad" if bad else "ok"
         rows.append(
             f"<tr class='{cls}'><td>{_e(param)}</td><td>{_e(quantity)}</td><td>{_e(steps) if bad else 'ok'}</td>"
-            f"<td class='num ratio'>{_ratio_txt(worst.worst_ratio)}</td><td class='num'>{_num(worst.error)}</td>"
+            + (f"<td class='num ratio' title='{_e(worst.unjudged)}'>cannot judge</td>" if worst.unjudged else
+               f"<td class='num ratio'>{_ratio_txt(worst.worst_ratio)}</td>")
+            + f"<td class='num'>{_num(worst.error)}</td>"
             f"<td class='num' title='{_e(worst.derivation or '')}'>{_num(worst.allowance)}</td>"
             f"<td class='num'>{worst.step}</td><td>{_e(where)}</td>"
             f"<td class='num'>{worst.n_bad}/{worst.numel}</td>"
@@ -699,8 +706,8 @@ def _pretty(case_json: str) -> str:
         return case_json
 
 
-_BADGE = {"passed": "PASS", "failed": "FAIL", "xfailed": "XFAIL", "xpassed": "XPASS", "error": "ERROR",
-          "skipped": "SKIP"}
+_BADGE = {"passed": "PASS", "failed": "FAIL", "unjudged": "CANNOT JUDGE", "xfailed": "XFAIL", "xpassed": "XPASS",
+          "error": "ERROR", "skipped": "SKIP"}
 
 
 def _badge(status: str) -> str:

@@ -22,7 +22,7 @@ import oracles
 from harness.judge.verdict import layout_for, step_config
 from harness.judge.verdict import reproduce_command
 
-STATUSES = ("passed", "failed", "xfailed", "xpassed", "error", "skipped")
+STATUSES = ("passed", "failed", "unjudged", "xfailed", "xpassed", "error", "skipped")
 
 
 @dataclass
@@ -38,6 +38,7 @@ class CheckRow:
     region_counts: dict
     record: dict | None  # dataclasses.asdict(oracles.Divergence)
     problem: str | None = None
+    unjudged: str | None = None  # why the quantity could not be judged (``harness.judge.compare.cannot_judge``)
 
     def _get(self, key: str, missing: float):
         return missing if self.record is None else self.record[key]
@@ -72,7 +73,9 @@ class CheckRow:
 
     @property
     def derivation(self) -> str:
-        return self.problem if self.record is None else self.record["derivation"]
+        if self.record is not None:
+            return self.record["derivation"]
+        return self.problem if self.unjudged is None else f"cannot judge: {self.unjudged}"
 
 
 def _record_dict(rec) -> dict | None:
@@ -165,7 +168,7 @@ def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, 
         reproduce=reproduce_command(verdict.case), case_json=verdict.case.to_json(), seconds=seconds,
         worst_ratio=verdict.worst_ratio if verdict.checks else 0.0,
         checks=[CheckRow(c.param, c.quantity, c.step, c.rank, c.region, dict(c.region_counts), _record_dict(c.record),
-                         c.problem) for c in rows],
+                         c.problem, c.unjudged) for c in rows],
         layout=layout_summary(verdict) if maps else {},
         swapped_bytes=swapped_bytes, notes=list(notes), strength=strength)
     return rec, maps
