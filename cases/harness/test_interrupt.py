@@ -5,6 +5,7 @@ depend on the order the case-columns ran in, nor on the other column running bes
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,18 +29,22 @@ def _start(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Pat
     scratch_base = tmp_path / f"{name}-scratch"
     scratch_base.mkdir()
     log = tmp_path / f"{name}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MUON_HARNESS_SCRATCH_BASE=str(scratch_base))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MUON_HARNESS_SCRATCH_BASE=str(scratch_base),
+               MUON_HARNESS_PROGRESS_S="1")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, log
 
 
-def _wait_for(proc: subprocess.Popen, log: Path, text: str) -> None:
+JUDGED = r"gate: [1-9]\d*/\d+ case-columns"  # the --jobs progress line once something is judged
+
+
+def _wait_for(proc: subprocess.Popen, log: Path, pattern: str) -> None:
     deadline = time.monotonic() + START_S
-    while text not in log.read_text():
-        assert proc.poll() is None, f"ended before {text!r}:\n" + log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no {text!r} in {START_S}s:\n" + log.read_text()[-3000:]
+    while not re.search(pattern, log.read_text()):
+        assert proc.poll() is None, f"ended before {pattern!r}:\n" + log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no {pattern!r} in {START_S}s:\n" + log.read_text()[-3000:]
         time.sleep(0.2)
 
 
@@ -70,7 +75,7 @@ def _gate(tmp_path: Path, name: str, *args: str) -> tuple[int, str, Path]:
 def test_sigterm_then_sigkill_of_gate_jobs_leaves_nothing_and_an_incomplete_folder(tmp_path):
     report = tmp_path / "g.html"
     proc, log = _start(tmp_path, "g", "gate", "--jobs", "2", "--only", FAMILY, "--no-mutate", "--report", str(report))
-    _wait_for(proc, log, "[1/")
+    _wait_for(proc, log, JUDGED)
     _term_then_kill(proc, _run_ids(tmp_path, "g"))
     folder = tmp_path / "g-results"
     rendered = subprocess.run([sys.executable, "-m", "harness", "report", str(folder), "-o", str(tmp_path / "r.html")],
@@ -95,7 +100,7 @@ def test_ctrl_c_prints_a_summary_and_resume_gives_the_uninterrupted_statuses(tmp
     assert rc in (0, 1), out[-3000:]
     proc, log = _start(tmp_path, "i", "gate", "--jobs", "2", "--only", FAMILY, "--no-mutate", "--report",
                        str(tmp_path / "i.html"))
-    _wait_for(proc, log, "[2/")
+    _wait_for(proc, log, JUDGED)
     os.killpg(proc.pid, signal.SIGINT)  # as the terminal sends Ctrl-C: to the foreground process group
     assert proc.wait(timeout=120) == 130
     text = log.read_text()

@@ -419,3 +419,27 @@ def test_only_and_all_plots_draw_one_case_outside_the_budget(tmp_path):
     one = out.read_text()
     assert one.count("<details class='case ") == 1 and f"data-case='{name}'" in one
     assert "<figure class='heatmap'" in one and "Only the outcomes of cases whose name contains" in one
+
+
+def test_pruning_the_undrawn_maps_leaves_the_same_page(tmp_path):
+    """A gate keeps only the element maps its report draws (``build.prune_maps``); the page rebuilt from
+    the pruned folder must be the page drawn before, and the maps of the undrawn outcomes gone."""
+    import synth
+    from harness.report.build import prune_maps, render
+
+    results = tmp_path / "results"
+    synth.gate_sized(results, n_cases=40, n_failing=16)
+    before = render(results, tmp_path / "before.html", title="t").read_text()
+    n_maps = len(list((results / "maps").glob("*.npz")))
+    kept, removed = prune_maps(results)
+    assert kept + removed == n_maps and removed > 0 and kept > 0
+    drawn = plotted_outcomes([r for r in load_records(results) if r.status in report_html.DETAIL_STATUSES])
+    assert {p.stem for p in (results / "maps").glob("*.npz")} == drawn & {r.key for r in load_records(results)}
+    after = render(results, tmp_path / "after.html", title="t").read_text()
+
+    def same(page: str) -> str:  # the rendering time and matplotlib's generated SVG ids may differ
+        page = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", "<time>", page)
+        page = re.sub(r"f\d+-[pm][0-9a-f]{8,}", "<svg-id>", page)
+        return re.sub(r"\bf\d+-", "f-", page)  # figures are numbered per process
+
+    assert same(after) == same(before)

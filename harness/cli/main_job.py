@@ -7,6 +7,8 @@ matrix: one module doing both would be an import cycle.
 """
 from __future__ import annotations
 
+import json
+import os
 import platform
 import random
 import shutil
@@ -30,7 +32,7 @@ from harness.launch.lifecycle import Interrupted
 from harness.launch.pool import PoolManager
 from harness.registry import mutants as known_bugs
 from harness.report import results
-from harness.report.build import render, save_extra
+from harness.report.build import prune_maps, render, save_extra
 from harness.report.html import BAD_STATUSES, MAIN_COLUMNS
 from harness.report.results import load_records, strength_line, strength_summary
 from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
@@ -273,6 +275,8 @@ def _report_run(a: GateArgs, headline: str, stopped: Interrupted | None, failed:
     """The end of a gate, whole or stopped: the report, the summary (brief when stopped), the exit code."""
     rendered = _render(a.results_dir, Path(a.report), {})
     state = results.completeness(a.results_dir)
+    if state.complete:
+        prune_maps(a.results_dir)  # after rendering: the page drew these maps, the rest go
     if stopped:
         headline = f"gate STOPPED by {stopped.name} ({headline})"
     bad = summary(a.results_dir, headline, brief=stopped is not None)
@@ -330,7 +334,9 @@ def _run_jobs(a: GateArgs, pairs: list) -> int:
     # the whole run's plan, so a shard killed before writing its own still counts as missing
     writer = _writer(a, None)
     results.write_plan(a.results_dir, writer, [results.Planned(c.name, col) for c, col in pairs], [], a.plan_args())
-    codes, elapsed, stopped = run_shards(a.jobs, shard_args(a))
+    progress = Progress(a.results_dir, pairs)
+    codes, elapsed, stopped = run_shards(a.jobs, shard_args(a), progress=progress)
+    progress(final=True)
     results.finish_plan(a.results_dir, writer, selfchecks_done=[], interrupted=stopped and stopped.name)
     failed = [f"shard {k}/{a.jobs} exited with {c}" for k, c in enumerate(codes, start=1) if c not in (0, 1)]
     for line in failed if not stopped else []:  # a shard's own failure (a crash) is in its output above
@@ -338,6 +344,62 @@ def _run_jobs(a: GateArgs, pairs: list) -> int:
     shard_failed = not stopped and (bool(failed) or any(c == 1 for c in codes))
     return _report_run(a, f"gate (all {a.jobs} shards): {len({c.name for c, _ in pairs})} cases in {elapsed:.0f}s "
                        "wall", stopped, "a shard failed (its output above)" if shard_failed else None)
+
+
+class Progress:
+    """One line for all the shards of a ``--jobs`` gate, from the results folder they write into: the
+    case-columns judged of those planned, the unexpected ones so far, the elapsed time and an ETA from
+    the measured case costs (``harness/data/case_times.json``; a case-column costs half its case). Each
+    unexpected outcome is printed as it lands, so a failure is seen without waiting for the end."""
+
+    EVERY_S = float(os.environ.get("MUON_HARNESS_PROGRESS_S", "20"))
+
+    def __init__(self, folder: Path, pairs: list[tuple[Case, str]]):
+        cols = Counter(c.name for c, _ in pairs)
+        costs = sharding.costs_for(list({c.name: c for c, _ in pairs}.values()))
+        self.cost = {(c.name, col): costs[c.name] / cols[c.name] for c, col in pairs}
+        self.total = sum(self.cost.values())
+        self.folder, self.offsets, self.done, self.done_cost, self.bad = folder, {}, set(), 0.0, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def _new_records(self):
+        for path in sorted(self.folder.glob("results-*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            complete = chunk[:chunk.rfind(b"\n") + 1]  # a line being written waits for the next poll
+            self.offsets[path] = self.offsets.get(path, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue
+
+    def __call__(self, final: bool = False) -> None:
+        for d in self._new_records():
+            key = (d["case_name"], d["column"])
+            if key not in self.cost or key in self.done:
+                continue
+            self.done.add(key)
+            self.done_cost += self.cost[key]
+            if d["status"] in BAD_STATUSES:
+                self.bad += 1
+                print(f"  {d['status'].upper()} {d['case_name']} [{d['column']}]: "
+                      f"{(d['message'] or '').splitlines()[0][:160]}", flush=True)
+        now = time.perf_counter()
+        if final or now - self.last >= self.EVERY_S:
+            self.last = now
+            print(self.line(now - self.t0), flush=True)
+
+    def line(self, elapsed: float) -> str:
+        share = self.done_cost / self.total if self.total else 1.0
+        eta = f"ETA {_mmss(elapsed * (1 - share) / share)}" if share > 0.02 else "ETA after the first cases"
+        return (f"gate: {len(self.done)}/{len(self.cost)} case-columns ({100 * share:.0f}% of the measured cost), "
+                f"{self.bad} unexpected, {_mmss(elapsed)} elapsed, {eta}")
+
+
+def _mmss(seconds: float) -> str:
+    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
 
 
 def shard_args(a: GateArgs) -> list[list[str]]:
@@ -348,7 +410,7 @@ def shard_args(a: GateArgs) -> list[list[str]]:
         cmd += ["--resume" if a.resume else "--results", str(a.results_dir)]
         cmd += ["--full"] if a.full else []
         cmd += ["--only", a.only] if a.only else []
-        cmd += ["--quiet"] if a.quiet else []
+        cmd += ["--quiet"]  # the parent prints one progress line for all (``Progress``)
         cmd += [] if a.mutate else ["--no-mutate"]
         cmd += ["--shuffle", str(a.shuffle)] if a.shuffle is not None else []
         cmd += ["--column", a.column] if a.column else []

@@ -27,11 +27,15 @@ from harness.launch.lifecycle import Interrupted, set_parent_death_signal
 STOP_GRACE_S = 10.0
 
 
-def run_shards(n: int, shard_args: list[list[str]]) -> tuple[list[int], float, Interrupted | None]:
+PROGRESS_EVERY_S = 2.0
+
+
+def run_shards(n: int, shard_args: list[list[str]], progress=None) -> tuple[list[int], float, Interrupted | None]:
     """Run ``python -m harness gate ARGS`` for each of the ``n`` argument lists at once.
 
     Returns the shards' exit codes, the wall seconds, and the signal that stopped the run (None when
-    it ran to the end). Their output goes to this process's stdout as it comes."""
+    it ran to the end). Their output goes to this process's stdout as it comes; ``progress`` (if
+    given) is called every ``PROGRESS_EVERY_S`` while they run, to report on all of them at once."""
     assert len(shard_args) == n
     procs: list[subprocess.Popen] = []
     t0 = time.perf_counter()
@@ -40,6 +44,10 @@ def run_shards(n: int, shard_args: list[list[str]]) -> tuple[list[int], float, I
         for args in shard_args:
             procs.append(subprocess.Popen([sys.executable, "-m", "harness", "gate", *args], start_new_session=True,
                                           preexec_fn=set_parent_death_signal))
+        while any(p.poll() is None for p in procs):
+            time.sleep(PROGRESS_EVERY_S)
+            if progress is not None:
+                progress()
         codes = [p.wait() for p in procs]
     except Interrupted as exc:
         stopped = exc

@@ -54,7 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.report.html import build_html, environment_info  # noqa: F401 - the report's API
+from harness.report.html import DETAIL_STATUSES, build_html, page_verdict, plotted_outcomes
+from harness.report.html import environment_info  # noqa: F401 - the report's API
 from harness.report.plots import MAX_CELLS, heatmap_svg, maxpool, steps_svg  # noqa: F401 - the report's API
 from harness.report.results import completeness, load_records
 
@@ -92,8 +93,6 @@ def render(records_root, out_html, *, title: str | None = None, extra: dict | No
 def verdict(records_root, only: str | None = None) -> tuple[bool, list[str]]:
     """The report's PASS/FAIL and its reasons, without rendering: the exit code of ``python -m
     harness report`` (a CI job that merges shards fails exactly when the merged report says FAIL)."""
-    from harness.report.html import page_verdict
-
     root = Path(records_root)
     records = load_records(root) if root.exists() else []
     extra = _with_completeness(root, records)
@@ -101,6 +100,25 @@ def verdict(records_root, only: str | None = None) -> tuple[bool, list[str]]:
         records = [r for r in records if only in r.case_name]
         extra.pop("mutations", None)
     return page_verdict(records, extra)
+
+
+def prune_maps(records_root) -> tuple[int, int]:
+    """Drop the element maps the report does not draw (``html.plotted_outcomes``: the worst few per kind
+    of failure): they are most of a gate's results folder (a 6 MB map of one large model's strict xfail),
+    and the record keeps every number of every check. Only for a complete folder: a resumed run's new
+    failures may push another outcome into the drawn set. Returns (maps kept, maps removed); an
+    outcome's full maps come back with ``python -m harness run --case ... --report``."""
+    root = Path(records_root)
+    bad = [r for r in load_records(root) if r.status in DETAIL_STATUSES]
+    keep = plotted_outcomes(bad)
+    kept = removed = 0
+    for path in sorted((root / "maps").glob("*.npz")):
+        if path.stem in keep:
+            kept += 1
+        else:
+            path.unlink()
+            removed += 1
+    return kept, removed
 
 
 def incomplete(records_root) -> str | None:
