@@ -285,5 +285,5 @@ def record(store, o: Outcome) -> None:
         return
     rec, maps = results.from_verdict(o.verdict, column=o.column, status=o.status, bug_ids=o.bug_ids,
                                      seconds=o.seconds, message=o.message, swapped_bytes=o.swapped_bytes,
-                                     strength=o.strength)
+                                     strength=o.strength, model_verdict=o.model_verdict)
     store.add(rec, maps)

@@ -102,6 +102,10 @@ class CaseRecord:
     # "full" (no excuse, or every excuse matched its bug model), "excused" (a bug without a model excused
     # quantities by name), "crash" / "refusal" (an exact exception was the expected result), None
     strength: str | None = None
+    # An xfailed case's worst error/allowance against the oracle with its bugs' models switched on: the
+    # figure that decided it matches its bug (``worst_ratio`` and ``checks`` are the intended oracle's,
+    # where the bug shows). None where no bug model judged the case.
+    model_ratio: float | None = None
 
 
 def strength_line(summary: dict[str, tuple[int, int]]) -> str:
@@ -144,8 +148,10 @@ def layout_summary(verdict) -> dict:
 
 
 def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, message: str | None = None,
-                 swapped_bytes: int | None = None, notes=(), strength: str | None = None
+                 swapped_bytes: int | None = None, notes=(), strength: str | None = None, model_verdict=None
                  ) -> tuple[CaseRecord, dict[str, np.ndarray]]:
+    """The stored record of a judged outcome. ``model_verdict``: the bug model's verdict of an xfailed
+    case, whose worst ratio is what the report shows for it (``CaseRecord.model_ratio``)."""
 
     rows, maps = [], {}
     best_passing: dict[str, object] = {}
@@ -167,7 +173,8 @@ def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, 
         checks=[CheckRow(c.param, c.quantity, c.step, c.rank, c.region, dict(c.region_counts), _record_dict(c.record),
                          c.problem) for c in rows],
         layout=layout_summary(verdict) if maps else {},
-        swapped_bytes=swapped_bytes, notes=list(notes), strength=strength)
+        swapped_bytes=swapped_bytes, notes=list(notes), strength=strength,
+        model_ratio=None if model_verdict is None else _f(model_verdict.worst_ratio if model_verdict.checks else 0.0))
     return rec, maps
 
 
