@@ -12,7 +12,8 @@ Prints, for the same tiny cases at one world size, the pool's seconds per case a
   pool. Target: the pool at least ``FRESH_TARGET`` times faster.
 * a bare DeepSpeed run of the same config in warm ranks: ``deepspeed.initialize`` and the same steps
   with no capture, timed in the rank (the floor any harness pays). Target: the pool's
-  parent-observed time at most ``BARE_TARGET`` times that.
+  parent-observed time at most ``BARE_TARGET`` times that. Both are medians over ``WARM_REPEATS``
+  alternated runs per case; the two below are one run per case (their cost dwarfs the noise).
 * a forked rank pool per case (fork from this parent, which has torch and DeepSpeed imported): no
   target, shown because it was the earlier baseline and says what the rendezvous alone costs.
 
@@ -46,6 +47,7 @@ from harness.launch import shard as sharding
 
 FRESH_TARGET, BARE_TARGET = BENCH_FRESH_TARGET, BENCH_BARE_TARGET
 FRESH_TIMEOUT_S = 300.0
+WARM_REPEATS = 6  # pool and bare runs per case (a few tenths of a second each), alternated
 
 
 def bare_run_on_rank(case: Case, rank: int, world_size: int, workdir: Path) -> float:
@@ -157,20 +159,35 @@ def forked_pool_run(case: Case) -> float:
 
 
 def _pool_and_bare(todo: list[Case]) -> tuple[list[float], list[float], list[float]]:
-    """(parent-observed pool seconds, in-rank seconds of the same, bare DeepSpeed in-rank seconds) per case."""
+    """Per case, the median over ``WARM_REPEATS`` of (parent-observed pool seconds, the in-rank seconds of
+    the same, bare DeepSpeed in-rank seconds). Repeated and alternated (pool first, then bare first):
+    a tenth of a second on loaded cores is mostly noise, and whichever runs second would find the
+    caches warmer."""
     manager = PoolManager()
+    pooled: dict[int, list] = {i: [] for i in range(len(todo))}
+    in_rank: dict[int, list] = {i: [] for i in range(len(todo))}
+    bare: dict[int, list] = {i: [] for i in range(len(todo))}
+
+    def timed_pool(i, case):
+        t0 = time.perf_counter()
+        out = manager.run(case)
+        pooled[i].append(time.perf_counter() - t0)
+        in_rank[i].append(max(out.rank_seconds))
+
+    def timed_bare(i, case):
+        bare[i].append(max(manager.run(case, "harness.cli.bench:bare_run_on_rank").rank_seconds))
+
     try:
-        manager.run(todo[0])  # pool start-up and first-use costs are not per-case costs
-        pooled, in_rank, bare = [], [], []
-        for case in todo:
-            t0 = time.perf_counter()
-            out = manager.run(case)
-            pooled.append(time.perf_counter() - t0)
-            in_rank.append(max(out.rank_seconds))
-            bare.append(max(manager.run(case, "harness.cli.bench:bare_run_on_rank").rank_seconds))
+        for case in todo:  # start-up and each config's first-use costs (lazy imports, op loads) are paid
+            manager.run(case)  # once per pool, not per case
+        for rep in range(WARM_REPEATS):
+            for i, case in enumerate(todo):
+                for run in ((timed_pool, timed_bare) if rep % 2 == 0 else (timed_bare, timed_pool)):
+                    run(i, case)
     finally:
         manager.close()
-    return pooled, in_rank, bare
+    med = statistics.median
+    return ([med(pooled[i]) for i in pooled], [med(in_rank[i]) for i in in_rank], [med(bare[i]) for i in bare])
 
 
 def main(cases: int = BENCH_CASES, world_size: int = 2, quick: bool = False) -> int:
