@@ -190,3 +190,20 @@ def test_the_bug_table_is_folded(tmp_path):
     assert fold, "the bug table is not inside a closed <details>"
     assert "2 xfail(s) of 2 bug(s)" in fold.group(1)
     assert "<table class='bugs'>" in fold.group(2) and counts.count("<table class='bugs'>") == 1
+
+
+def test_a_failure_beyond_its_bug_model_shows_the_model_ratio_and_one_without_numbers_says_so(tmp_path):
+    """``_judge_models``' failure stores the model's verdict (the intended one as ``intended``); a case
+    that had to be refused and ran has no verdict at all."""
+    beyond, ran = _case("-beyond"), _case("-ran")
+    intended = _verdict(beyond, {"momentum": 3.0})
+    model = _verdict(beyond, {"momentum": 2e-3})  # 2x its allowance: more than the bug explains
+    page, recs = _stored(tmp_path, [
+        decide.Outcome(beyond, "stock", "failed", ["DSM-001"], f"{beyond.name}: does not match the model", 0.1,
+                       model, [("layer0.weight", "momentum")], intended=intended),
+        decide.Outcome(ran, "stock", "failed", [], f"{ran.name}: DeepSpeed must refuse this config but ran it", 0.1),
+    ])
+    assert recs[beyond.name].model_ratio == pytest.approx(2.0)
+    assert "2&times; <i class='rlabel'>model</i>" in _cell(page, beyond.name)
+    cell = _cell(page, ran.name)
+    assert ">no check</span>" in cell and "0&times;" not in cell

@@ -697,7 +697,10 @@ _GRID_LEGEND = (
     "against the oracle with its bug's model switched on, marked <i>model</i> (&le;&nbsp;1: DeepSpeed did what "
     "the bug predicts; the case's details give the ratio against the intended oracle too); <i>excused</i> "
     "where a bug without a model excused quantities by name (the ratio is then the intended oracle's); "
+    "a failure of a case with a known bug: its worst ratio against that bug's model, marked <i>model</i> too "
+    "(above 1: beyond what the bug predicts); "
     "<i>crash</i> where the expected crash happened; <i>refused</i> where the expected refusal did; "
+    "<i>no check</i> where the status came from how a run ended, with nothing compared; "
     f"<i>no result</i> for an error. A ratio above {RATIO_SHOWN_MAX:.0e} is written "
     f"&gt;&nbsp;{RATIO_SHOWN_MAX:.0e}: it comes from an allowance at its rounding floor (an oracle of zero), "
     "where its digits would mean nothing. Click a failing cell for its details.").replace("e+", "e")
@@ -716,13 +719,19 @@ def _shown_ratio(r: CaseRecord) -> tuple[str, str, str]:
         return "no result", "", "the case produced no trajectory: nothing was compared"
     if r.status == "skipped":
         return "&ndash;", "", "not run"
+    if not r.checks:  # e.g. a config that had to be refused, or to crash, ran: its message says which
+        return "no check", "", "no numbers were compared: the status comes from how the run ended"
     why = "worst error/allowance against the intended oracle (\u2264 1 is within tolerance)"
     if _finite(r.worst_ratio) > RATIO_SHOWN_MAX:
         why += (f"; above {ratio_text(RATIO_SHOWN_MAX)} it comes from an allowance at its rounding floor "
                 "(an oracle of zero): the case's quantities give the error and the allowance")
+    bugs = ", ".join(r.bug_ids) or "its bug"
+    if r.status != "xfailed" and r.model_ratio is not None:
+        return _ratio_txt(r.model_ratio), "model", (
+            f"worst error/allowance against the oracle with the model of {bugs} switched on: above 1, DeepSpeed "
+            "diverged beyond what the bug predicts")
     if r.status != "xfailed":
         return _ratio_txt(r.worst_ratio), "", why
-    bugs = ", ".join(r.bug_ids) or "its bug"
     if r.strength == "excused":
         return _ratio_txt(r.worst_ratio), "excused", (
             f"{bugs} has no model for this case and excuses its quantities by name; " + why)

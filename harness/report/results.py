@@ -102,9 +102,10 @@ class CaseRecord:
     # "full" (no excuse, or every excuse matched its bug model), "excused" (a bug without a model excused
     # quantities by name), "crash" / "refusal" (an exact exception was the expected result), None
     strength: str | None = None
-    # An xfailed case's worst error/allowance against the oracle with its bugs' models switched on: the
-    # figure that decided it matches its bug (``worst_ratio`` and ``checks`` are the intended oracle's,
-    # where the bug shows). None where no bug model judged the case.
+    # The worst error/allowance against the oracle with the case's bug models switched on, where that
+    # judgement decided the status: an xfail matched its bug (its ``worst_ratio`` and ``checks`` are then
+    # the intended oracle's, where the bug shows), or a failure diverged beyond what the bug predicts
+    # (``worst_ratio`` is then this one too). None where no bug model decided.
     model_ratio: float | None = None
 
 
@@ -150,8 +151,8 @@ def layout_summary(verdict) -> dict:
 def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, message: str | None = None,
                  swapped_bytes: int | None = None, notes=(), strength: str | None = None, model_verdict=None
                  ) -> tuple[CaseRecord, dict[str, np.ndarray]]:
-    """The stored record of a judged outcome. ``model_verdict``: the bug model's verdict of an xfailed
-    case, whose worst ratio is what the report shows for it (``CaseRecord.model_ratio``)."""
+    """The stored record of a judged outcome. ``model_verdict``: the bug model's verdict where it decided
+    the status, whose worst ratio is what the report shows (``CaseRecord.model_ratio``)."""
 
     rows, maps = [], {}
     best_passing: dict[str, object] = {}
