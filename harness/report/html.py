@@ -290,7 +290,7 @@ def _grid_block(main, anchors) -> str:
                 cells.append("<td class='cell none'>&ndash;</td>")
                 continue
             chips = _bugs(r.bug_ids, titled=False)
-            inner = f"{_badge(r.status)} {_shown_ratio_html(r)} {chips}"
+            inner = f"{_badge(r.status)} <span class='ratio'>{_shown_ratio_html(r, titled=False)}</span> {chips}"
             if r.status in DETAIL_STATUSES:
                 inner = f"<a href='#{anchors[r.key]}' class='open-case'>{inner}</a>"
             cells.append(f"<td class='cell st-{r.status}'>{inner}</td>")
@@ -473,7 +473,8 @@ def _details_block(main, anchors, maps_for, heatmaps_per_param, all_plots=False,
             prev = line
             rows.append(f"<tr id='{anchors[r.key]}' class='st-{r.status}' data-case='{_e(r.case_name)}'>"
                         f"<td>{_badge(r.status)}</td><td class='cname'>{_e(r.case_name)}</td><td>{_e(r.column)}</td>"
-                        f"<td>{_bugs(r.bug_ids, titled=False)}</td><td class='num'>{_shown_ratio_html(r)}</td>"
+                        f"<td>{_bugs(r.bug_ids, titled=False)}</td>"
+                        f"<td class='num'>{_shown_ratio_html(r, titled=False)}</td>"
                         f"{msg}</tr>")
         rows = "".join(rows)
         parts.append(f"<h3 id='more-xfails'>Other strict xfails ({len(compact)}), each matching its bug's model</h3>"
@@ -742,10 +743,14 @@ def _shown_ratio(r: CaseRecord) -> tuple[str, str, str]:
         f"that the run matches its bug (\u2264 1); against the intended oracle: {_ratio_plain(r.worst_ratio)}")
 
 
-def _shown_ratio_html(r: CaseRecord, lead: str = "") -> str:
+def _shown_ratio_html(r: CaseRecord, lead: str = "", titled: bool = True) -> str:
+    """The figure with its label; ``titled`` adds why as a tooltip. Grid cells and compact rows leave it
+    out (thousands on a --full page, 0.6 MB): the legend under the grid says it once."""
     text, label, why = _shown_ratio(r)
-    tag = f" <i class='rlabel'>{label}</i>" if label else ""
+    tag = f" <i>{label}</i>" if label else ""
     lead = lead if text.endswith("&times;") else ""
+    if not titled:
+        return f"{lead}{text}{tag}"
     return f"<span class='ratio' title='{_e(why)}'>{lead}{text}{tag}</span>"
 
 
