@@ -240,7 +240,7 @@ def _map_f32(ratio):
     the record's own ``ratio`` stays the float64 value."""
     import numpy as np  # late: keeps this module numpy-free at import
 
-    big = np.finfo(np.float32).max
+    big = float(np.finfo(np.float32).max)
     return np.where(ratio > big, np.inf, ratio).astype(np.float32)
 
 

@@ -323,13 +323,13 @@ def test_a_ratio_against_a_floor_allowance_is_kept_in_float64_and_shown_as_beyon
 
     floor = Allowance(atol=subnormal_half_spacing("fp32"), rtol=0.0, derivation="floor")
     expected = np.zeros(4)
-    actual = np.array([0.0, 0.488, 0.0, 1e-3])
+    actual = np.array([0.0, 0.488, 0.0, 1e-40])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rec, emap = compare(actual, expected, floor, keep_map=True)
-    assert rec.ratio == 0.488 / floor.atol and rec.ratio > np.finfo(np.float32).max  # float64, not saturated
+    assert rec.ratio == 0.488 / floor.atol and rec.ratio > float(np.finfo(np.float32).max)  # float64, kept
     assert emap.dtype == np.float32 and emap[1] == np.inf and emap[0] == 0.0
-    assert emap[3] == np.float32(1e-3 / floor.atol)  # within float32's range: the value itself
+    assert emap[3] == np.float32(1e-40 / floor.atol)  # ~1.4e5, within float32's range: the value itself
     text = "\n".join(rec.lines())
     assert "> 1e30x" in text and "e+44" not in text
     assert ratio_text(rec.ratio) == "> 1e30" and ratio_text(RATIO_SHOWN_MAX) == "1e+30"
