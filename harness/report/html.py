@@ -693,8 +693,9 @@ def _ratio_plain(x: float) -> str:
 
 # What the grid's, the lists' and the details' ratio means, said once under the grid.
 _GRID_LEGEND = (
-    "Cell: status, then the figure that decided it. A pass or a failure: the worst error/allowance ratio over "
-    "all checks against the intended oracle (&le;&nbsp;1 is within tolerance). A strict xfail: the worst ratio "
+    "Cell: status, then the figure that decided it. A pass, or a failure no known bug is expected in: the worst "
+    "error/allowance ratio over all checks against the intended oracle (&le;&nbsp;1 is within tolerance). "
+    "A strict xfail: the worst ratio "
     "against the oracle with its bug's model switched on, marked <i>model</i> (&le;&nbsp;1: DeepSpeed did what "
     "the bug predicts; the case's details give the ratio against the intended oracle too); <i>excused</i> "
     "where a bug without a model excused quantities by name (the ratio is then the intended oracle's); "
