@@ -28,10 +28,10 @@ from .newton_schulz import (NS_A, NS_B, NS_C, NS_COEFFICIENTS, NS_EPS, NS_STEPS,
 from .step import (MODEL_DTYPES, Conventions, OracleState, ParamRecord, ParamSpec, StepConfig, StepRecord, accumulate,
                    deepspeed_conventions, fp16_overflow, initial_state, run)
 from .step import step as oracle_step  # the function; ``oracles.step`` stays the module
-from .tolerance import (MODES, UNIT_ROUNDOFF, Allowance, Allowances, Check, Divergence, allowances, compare,
-                        grad_term_scale,
+from .tolerance import (MODES, RATIO_SHOWN_MAX, UNIT_ROUNDOFF, Allowance, Allowances, Check, Divergence, allowances,
+                        compare, grad_term_scale,
                         normalised_sigma_lo, ns_gains, perturbed_sigma_lo,
-                        ns_relative_error, own_master_allowance, own_norm_allowance, subnormal_half_spacing,
+                        ns_relative_error, own_master_allowance, own_norm_allowance, ratio_text, subnormal_half_spacing,
                         unit_roundoff)
 
 import types as _types

@@ -137,6 +137,22 @@ def subnormal_half_spacing(dtype) -> float:
     return SUBNORMAL_HALF_SPACING[_ALIASES.get(dtype, dtype)]
 
 
+# Above this an error-to-allowance ratio is shown as "> 1e30", not as its digits. A ratio that large
+# only comes from an allowance at its rounding floor (an oracle of zero: ``atol`` alone, down to
+# 2^-150 for fp32), so "5.4e+44x" would read as a measurement of how wrong the value is when it only
+# says "nonzero where zero was due"; the error and the allowance, shown next to it, say the rest.
+RATIO_SHOWN_MAX = 1e30
+
+
+def ratio_text(ratio: float) -> str:
+    """How every message and report writes an error-to-allowance ratio (no unit sign: the caller's)."""
+    if not math.isfinite(ratio):
+        return str(ratio)  # inf, nan
+    if ratio > RATIO_SHOWN_MAX:
+        return f"> {RATIO_SHOWN_MAX:.0e}".replace("e+", "e")
+    return f"{ratio:.3g}"
+
+
 @dataclass(frozen=True)
 class Divergence:
     """The one record of a comparison (the verdict's, the assertion message's, the stored results' and
@@ -176,7 +192,7 @@ class Divergence:
         return [f"mismatched elements: {self.n_bad} / {self.numel} ({100.0 * self.share_bad:.1f}%)",
                 f"greatest absolute difference: {self.abs_error:.3g} at index {self.index} "
                 f"(actual {self.actual:.9g}, oracle {self.expected:.9g}; up to {self.bound:.3g} allowed, "
-                f"{self.ratio:.3g}x)",
+                f"{ratio_text(self.ratio)}x)",
                 f"greatest relative difference: {self.rel_error:.3g} at index {self.rel_index}",
                 f"allowance: atol {self.atol:.3g} + rtol {self.rtol:.3g} * max|oracle|: {self.derivation}"]
 
@@ -215,7 +231,17 @@ def compare(actual, expected, allowance: "Allowance", *, keep_map: bool = False)
                      rel_error=float(rel[wrel]) if n else 0.0, rel_index=unravel(wrel),
                      actual=float(a[worst]) if n else 0.0, expected=float(e[worst]) if n else 0.0,
                      n_bad=int((ratio > 1.0).sum()), numel=n)
-    return div, (ratio.astype(np.float32) if keep_map else None)
+    return div, (_map_f32(ratio) if keep_map else None)
+
+
+def _map_f32(ratio):
+    """The element map as stored (float32: it is only drawn, and a wide NVMe case keeps several).
+    A ratio beyond float32's range is stored as inf on purpose rather than by an overflowing cast;
+    the record's own ``ratio`` stays the float64 value."""
+    import numpy as np  # late: keeps this module numpy-free at import
+
+    big = float(np.finfo(np.float32).max)
+    return np.where(ratio > big, np.inf, ratio).astype(np.float32)
 
 
 def _errors_general(a, e, allowance: "Allowance"):

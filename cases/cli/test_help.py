@@ -56,13 +56,38 @@ def test_help_imports_neither_torch_nor_deepspeed(args):
     assert "``" not in text  # plain text, no reStructuredText markup
 
 
-@pytest.mark.parametrize("name", sorted(subcommands()))
-def test_every_option_has_help(name):
-    sp = subcommands()[name]
-    missing = [a.option_strings or [a.dest] for a in sp._actions
-               if a.help != argparse.SUPPRESS and not (a.help or "").strip()]
-    assert missing == [], f"{name}: options without help: {missing}"
-    assert sum(bool(a.option_strings) for a in sp._actions) > 1  # more than -h: the options were read
+def without_help(ap: argparse.ArgumentParser, path: str = "python -m harness") -> list[str]:
+    """Every argument of ``ap`` and of the parsers under it (any depth) with no help text: options,
+    positionals, and each subcommand's one-line summary. A hidden option (``SUPPRESS``) is not shown."""
+    out = []
+    for a in ap._actions:
+        name = "/".join(a.option_strings) or a.dest
+        if a.help != argparse.SUPPRESS and not (a.help or "").strip():
+            out.append(f"{path} {name}")
+        if isinstance(a, argparse._SubParsersAction):
+            summaries = {c.dest: c.help for c in a._choices_actions}
+            for cmd, sp in a.choices.items():
+                if not (summaries.get(cmd) or "").strip():
+                    out.append(f"{path} {cmd} (no summary in the command list)")
+                out += without_help(sp, f"{path} {cmd}")
+    return out
+
+
+def test_every_argument_of_the_tree_has_help():
+    assert without_help(parser.build_parser()) == []
+    n = sum(len(sp._actions) for sp in subcommands().values())
+    assert n > 60  # the walk reached every subcommand's options (about 80 in all)
+
+
+def test_the_walk_finds_an_argument_without_help():
+    ap = argparse.ArgumentParser(prog="p")
+    ap.add_argument("--described", help="has help")
+    ap.add_argument("--bare")
+    sub = ap.add_subparsers(dest="cmd", help="the command")
+    inner = sub.add_parser("inner")  # no summary either
+    inner.add_argument("target")
+    inner.add_argument("--hidden", help=argparse.SUPPRESS)
+    assert without_help(ap, "p") == ["p --bare", "p inner (no summary in the command list)", "p inner target"]
 
 
 def test_every_subcommand_lists_exit_codes_0_and_2():
@@ -70,6 +95,84 @@ def test_every_subcommand_lists_exit_codes_0_and_2():
         codes = [line.split()[0] for line in sp.epilog.splitlines()[1:] if line.startswith("  ") and
                  line.split()[0].isdigit()]
         assert codes[0] == "0" and "2" in codes, (name, sp.epilog)
+
+
+def listed_codes(sp: argparse.ArgumentParser) -> dict[int, str]:
+    """The exit codes a subcommand's --help lists, each with its (unwrapped) text."""
+    out: dict[int, str] = {}
+    code = None
+    for line in sp.epilog.splitlines()[1:]:
+        head = line.split()[0] if line.strip() else ""
+        if line.startswith("  ") and not line.startswith("   ") and head.isdigit():
+            code = int(head)
+            out[code] = line.strip()[len(head):].strip()
+        elif code is not None:
+            out[code] += " " + line.strip()
+    return out
+
+
+def _huge_case() -> str:
+    from harness.case.scenarios import pipeline_case
+
+    d = json.loads(pipeline_case(1, "none", world_size=2, steps=1).to_json())
+    d["world_size"] = 4096
+    return json.dumps(d)
+
+
+# (argv, the code the handler returns, words of that code's listed reason): each a bad input the handler
+# refuses before any rank starts, so the listed codes are checked against what the code really returns.
+BAD_INPUTS = [
+    (["gate", "--shard", "3"], 2, "--shard not K/N"),
+    (["gate", "--jobs", "0"], 2, "--jobs below 1"),
+    (["gate", "--jobs", "2", "--shard", "1/2"], 2, "or with --shard"),
+    (["run", "--case-file", "{tmp}/absent.json"], 2, "the case file cannot be read"),
+    (["run", "--case", "{{not json"], 2, "not a valid case"),
+    (["run", "--case", "{huge}"], 2, "a world size this machine cannot host"),
+    (["report", "{tmp}/absent"], 2, "a results folder does not exist"),
+    (["bench", "--from-results", "{tmp}"], 2, "no gate outcomes stored in DIR"),
+    (["mutate", "--case", "no-such-case"], 2, "an unknown --case"),
+    (["mutate", "--engine", "cosmic-ray", "--sample", "0"], 2, "--sample below 1"),
+    (["mutate", "--engine", "cosmic-ray", "--distributor", "http"], 2, "--distributor http without --worker-url"),
+    (["gpu", "--world-sizes", "1,x"], 2, "a malformed value"),
+    (["check", "--ds-config", "{tmp}/absent.json"], 2, "bad input, reported before any rank starts"),
+]
+
+
+@pytest.mark.parametrize("argv, code, reason", BAD_INPUTS, ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_a_bad_input_exits_with_the_code_and_reason_its_help_lists(argv, code, reason, tmp_path, capsys):
+    from harness.cli.main import main
+
+    args = [a.format(tmp=tmp_path, huge=_huge_case() if "{huge}" in a else "") for a in argv]
+    try:
+        got = main(args)
+    except SystemExit as exc:  # argparse's own usage error
+        got = exc.code
+    listed = listed_codes(subcommands()[argv[0]])
+    assert got == code, capsys.readouterr()
+    assert code in listed and reason in listed[code], f"{argv[0]} --help lists {listed}"
+
+
+def test_the_cuda_refusal_of_gpu_is_its_listed_code_2(capsys):
+    import torch
+
+    from harness.cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: gpu would run")
+    assert main(["gpu", "--accelerator", "cuda"]) == 2
+    assert "no CUDA device" in listed_codes(subcommands()["gpu"])[2]
+
+
+def test_every_listed_exit_code_of_a_handler_is_one_it_returns():
+    """The codes each subcommand lists are exactly 0, 1, 2 (and check's 3): a listed code no handler
+    returns, or a handler's code that is not listed, fails here."""
+    from harness.cli import check
+
+    for name, sp in subcommands().items():
+        want = {0, 1, 2} | ({check.EXIT_RUN_FAILED} if name == "check" else set())
+        assert set(listed_codes(sp)) == want, (name, listed_codes(sp))
+        if name != "check":
+            assert "raised an exception" in listed_codes(sp)[1], name  # Python's exit 1 for an uncaught one
 
 
 def test_check_exit_codes_are_those_check_returns():

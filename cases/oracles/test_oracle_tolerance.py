@@ -308,3 +308,33 @@ def test_fp16_subnormal_rounding_is_in_the_grad_allowance_and_a_missing_rank_is_
     assert ((stored - G).abs() <= g16.atol + g16.rtol * G.abs()).all()
     # ... and half of it missing (one rank of two) is not
     assert ((G / 2 - G).abs() > g16.atol + g16.rtol * G.abs()).all()
+
+
+def test_a_ratio_against_a_floor_allowance_is_kept_in_float64_and_shown_as_beyond_1e30():
+    """A nonzero value where the oracle is all zero (an unused layer's gradient) meets only the fp32 rounding
+    floor, 2^-150: the ratio is ~7e44, beyond float32. The record keeps it in float64, the stored element map
+    saturates to inf without an overflowing cast (no RuntimeWarning), and the text says "> 1e30", not digits
+    that read as a measurement."""
+    import warnings
+
+    import numpy as np
+
+    from oracles import RATIO_SHOWN_MAX, compare, ratio_text, subnormal_half_spacing
+
+    floor = Allowance(atol=subnormal_half_spacing("fp32"), rtol=0.0, derivation="floor")
+    expected = np.zeros(4)
+    actual = np.array([0.0, 0.488, 0.0, 1e-40])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec, emap = compare(actual, expected, floor, keep_map=True)
+    assert rec.ratio == 0.488 / floor.atol and rec.ratio > float(np.finfo(np.float32).max)  # float64, kept
+    assert emap.dtype == np.float32 and emap[1] == np.inf and emap[0] == 0.0
+    assert emap[3] == np.float32(1e-40 / floor.atol)  # ~1.4e5, within float32's range: the value itself
+    text = "\n".join(rec.lines())
+    assert "> 1e30x" in text and "e+44" not in text
+    assert ratio_text(rec.ratio) == "> 1e30" and ratio_text(RATIO_SHOWN_MAX) == "1e+30"
+    assert ratio_text(0.41) == "0.41" and ratio_text(math.inf) == "inf" and ratio_text(2.5e7) == "2.5e+07"
+    from harness.judge.compare import compare_arrays, describe
+
+    said = describe(compare_arrays("c", "p", "grad", 2, actual, expected, floor), "rerun")
+    assert "(> 1e30x)" in said and "e+44" not in said

@@ -117,6 +117,7 @@ from harness.cli.check_plan import Plan, validate  # noqa: E402
 from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
 from harness.cli.parser import add_check_arguments  # noqa: E402
 from harness.judge.verdict import reproduce_command
+from oracles.tolerance import ratio_text
 
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_CANNOT_JUDGE = 0, 1, 2, 3, 4
 QUANTITY_ORDER = ("grad", "momentum", "update", "master", "model", "global_norm", "loss_scale",
@@ -158,8 +159,7 @@ def _finite(x):
     return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 
 
-def _ratio_txt(x) -> str:
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
+_ratio_txt = ratio_text  # the report's and the judge's way of writing a ratio ("> 1e30" past meaning)
 
 
 def worst_by_quantity(outcome) -> dict[str, float]:

@@ -95,7 +95,7 @@ def _bench(args: argparse.Namespace) -> int:
                                         f"python -m harness bench --from-results {args.from_results}")
     if args.gate:
         return bench.gate_bench(full=args.full, only=args.only)
-    return bench.main(cases=args.cases, world_size=args.world_size)
+    return bench.main(cases=args.cases, world_size=args.world_size, quick=args.quick)
 
 
 def _mutate(args: argparse.Namespace) -> int:

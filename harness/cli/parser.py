@@ -16,11 +16,20 @@ DESCRIPTION = ("Check, step after step and on every rank, that DeepSpeed ZeRO co
 DEFAULT_SHAPES = "4096x4096,11008x4096"
 DEFAULT_STEPS = 3
 USAGE_ERROR = "an unknown option or a malformed value"
+# Python's own exit status for an exception nobody caught; ``check`` catches its own (exit 3).
+RAISED = "or the harness itself raised an exception (its traceback is printed)"
 WIDTH = 100
+BENCH_CASES, BENCH_QUICK_CASES = 3, 1  # bench: a fresh-interpreter case costs up to a minute on 2 loaded cores
+# bench's targets: the pool at least this many times faster than a fresh interpreter per case, and at
+# most this many times the time of a bare DeepSpeed run in warm ranks (harness.cli.bench)
+BENCH_FRESH_TARGET, BENCH_BARE_TARGET = 10.0, 1.3
 
 
-def _epilog(codes: tuple[str, ...]) -> str:
-    """The exit codes, one a line; argparse's own usage errors exit 2 too, so code 2 says so."""
+def _epilog(codes: tuple[str, ...], raised: bool = True) -> str:
+    """The exit codes, one a line; argparse's own usage errors exit 2 too, so code 2 says so, and an
+    uncaught exception exits 1, so code 1 says so (``raised``)."""
+    if raised:
+        codes = tuple(c + f"; {RAISED}" if c.startswith("1 ") else c for c in codes)
     if any(c.startswith("2 ") for c in codes):
         lines = [c + f"; or {USAGE_ERROR}" if c.startswith("2 ") else c for c in codes]
     else:
@@ -29,19 +38,30 @@ def _epilog(codes: tuple[str, ...]) -> str:
                                          for c in lines)
 
 
-def _sub(sub, name: str, help: str, codes: tuple[str, ...], description: str | None = None):
+def _sub(sub, name: str, help: str, codes: tuple[str, ...], description: str | None = None, raised: bool = True):
     text = description or textwrap.fill(help[:1].upper() + help[1:] + ".", WIDTH)
-    return sub.add_parser(name, help=help, description=text, epilog=_epilog(codes),
+    return sub.add_parser(name, help=help, description=text, epilog=_epilog(codes, raised),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _int_list(text: str) -> str:
+    """A comma list of positive integers, checked at parse time (a usage error, exit 2) and kept as given."""
+    try:
+        ok = all(int(x) >= 1 for x in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, e.g. 1,2")
+    return text
 
 
 def _gate(sub) -> None:
     g = _sub(sub, "gate", "check every pipeline against the oracle; write the HTML report", (
         "0  every outcome as expected (passed, or failed as a known bug predicts) and the mutation self-checks held",
         "1  an outcome failed, could not be judged, passed unexpectedly or errored (a crashed rank is an error), a "
-        "mutation "
-        "self-check failed, or a --jobs shard exited non-zero",
-        "2  bad input: --shard not K/N, --jobs below 1 or with --shard, --resume of a folder with no run plan",
+        "mutation self-check failed, or a --jobs shard exited non-zero",
+        "2  bad input: --shard not K/N, --jobs below 1 or with --shard, an --only that matches no case, --resume of "
+        "a folder with no run plan",
         "4  the results folder is incomplete (planned case-columns not judged; finish with --resume)",
         "130/143  stopped by SIGINT (Ctrl-C) / SIGTERM: what was judged is kept, a summary printed"))
     g.add_argument("--report", default="reports/gate.html",
@@ -75,8 +95,8 @@ def _run(sub) -> None:
     r = _sub(sub, "run", "rerun one case given as JSON (what divergence messages print)", (
         "0  passed, or failed as a known bug predicts",
         "1  diverged, could not be judged, passed unexpectedly, or the run itself failed (a rank raised, died or "
-        "timed out)",
-        "2  bad input: not a valid case, or the case file cannot be read"))
+        "timed out); or the installed DeepSpeed release cannot run the case (skipped)",
+        "2  bad input: not a valid case, the case file cannot be read, or a world size this machine cannot host"))
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--case", help="the case as JSON text")
     src.add_argument("--case-file", help="a file holding the case as JSON")
@@ -84,12 +104,16 @@ def _run(sub) -> None:
 
 
 def _bench(sub) -> None:
-    b = _sub(sub, "bench", "pool vs spawn-per-case vs bare DeepSpeed, measured in one run", (
-        "0  the targets met (pool >= 5x spawn-per-case, <= 1.3x bare DeepSpeed); with --gate or --from-results: "
-        "the times were measured",
-        "1  a target missed",
+    b = _sub(sub, "bench", "the rank pool against a fresh interpreter per case (as DeepSpeed's DistributedTest), "
+                           "bare DeepSpeed in warm ranks and a forked pool per case, measured in one run", (
+        f"0  the targets met (the pool >= {BENCH_FRESH_TARGET:g}x faster than a fresh interpreter per case, "
+        f"<= {BENCH_BARE_TARGET:g}x the time of bare DeepSpeed); with --gate or --from-results: the times were "
+        "measured",
+        "1  a target missed (each missed one printed after TARGET MISSED)",
         "2  --from-results: no gate outcomes stored in DIR"))
-    b.add_argument("--cases", type=int, default=6, help="how many cases to time (default %(default)s)")
+    b.add_argument("--cases", type=int, default=BENCH_CASES, help="how many cases to time (default %(default)s)")
+    b.add_argument("--quick", action="store_true",
+                   help=f"time {BENCH_QUICK_CASES} cases instead of --cases (a smoke run: the ratios are noisier)")
     b.add_argument("--world-size", type=int, default=2, help="ranks per case (default %(default)s)")
     b.add_argument("--gate", action="store_true", help="time the gate's cases by group and stage; refresh "
                                                        "data/case_times.json (the shards' costs)")
@@ -157,7 +181,8 @@ _SOURCE_MUTATION_OPTIONS = (
 def _mutate(sub) -> None:
     mu = _sub(sub, "mutate", "the mutation self-check: every known-bug mutant against the kill cases, as a table; "
                              "with --engine cosmic-ray, source mutants of DeepSpeed's Muon code", (
-        "0  every mutant killed and every prediction held (cosmic-ray: every reached, non-equivalent mutant killed)",
+        "0  every mutant killed and every prediction held (cosmic-ray: every reached, non-equivalent mutant killed; "
+        "with --prepare: the session was built)",
         "1  a mutant survived or a prediction failed (cosmic-ray: a survivor not in the equivalents file, a "
         "mutant the harness failed to judge, or Cosmic Ray's results unreadable)",
         "2  bad input: an unknown --case, an option of the other engine, --sample below 1, --distributor http "
@@ -183,7 +208,8 @@ def _gpu(sub) -> None:
                      "2  --accelerator cuda but torch sees no CUDA device"))
     gp.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu", "auto"),
                     help="cpu only to rehearse the script where no GPU is (gloo instead of NCCL)")
-    gp.add_argument("--world-sizes", default=None, help="comma list; default 1 and every local GPU")
+    gp.add_argument("--world-sizes", type=_int_list, default=None, metavar="N[,N...]",
+                    help="the world sizes to run, comma separated (default: 1 and the number of local GPUs)")
     gp.add_argument("--no-compiled", action="store_true", help="leave out the torch.compile'd cases")
     gp.add_argument("--only", default=None, help="substring filter on case names")
     gp.add_argument("--report", default="reports/gpu.html", help="the HTML report (default %(default)s)")
@@ -237,14 +263,19 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check(sub) -> None:
     ck = _sub(sub, "check", "check your DeepSpeed config against the oracle on a scaled model",
-              CHECK_EXIT_CODES, description=check_manual())
+              CHECK_EXIT_CODES, description=check_manual(), raised=False)  # check's own crashes exit 3
     add_check_arguments(ck)
+
+
+TOP_EPILOG = ("exit codes:\n  those of the subcommand, which its --help lists; 2 also for an unknown command, "
+              f"{USAGE_ERROR.replace('an unknown ', '')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness", description=textwrap.fill(DESCRIPTION, WIDTH),
-                                 epilog=_epilog(()), formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+                                 epilog=TOP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                            help="the subcommand; python -m harness COMMAND --help gives its options and exit codes")
     for add in (_gate, _run, _bench, _report, _mutate, _gpu, _check):
         add(sub)
     return ap

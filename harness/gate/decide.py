@@ -305,7 +305,9 @@ def record(store, o: Outcome) -> None:
         store.add(results.error_record(o.case, column=o.column, message=o.message, seconds=o.seconds,
                                        bug_ids=o.bug_ids, status=o.status, strength=o.strength))
         return
+    # the bug model's verdict decided an xfail (model_verdict) and a failure that model leaves (verdict)
+    model = o.model_verdict if o.model_verdict is not None else (o.verdict if o.intended is not None else None)
     rec, maps = results.from_verdict(o.verdict, column=o.column, status=o.status, bug_ids=o.bug_ids,
                                      seconds=o.seconds, message=o.message, swapped_bytes=o.swapped_bytes,
-                                     strength=o.strength)
+                                     strength=o.strength, model_verdict=model)
     store.add(rec, maps)

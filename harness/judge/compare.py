@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oracles.tolerance import Allowance, Divergence, compare
+from oracles.tolerance import Allowance, Divergence, compare, ratio_text
 
 class LayoutView:
     """What the comparison needs to know about ZeRO's flat layout: who owns an element, and the
@@ -139,7 +139,7 @@ def describe(check: Check, reproduce: str, first: Check | None = None) -> str:
         f"{check.case}: {check.param} {check.quantity} diverged at step {check.step} "
         f"(element {rec.index}, flat {rec.flat_index}{where})",
         f"  actual {rec.actual:.9g}, oracle {rec.expected:.9g}: error {rec.abs_error:.3g} "
-        f"> allowed {rec.bound:.3g} ({rec.ratio:.3g}x); greatest relative difference {rec.rel_error:.3g} "
+        f"> allowed {rec.bound:.3g} ({ratio_text(rec.ratio)}x); greatest relative difference {rec.rel_error:.3g} "
         f"at {rec.rel_index}",
         f"  {rec.n_bad} of {rec.numel} elements out of tolerance ({100.0 * rec.share_bad:.1f}%)"
         + (f"; by region: {check.region_counts}" if check.region_counts else ""),

@@ -17,6 +17,7 @@ from typing import Iterable
 import numpy as np
 
 from harness.case import dsconfig
+from oracles.tolerance import RATIO_SHOWN_MAX, ratio_text
 from harness.report.plots import HUGE, MAX_CELLS, _finite, heatmap_svg, steps_svg
 from harness.report.results import CaseRecord, CheckRow, strength_line, strength_summary
 
@@ -211,8 +212,11 @@ def _counts_block(main) -> str:
             rows.append(f"<tr><td><span class='bug'>{_e(bug_id)}</span></td><td class='num'>{n}</td>"
                         f"<td>{_e(b.title) if b else ''}</td>"
                         f"<td class='symptom'>{_e(b.symptom) if b else ''}</td></tr>")
-        bugs = ("<table class='bugs'><thead><tr><th>bug</th><th>xfail</th><th>title</th><th>symptom</th></tr></thead>"
-                "<tbody>" + "".join(rows) + "</tbody></table>")
+        # folded: a --full run's table (each bug's symptom in full) was most of a screen above the grid
+        bugs = (f"<details class='bugtable'><summary>Strict xfails by bug: {sum(by_bug.values())} xfail(s) of "
+                f"{len(by_bug)} bug(s) (titles and symptoms)</summary>"
+                "<table class='bugs'><thead><tr><th>bug</th><th>xfail</th><th>title</th><th>symptom</th></tr></thead>"
+                "<tbody>" + "".join(rows) + "</tbody></table></details>")
     strength = strength_line(strength_summary((r.column, r.strength) for r in main))
     bugs = f"<p class='strength'>{_e(strength)}</p>" + bugs
     cols = sorted({r.column for r in main}, key=_col_order)
@@ -268,8 +272,7 @@ def _failure_list(main, anchors) -> str:
         items.append(f"<li><a href='#{anchors[r.key]}' class='open-case'>{_badge(r.status)} "
                      f"<b>{_e(r.case_name)}</b></a> "
                      f"<span class='col'>{_e(r.column)}</span> {_bugs(r.bug_ids)} "
-                     f"<span class='ratio'>{_ratio_txt(r.worst_ratio)}</span> "
-                     f"<span class='msg1'>{_e(first)}</span></li>")
+                     f"{_shown_ratio_html(r)} <span class='msg1'>{_e(first)}</span></li>")
     return (f"<section id='failures'><h2>Unexpected outcomes ({len(bad)})</h2>"
             f"<ul class='faillist'>{''.join(items)}</ul></section>")
 
@@ -294,7 +297,7 @@ def _grid_block(main, anchors) -> str:
                 cells.append("<td class='cell none'>&ndash;</td>")
                 continue
             chips = _bugs(r.bug_ids, titled=False)
-            inner = f"{_badge(r.status)} <span class='ratio'>{_ratio_txt(r.worst_ratio)}</span> {chips}"
+            inner = f"{_badge(r.status)} <span class='ratio'>{_shown_ratio_html(r, titled=False)}</span> {chips}"
             if r.status in DETAIL_STATUSES:
                 inner = f"<a href='#{anchors[r.key]}' class='open-case'>{inner}</a>"
             cells.append(f"<td class='cell st-{r.status}'>{inner}</td>")
@@ -308,8 +311,7 @@ def _grid_block(main, anchors) -> str:
                 f"<table class='grid'><thead><tr><th>case</th>{head}</tr></thead>"
                 f"<tbody>{''.join(chunk)}</tbody></table>"
                 for chunk in _chunks(rows, GRID_ROWS)) + "</div>"
-            "<p class='hint'>Cell: status, worst error/allowance ratio over all checks (&le;&nbsp;1 is within "
-            "tolerance), bug ids of an expected failure. Click a failing cell for its details.</p></section>")
+            f"<p class='hint'>{_GRID_LEGEND}</p></section>")
 
 
 def _chunks(rows: list, size: int) -> list[list]:
@@ -384,8 +386,19 @@ def _mutation_block(rows, extra) -> str:
                     f"<td class='kb'><b>{status}</b> {_e(', '.join(r['killed_by']))}</td></tr>")
     n_k = sum(r["any_killed"] for r in rows)
     return (f"<section id='mutations'><h2>Mutation kill matrix ({n_k}/{len(rows)} killed)</h2>"
-            "<div class='scroll'><table class='kill'><thead><tr><th>mutant</th><th>description</th>"
+            f"{_KILL_LEGEND}<div class='scroll'><table class='kill'><thead><tr><th>mutant</th><th>description</th>"
             f"{head}<th>killed by</th></tr></thead><tbody>{''.join(body)}</tbody></table></div></section>")
+
+
+# A grey cross read as a failure: it is the ordinary result of most cells (a mutant needs one killer).
+_KILL_LEGEND = (
+    "<p class='legend kill-legend'>Each row is DeepSpeed with one deliberate bug (a mutant); each column a case "
+    "run against it. <span class='k yes'>&#10003;</span> killed: the case did not pass with the mutant in "
+    "place, which is what the harness must achieve. <span class='k no'>&#10007;</span> not killed by this "
+    "case: the case passed with the mutant in place; not a failure, since one killing case per mutant is "
+    "enough and most cases never reach a given mutant's code. <span class='k none'>&middot;</span> this case "
+    "was not run against this mutant. A row fails the run only when it says <b>SURVIVED</b> (no case killed "
+    "it, shown in red).</p>")
 
 
 def _env_block(extra, main) -> str:
@@ -419,7 +432,7 @@ def _passed_block(main) -> str:
         frac = 0.0 if w <= 0 else min(max((math.log10(w) + 4) / 4, 0.0), 1.0)
         rows.append(f"<tr class='st-{r.status}' data-case='{_e(r.case_name)}'><td>{_badge(r.status)}</td>"
                     f"<td class='cname'>{_e(r.case_name)}</td><td>{_e(r.column)}</td><td>{_e(r.mode)}</td>"
-                    f"<td class='num'>{_ratio_txt(r.worst_ratio)}</td>"
+                    f"<td class='num'>{_shown_ratio(r)[0]}</td>"
                     f"<td class='barcell'><i style='width:{frac * 100:.0f}%'></i></td>"
                     f"<td class='num'>{r.seconds:.1f}s</td></tr>")
     return (f"<section id='passed'><h2>Passing ({len(ok)})</h2><table class='passed'><thead><tr><th></th><th>case</th>"
@@ -467,12 +480,13 @@ def _details_block(main, anchors, maps_for, heatmaps_per_param, all_plots=False,
             prev = line
             rows.append(f"<tr id='{anchors[r.key]}' class='st-{r.status}' data-case='{_e(r.case_name)}'>"
                         f"<td>{_badge(r.status)}</td><td class='cname'>{_e(r.case_name)}</td><td>{_e(r.column)}</td>"
-                        f"<td>{_bugs(r.bug_ids, titled=False)}</td><td class='num'>{_ratio_txt(r.worst_ratio)}</td>"
+                        f"<td>{_bugs(r.bug_ids, titled=False)}</td>"
+                        f"<td class='num'>{_shown_ratio_html(r, titled=False)}</td>"
                         f"{msg}</tr>")
         rows = "".join(rows)
         parts.append(f"<h3 id='more-xfails'>Other strict xfails ({len(compact)}), each matching its bug's model</h3>"
                      "<table class='passed xfails'><thead><tr><th></th><th>case</th><th>column</th><th>bug</th>"
-                     f"<th>worst ratio</th><th>first line</th></tr></thead><tbody>{rows}</tbody></table>")
+                     f"<th>deciding ratio</th><th>first line</th></tr></thead><tbody>{rows}</tbody></table>")
     parts.append("</section>")
     return "\n".join(parts)
 
@@ -510,8 +524,11 @@ def case_details(r: CaseRecord, anchor: str, maps: dict, *, heatmaps_per_param: 
     out = [f"<details class='case st-{r.status}' id='{anchor}' data-case='{_e(r.case_name)}' "
            f"data-column='{_e(r.column)}'><summary>{_badge(r.status)} <b class='cname'>{_e(r.case_name)}</b> "
            f"<span class='col'>{_e(r.column)}</span> "
-           f"{_bugs(r.bug_ids)} <span class='ratio'>worst {_ratio_txt(r.worst_ratio)}</span> "
+           f"{_bugs(r.bug_ids)} {_shown_ratio_html(r, lead='worst ')} "
            f"<span class='msg1'>{_e(first)}</span></summary><div class='body'>"]
+    judged = _judged_line(r)
+    if judged:
+        out.append(f"<p class='judged'>{judged}</p>")
     for b_id in r.bug_ids:
         b = _bug(b_id)
         if b:
@@ -676,12 +693,96 @@ def _e(x) -> str:
 
 
 def _ratio_txt(x: float) -> str:
-    x = _finite(x)
-    if math.isinf(x):
-        return "inf&times;"
-    if x == 0:
-        return "0&times;"
-    return f"{x:.3g}&times;"
+    return _e(ratio_text(_finite(x))) + "&times;"
+
+
+def _ratio_plain(x: float) -> str:
+    return ratio_text(_finite(x)) + "\u00d7"
+
+
+# What the grid's, the lists' and the details' ratio means, said once under the grid.
+_GRID_LEGEND = (
+    "Cell: status, then the figure that decided it. A pass, or a failure no known bug is expected in: the worst "
+    "error/allowance ratio over all checks against the intended oracle (&le;&nbsp;1 is within tolerance). "
+    "A strict xfail: the worst ratio "
+    "against the oracle with its bug's model switched on, marked <i>model</i> (&le;&nbsp;1: DeepSpeed did what "
+    "the bug predicts; the case's details give the ratio against the intended oracle too); <i>excused</i> "
+    "where a bug without a model excused quantities by name (the ratio is then the intended oracle's); "
+    "a failure of a case with a known bug: its worst ratio against that bug's model, marked <i>model</i> too "
+    "(above 1: beyond what the bug predicts); "
+    "<i>crash</i> where the expected crash happened; <i>refused</i> where the expected refusal did; "
+    "<i>no check</i> where the status came from how a run ended, with nothing compared; "
+    f"<i>no result</i> for an error. A ratio above {RATIO_SHOWN_MAX:.0e} is written "
+    f"&gt;&nbsp;{RATIO_SHOWN_MAX:.0e}: it comes from an allowance at its rounding floor (an oracle of zero), "
+    "where its digits would mean nothing. Click a failing cell for its details.").replace("e+", "e")
+
+
+def _shown_ratio(r: CaseRecord) -> tuple[str, str, str]:
+    """(figure as HTML, label, why as plain text) of the number that decided an outcome's status: the
+    intended oracle's worst ratio says how far an excused case is from the intended maths, not whether
+    it matches its bug, and a crash or a refusal compared no numbers at all."""
+    if r.strength == "crash":
+        return "crash", "", ("the case crashed exactly as its bug's crash signature says (exception, message, "
+                             "frame); no numbers were compared")
+    if r.strength == "refusal":
+        return "refused", "", "the config was refused exactly as required; no numbers were compared"
+    if r.status == "error":
+        return "no result", "", "the case produced no trajectory: nothing was compared"
+    if r.status == "skipped":
+        return "&ndash;", "", "not run"
+    if not r.checks:  # e.g. a config that had to be refused, or to crash, ran: its message says which
+        return "no check", "", "no numbers were compared: the status comes from how the run ended"
+    why = "worst error/allowance against the intended oracle (\u2264 1 is within tolerance)"
+    if _finite(r.worst_ratio) > RATIO_SHOWN_MAX:
+        why += (f"; above {ratio_text(RATIO_SHOWN_MAX)} it comes from an allowance at its rounding floor "
+                "(an oracle of zero): the case's quantities give the error and the allowance")
+    bugs = ", ".join(r.bug_ids) or "its bug"
+    if r.status != "xfailed" and r.model_ratio is not None:
+        return _ratio_txt(r.model_ratio), "model", (
+            f"worst error/allowance against the oracle with the model of {bugs} switched on: above 1, DeepSpeed "
+            "diverged beyond what the bug predicts")
+    if r.status != "xfailed":
+        return _ratio_txt(r.worst_ratio), "", why
+    if r.strength == "excused":
+        return _ratio_txt(r.worst_ratio), "excused", (
+            f"{bugs} has no model for this case and excuses its quantities by name; " + why)
+    if r.model_ratio is None:
+        return _ratio_txt(r.worst_ratio), "intended", "no bug-model ratio stored; " + why
+    return _ratio_txt(r.model_ratio), "model", (
+        f"worst error/allowance against the oracle with the model of {bugs} switched on, the figure that decided "
+        f"that the run matches its bug (\u2264 1); against the intended oracle: {_ratio_plain(r.worst_ratio)}")
+
+
+def _shown_ratio_html(r: CaseRecord, lead: str = "", titled: bool = True) -> str:
+    """The figure with its label; ``titled`` adds why as a tooltip. Grid cells and compact rows leave it
+    out (thousands on a --full page, 0.6 MB): the legend under the grid says it once."""
+    text, label, why = _shown_ratio(r)
+    tag = f" <i>{label}</i>" if label else ""
+    lead = lead if text.endswith("&times;") else ""
+    if not titled:
+        return f"{lead}{text}{tag}"
+    return f"<span class='ratio' title='{_e(why)}'>{lead}{text}{tag}</span>"
+
+
+def _judged_line(r: CaseRecord) -> str:
+    """The two judgements of a strict xfail, side by side: where the bug shows against the intended
+    oracle, and how closely the run matches the bug's model (what decided the status)."""
+    if r.status != "xfailed" or r.strength in ("crash", None):
+        return ""
+    text, label, _ = _shown_ratio(r)
+    if label not in ("model", "excused"):
+        return ""
+    ids = _e(", ".join(r.bug_ids))
+    named = sorted({q for b in map(_bug, r.bug_ids) if b for q in b.quantities})
+    shows = f"{ids} predicts a divergence in {_e(', '.join(named))}" if named else f"as {ids} predicts"
+    if r.swapped_bytes is not None and "swap" in named:
+        shows += f"; {r.swapped_bytes} bytes swapped to NVMe"
+    if label == "excused":
+        return (f"Against the intended oracle: worst {text} ({shows}). Not judged against a bug model: "
+                "the bug excuses its quantities by name.")
+    return (f"Against the intended oracle: worst {_ratio_txt(r.worst_ratio)} ({shows}). Against the oracle with "
+            f"the model of {ids} switched on: worst {text} (&le; 1: the run matches what the bug predicts). "
+            "The second decided the status.")
 
 
 def _num(x: float) -> str:

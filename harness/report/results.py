@@ -105,6 +105,11 @@ class CaseRecord:
     # "full" (no excuse, or every excuse matched its bug model), "excused" (a bug without a model excused
     # quantities by name), "crash" / "refusal" (an exact exception was the expected result), None
     strength: str | None = None
+    # The worst error/allowance against the oracle with the case's bug models switched on, where that
+    # judgement decided the status: an xfail matched its bug (its ``worst_ratio`` and ``checks`` are then
+    # the intended oracle's, where the bug shows), or a failure diverged beyond what the bug predicts
+    # (``worst_ratio`` is then this one too). None where no bug model decided.
+    model_ratio: float | None = None
 
 
 def strength_line(summary: dict[str, tuple[int, int]]) -> str:
@@ -147,8 +152,10 @@ def layout_summary(verdict) -> dict:
 
 
 def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, message: str | None = None,
-                 swapped_bytes: int | None = None, notes=(), strength: str | None = None
+                 swapped_bytes: int | None = None, notes=(), strength: str | None = None, model_verdict=None
                  ) -> tuple[CaseRecord, dict[str, np.ndarray]]:
+    """The stored record of a judged outcome. ``model_verdict``: the bug model's verdict where it decided
+    the status, whose worst ratio is what the report shows (``CaseRecord.model_ratio``)."""
 
     rows, maps = [], {}
     best_passing: dict[str, object] = {}
@@ -170,7 +177,8 @@ def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, 
         checks=[CheckRow(c.param, c.quantity, c.step, c.rank, c.region, dict(c.region_counts), _record_dict(c.record),
                          c.problem, c.unjudged) for c in rows],
         layout=layout_summary(verdict) if maps else {},
-        swapped_bytes=swapped_bytes, notes=list(notes), strength=strength)
+        swapped_bytes=swapped_bytes, notes=list(notes), strength=strength,
+        model_ratio=None if model_verdict is None else _f(model_verdict.worst_ratio if model_verdict.checks else 0.0))
     return rec, maps
 
 
