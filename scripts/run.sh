@@ -32,16 +32,19 @@ fi
 stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   # torch pinned exactly: torch==2.13.0 resolves to the CPU wheel, where a range would pull a CUDA build.
-  .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+  echo "setup: installing torch 2.13.0 (CPU) and the harness's dependencies into .venv ($(date -u +%T))"
+  .venv/bin/pip install --progress-bar off --disable-pip-version-check "torch==2.13.0"
   # [models]: transformers for the GPT-2 / Llama model cases (without it they are deselected, saying so)
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[models,mutation]"
+  .venv/bin/pip install --progress-bar off --disable-pip-version-check -e ".[models,mutation]"
+  echo "setup: .venv ready ($(date -u +%T))"
   touch "$stamp"
 fi
 # Cosmic Ray (source mutation, harness/selfcheck/source_mutation) in a venv of its own: the harness runs its
 # cosmic-ray executable; nothing of it is imported by the harness or the ranks.
 if [ ! -f .venv-mutation/.installed-cosmic-ray-8.7.0 ]; then
   "$PY" -m venv .venv-mutation
-  .venv-mutation/bin/pip install -q --disable-pip-version-check "cosmic-ray==8.7.0"
+  echo "setup: installing cosmic-ray 8.7.0 into .venv-mutation ($(date -u +%T))"
+  .venv-mutation/bin/pip install --progress-bar off --disable-pip-version-check "cosmic-ray==8.7.0"
   touch .venv-mutation/.installed-cosmic-ray-8.7.0
 fi
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 import weakref
 from pathlib import Path
@@ -237,3 +238,14 @@ def test_python_dash_m_harness_check_keeps_torch_on_one_thread_too():
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.split()[-2:] == ["1", "2"], proc.stdout + proc.stderr
+
+
+def test_a_long_op_build_says_it_is_still_running():
+    """A cold async_io build is minutes without output of its own; the warm-up beats while it runs."""
+    said: list[str] = []
+    with warmup.heartbeat("op async_io", said.append, every_s=0.05):
+        time.sleep(0.3)
+    n = len(said)
+    assert n >= 3 and all(s.startswith("warmup: op async_io still running, ") for s in said)
+    time.sleep(0.15)
+    assert len(said) == n  # and stops when the build ends

@@ -8,9 +8,11 @@ process only loads from the project's own cache (see ``harness.env.buildenv``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 from harness.env import buildenv
@@ -32,8 +34,31 @@ def fill_cpuinfo_cache() -> dict:
     return info
 
 
+HEARTBEAT_S = 15.0
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, say=_say, every_s: float = HEARTBEAT_S):
+    """A line every ``every_s`` while ``what`` runs: a cold async_io build is minutes without output of
+    its own, which reads as a hung set-up."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            say(f"warmup: {what} still running, {time.perf_counter() - t0:.0f}s")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def build_ops(names=OPS, say=_say) -> dict[str, float]:
@@ -66,7 +91,8 @@ def build_ops(names=OPS, say=_say) -> dict[str, float]:
         if deps:
             # async_io's load() loads pin_memory first; have it in memory so the build does not rebuild it
             runtime_state.preload_built_ops()
-        how = buildenv.ensure_op(builder.NAME, key, lambda b=builder: b.load(verbose=False))
+        with heartbeat(f"op {builder.NAME}", say):
+            how = buildenv.ensure_op(builder.NAME, key, lambda b=builder: b.load(verbose=False))
         seconds[builder.NAME] = time.perf_counter() - t0
         say(f"warmup: op {builder.NAME} ready in {seconds[builder.NAME]:.1f}s ({how}, key {key})")
     return seconds
@@ -99,7 +125,9 @@ def main(argv=None) -> int:
     ops = build_ops(tuple(o for o in args.ops.split(",") if o)) if args.ops != ",".join(OPS) else build_ops()
     if not args.skip_compile:
         _say("warmup: torch.compile cache for muon_update ...")
-        _say(f"warmup: torch.compile cache for muon_update filled in {fill_compile_cache():.1f}s")
+        with heartbeat("the torch.compile cache"):
+            seconds = fill_compile_cache()
+        _say(f"warmup: torch.compile cache for muon_update filled in {seconds:.1f}s")
     _say(f"warmup: done in {time.perf_counter() - t0:.1f}s ({len(ops)} ops: {sum(ops.values()):.1f}s)")
     return 0
 
