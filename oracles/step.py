@@ -308,6 +308,11 @@ class Conventions:
     # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
     # parameter's own (its group's, else the config's).
     muon_ns_method: Optional[str] = None
+    # Accident of ZeRO-3 with a bf16 model (DSM-025): a step skipped by the invalid-norm test (the second
+    # one, after Muon ran; with ``skip_on_nonfinite="fp16_only"`` the only one a bf16 non-finite gradient
+    # meets) keeps the Muon momentum Muon wrote: every matrix's advances, a poisoned one's goes non-finite.
+    # False: the skip leaves every momentum as it was.
+    momentum_committed_on_invalid_norm: bool = False
 
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm", "raw"), "scaled_update_dtype": ("float64", "model"),
@@ -592,7 +597,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         return _skip(state, cfg, conv, G, "update_overflow", momentum=new_mom)
     clip = _norm_and_clip(state, cfg, conv, Gs, directions, norm, pre_k, shared_norm, norm_directions)
     if clip is None:
-        return _skip(state, cfg, conv, G, "nonfinite_norm")
+        return _skip(state, cfg, conv, G, "nonfinite_norm",
+                     momentum=new_mom if conv.momentum_committed_on_invalid_norm else None)
     new_state, recs = _apply(state, cfg, conv, G, Gs, new_mom, directions, clip, norm_directions)
     backward_scale = S if conv.backward_loss_scaled else 1.0
 

@@ -160,19 +160,9 @@ def _scale_plan_cached(case_json: str, restart_at):
     from harness.judge.verdict import step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
-    cfg = step_config(c).loss_scaler
-    poisoned = {o.step for o in c.overflows if not math.isfinite(o.value)}
-    if cfg is None:
-        return tuple((1.0, 1.0, s in poisoned) for s in range(1, c.steps + 1))
-    st = oracles.initial_scaler_state(cfg)
-    out = []
-    for s in range(1, c.steps + 1):
-        if restart_at is not None and s == restart_at + 1:
-            st = oracles.initial_scaler_state(cfg)
-        used = st.scale
-        st = oracles.update_scale(st, s in poisoned, cfg)
-        out.append((float(used), float(st.scale), s in poisoned))
-    return tuple(out)
+    cfg = step_config(c).loss_scaler or oracles.LossScalerConfig.for_model_dtype(c.dtype)  # None: a static 1
+    poisoned = frozenset(o.step for o in c.overflows if not math.isfinite(o.value))
+    return oracles.scale_plan(cfg, c.steps, poisoned, restart_at)
 
 
 def scale_plan(c: Case, restart_at: int | None = None) -> tuple:
@@ -805,6 +795,28 @@ BUGS: tuple[Bug, ...] = (
         fix="unused-param-zero-grad",
         fix_covers=lambda c: c.offload != "nvme",  # harness/fixes/stale.py: why NVMe is left alone
         reproducer="python -m harness gate --only skiplayer",
+    ),
+    Bug(
+        id="DSM-025",
+        releases=measured(yes="0.19.8"),
+        title="ZeRO-3 bf16: a non-finite gradient reaches Muon, whose momentum advances on the skipped step",
+        symptom="bf16.check_grad_overflow (documented default true) promises a non-finite gradient is "
+                "detected before the optimizer step and the step skipped. ZeRO-3 tests the raw gradients "
+                "for fp16 only, so in bf16 Muon runs on the step first: every matrix's momentum advances "
+                "(a poisoned matrix's goes inf/NaN, and every later step is then skipped too), and only the "
+                "invalid-norm test skips the step. Measured (z3-none-bf16-ws2-ga2-ovfloc-adaminf, one Adam "
+                "vector's gradient inf on rank 1, micro-step 1 of step 2): the clean layer1.weight momentum "
+                "0.0393 where it must stay 0.0187 (all 21 elements), layer0.weight all 30; weights and Adam "
+                "state unchanged, as on a correct skip. ZeRO-1/2 (given the setting) skip before Muon.",
+        trigger=lambda c: (c.stage == 3 and c.dtype == "bf16" and _has_muon(c)
+                           and any(not math.isfinite(o.value) for o in c.overflows)),
+        quantities=WEIGHTS | frozenset({"skipped"}),
+        model=lambda c: {"skip_on_nonfinite": "fp16_only", "momentum_committed_on_invalid_norm": True},
+        where="stage3.py _overflow_check_and_loss_scale_update (check_overflow only when self.dtype is "
+              "float16; engine.py _configure_zero_optimizer passes check_grad_overflow to ZeRO-1/2 only), then "
+              "step: _apply_muon_to_accumulated_grads writes the momentum before is_invalid_grad_norm skips",
+        fix="z3-bf16-gradient-overflow-check",
+        reproducer="python -m harness gate --only z3-none-bf16-ws2-ga2-ovfloc-adaminf",
     ),
 )
 
