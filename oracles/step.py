@@ -313,6 +313,10 @@ class Conventions:
     # meets) keeps the Muon momentum Muon wrote: every matrix's advances, a poisoned one's goes non-finite.
     # False: the skip leaves every momentum as it was.
     momentum_committed_on_invalid_norm: bool = False
+    # Accident of fp16 without ZeRO (DSM-026, ``fp16/unfused_optimizer.py`` ``_update_scale``): the dynamic
+    # scaler runs with this hysteresis whatever the config says (1: every overflow halves). None: the
+    # configured one (``StepConfig.loss_scaler``).
+    loss_scaler_hysteresis: Optional[int] = None
 
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm", "raw"), "scaled_update_dtype": ("float64", "model"),
@@ -576,6 +580,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     gradients already, and the two coincide.)"""
     if ns_mode not in NS_MODES:
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
+    if conv.loss_scaler_hysteresis is not None and cfg.loss_scaler is not None:
+        cfg = replace(cfg, loss_scaler=replace(cfg.loss_scaler, hysteresis=conv.loss_scaler_hysteresis))
     if conv.muon_momentum_lost_after is not None and state.step_count == conv.muon_momentum_lost_after:
         state = replace(state, momentum={n: torch.zeros_like(m) for n, m in state.momentum.items()})
     G = accumulate(grads, cfg)

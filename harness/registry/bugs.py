@@ -384,8 +384,9 @@ BUGS: tuple[Bug, ...] = (
                 "backoff) old and new gradients are blended with weights skewed by S_new/S_old. Measured "
                 "(fp16 ws2, overflow at step 2, S 256 -> 128): momentum 0.0196 off at step 3 (4.9e6x); "
                 "growth 256 -> 512: 0.029 off at step 4 (3.8e6x).",
-        trigger=lambda c: _fp16_dynamic(c) and c.offload == "none" and _has_muon(c) and not _bf16_optimizer(c)
-        and _momentum_sees_scale_change(c),
+        # not stage 0: FP16_UnfusedOptimizer unscales the gradients before MuonWithAuxAdam steps them
+        trigger=lambda c: _fp16_dynamic(c) and c.offload == "none" and c.stage != 0 and _has_muon(c)
+        and not _bf16_optimizer(c) and _momentum_sees_scale_change(c),
         quantities=WEIGHTS,
         model=lambda c: {"momentum_units": "scaled"},
         where="stage_1_and_2.py get_flat_partition -> muon_update on the scaled gradient; stage3.py "
@@ -817,6 +818,26 @@ BUGS: tuple[Bug, ...] = (
               "step: _apply_muon_to_accumulated_grads writes the momentum before is_invalid_grad_norm skips",
         fix="z3-bf16-gradient-overflow-check",
         reproducer="python -m harness gate --only z3-none-bf16-ws2-ga2-ovfloc-adaminf",
+    ),
+    Bug(
+        id="DSM-026",
+        releases=measured(yes="0.19.8"),
+        title="fp16 without ZeRO ignores hysteresis: every overflow halves the loss scale",
+        symptom="fp16.hysteresis (documented default 2) lets a first overflow skip the step without halving "
+                "the scale. Without ZeRO the engine wraps Muon in FP16_UnfusedOptimizer, whose loss-scale "
+                "config keeps no hysteresis, so every overflow halves the scale (consecutive_hysteresis is "
+                "not read either). Measured (z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault, hysteresis left "
+                "out, one overflow at step 2): scale 128 after step 2 where it must stay 256, and with "
+                "DSM-015's unscaled backward the reported norm of step 3 halves (222 against 444). ZeRO-1/2/3 "
+                "honour it (DynamicLossScaler).",
+        trigger=lambda c: (c.stage == 0 and _fp16_dynamic(c) and c.ds.fp16.hysteresis > 1
+                           and any(not math.isfinite(o.value) for o in c.overflows)),
+        quantities=WEIGHTS | SCALER | frozenset({"grad"}),
+        model=lambda c: {"loss_scaler_hysteresis": 1},
+        where="fp16/loss_scaler.py LossScaleConfig (no delayed_shift kept from dynamic_loss_args); "
+              "fp16/unfused_optimizer.py _update_scale (halves on every skip)",
+        fix="z0-fp16-hysteresis",
+        reproducer="python -m harness gate --only z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault",
     ),
 )
 
