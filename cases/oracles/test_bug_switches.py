@@ -285,3 +285,25 @@ def test_invalid_norm_skip_commits_the_momentum_muon_wrote():
         assert torch.equal(new.adam_m["b"], st.adam_m["b"]) and new.adam_step == st.adam_step
     _, intended = oracle_step(st, grads, cfg, Conventions())
     assert intended.skip_reason == "nonfinite_grad"  # the intended test catches it before Muon
+
+
+def test_invalid_norm_skip_keeps_a_poisoned_matrix_s_own_momentum():
+    """DSM-025 on a poisoned Muon matrix: Muon leaves the momentum of a matrix whose gradient is not finite
+    where it was, so only the clean matrices' momentum is committed by the invalid-norm skip."""
+    specs = SPECS + (ParamSpec("u", (4, 6), True),)
+    cfg = StepConfig(specs, model_dtype="bf16")
+    conv = Conventions(skip_on_nonfinite="fp16_only", momentum_committed_on_invalid_norm=True)
+    gen = torch.Generator().manual_seed(8)
+
+    def grads():
+        return [[{s.name: torch.randn(*s.shape, generator=gen, dtype=torch.float64) * 1e-3 for s in specs}]]
+
+    st = initial_state(cfg, {**_weights(), "u": torch.randn(4, 6, generator=gen, dtype=torch.float64)}, conv)
+    st, _ = oracle_step(st, grads(), cfg, conv)
+    g = grads()
+    g[0][0]["u"][1, 2] = float("nan")
+    new, rec = oracle_step(st, g, cfg, conv)
+    assert rec.skipped and rec.skip_reason == "nonfinite_norm"
+    assert torch.equal(new.momentum["u"], st.momentum["u"])
+    beta = cfg.momentum
+    assert torch.allclose(new.momentum["w"], beta * st.momentum["w"] + (1 - beta) * g[0][0]["w"], rtol=0, atol=1e-15)

@@ -803,8 +803,8 @@ BUGS: tuple[Bug, ...] = (
         title="ZeRO-3 bf16: a non-finite gradient reaches Muon, whose momentum advances on the skipped step",
         symptom="bf16.check_grad_overflow (documented default true) promises a non-finite gradient is "
                 "detected before the optimizer step and the step skipped. ZeRO-3 tests the raw gradients "
-                "for fp16 only, so in bf16 Muon runs on the step first: every matrix's momentum advances "
-                "(a poisoned matrix's goes inf/NaN, and every later step is then skipped too), and only the "
+                "for fp16 only, so in bf16 Muon runs on the step first: the momentum of every matrix whose "
+                "gradient is finite advances (muon_update keeps a poisoned matrix's own), and only the "
                 "invalid-norm test skips the step. Measured (z3-none-bf16-ws2-ga2-ovfloc-adaminf, one Adam "
                 "vector's gradient inf on rank 1, micro-step 1 of step 2): the clean layer1.weight momentum "
                 "0.0393 where it must stay 0.0187 (all 21 elements), layer0.weight all 30; weights and Adam "

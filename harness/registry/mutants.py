@@ -995,8 +995,9 @@ def _install_momentum_committed_on_skip():
     """ZeRO-1/2 without offload run Muon inside the boundary backward into a staged copy of each Muon group's
     momentum and commit it in ``step()`` only when the step survives (``_commit_muon_momentum``). The mutant
     commits, on a skipped step too, every group whose staged momentum is finite: a commit guarded by the
-    momentum's own finiteness instead of the step's overflow flag. A step poisoned everywhere leaves no
-    finite group, so only an overflow in one place (``Overflow.param``) shows it."""
+    momentum's own finiteness instead of the step's overflow flag. ``muon_update`` keeps the momentum of a
+    matrix whose gradient is non-finite, so every staged group is finite; on a step poisoned everywhere it
+    also equals the committed one, and only an overflow in one place (``Overflow.param``) shows the commit."""
     Z12, _, _ = _ds_classes()
     cur = Z12.__dict__["step"]
 
@@ -1011,21 +1012,16 @@ def _install_momentum_committed_on_skip():
     return _setattr(Z12, "step", step)[1]
 
 
-def _z12_clean_group_on_skip(c: Case) -> bool:
-    """A ZeRO-1/2 case without offload where, on a step a localized overflow skips, some rank's Muon group
-    (the matrices its partition touches: each owner stages the whole matrix) holds no poisoned matrix."""
-    if not (c.stage in (1, 2) and c.offload == "none" and c.runs_muon and not _bf16_route(c)
-            and not c.ds.zero.parameter_alignment):
+def _z12_clean_matrix_on_skip(c: Case) -> bool:
+    """A ZeRO-1/2 case without offload with a step that only localized overflows skip, and a Muon matrix whose
+    gradient stays finite there: its staged momentum advanced, which a commit on the skip keeps."""
+    if not (c.stage in (1, 2) and c.offload == "none" and c.runs_muon and not _bf16_route(c)):
         return False
-    layout, P, _ = _z12_layout(c)
+    muon = {p.name for p in _muon(c)}
     for s in {o.step for o in c.overflows}:
-        here = [o.param for o in c.overflows if o.step == s]
-        if None in here:
-            continue  # every parameter poisoned: no clean group
-        for r in range(c.dp_size):
-            touched = {p.name for p, lo, hi in layout if lo < (r + 1) * P and hi > r * P}
-            if touched and not touched & set(here):
-                return True
+        here = {o.param for o in c.overflows if o.step == s}
+        if None not in here and muon - here:
+            return True
     return False
 
 
@@ -1034,7 +1030,7 @@ MUTANTS.update({m.name: m for m in (
            "ZeRO-1/2 (no offload): on a skipped step, the staged Muon momentum of every group whose momentum "
            "is finite is committed anyway, so a clean matrix's momentum advances on a step that was discarded.",
            _install_momentum_committed_on_skip,
-           _z12_clean_group_on_skip,
+           _z12_clean_matrix_on_skip,
            "plausible: the commit tested per group (its momentum finite) instead of the step's overflow"),
     Mutant("dp-average-over-world",
            "The data-parallel gradient average divides by the world size, not by the data-parallel "
