@@ -324,6 +324,18 @@ class Case:
         Muon-shaped matrices but no Muon step, and a config without an optimizer section has no Muon."""
         return self.client_optimizer is None and self.ds.names_muon and any(p.uses_muon for p in self.params)
 
+    @property
+    def overflow_leaves_muon_clean(self) -> bool:
+        """Some step's injected overflows are all localized (``Overflow.param``) and leave a Muon matrix's
+        gradient finite: only there does a skipped step hold Muon momentum that could wrongly advance
+        (``muon_update`` keeps the momentum of a matrix whose gradient is non-finite)."""
+        muon = {p.name for p in self.params if p.uses_muon}
+        for s in {o.step for o in self.overflows}:
+            here = {o.param for o in self.overflows if o.step == s}
+            if None not in here and muon - here:
+                return True
+        return False
+
     def replace(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)
 

@@ -809,8 +809,8 @@ BUGS: tuple[Bug, ...] = (
                 "vector's gradient inf on rank 1, micro-step 1 of step 2): the clean layer1.weight momentum "
                 "0.0393 where it must stay 0.0187 (all 21 elements), layer0.weight all 30; weights and Adam "
                 "state unchanged, as on a correct skip. ZeRO-1/2 (given the setting) skip before Muon.",
-        trigger=lambda c: (c.stage == 3 and c.dtype == "bf16" and _has_muon(c)
-                           and any(not math.isfinite(o.value) for o in c.overflows)),
+        # an overflow everywhere leaves no matrix for Muon to advance (muon_update keeps a poisoned one's)
+        trigger=lambda c: c.stage == 3 and c.dtype == "bf16" and _has_muon(c) and c.overflow_leaves_muon_clean,
         quantities=WEIGHTS | frozenset({"skipped"}),
         model=lambda c: {"skip_on_nonfinite": "fp16_only", "momentum_committed_on_invalid_norm": True},
         where="stage3.py _overflow_check_and_loss_scale_update (check_overflow only when self.dtype is "

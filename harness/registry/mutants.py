@@ -1013,16 +1013,10 @@ def _install_momentum_committed_on_skip():
 
 
 def _z12_clean_matrix_on_skip(c: Case) -> bool:
-    """A ZeRO-1/2 case without offload with a step that only localized overflows skip, and a Muon matrix whose
-    gradient stays finite there: its staged momentum advanced, which a commit on the skip keeps."""
-    if not (c.stage in (1, 2) and c.offload == "none" and c.runs_muon and not _bf16_route(c)):
-        return False
-    muon = {p.name for p in _muon(c)}
-    for s in {o.step for o in c.overflows}:
-        here = {o.param for o in c.overflows if o.step == s}
-        if None not in here and muon - here:
-            return True
-    return False
+    """ZeRO-1/2 without offload (where the momentum is staged and committed) with a skipped step that leaves a
+    Muon matrix's gradient finite: its staged momentum advanced, which a commit on the skip keeps."""
+    return (c.stage in (1, 2) and c.offload == "none" and c.runs_muon and not _bf16_route(c)
+            and c.overflow_leaves_muon_clean)
 
 
 MUTANTS.update({m.name: m for m in (
