@@ -10,8 +10,8 @@ Fewer distinct models, more distinct paths. The CI gate is a covering design:
 * NVMe (swapping needs a >= 1 MiB per-rank matrix, so these cost seconds each): stage x swapper
   {partitioned, pipelined} x dtype at world size 2, plus fp32 at world sizes 1 and 3.
 * ZeRO-3 with ``save_muon_momentum_buffer_in_memory`` on: offload none/cpu/nvme at fp32 and fp16.
-* Loss-scale dynamics, checkpoint resume and the compiled subset are separate cases
-  (``overflow_cases``, ``resume_cases``, ``compiled_cases``).
+* Loss-scale dynamics, overflows in one parameter, checkpoint resume and the compiled subset are separate
+  cases (``overflow_cases``, ``local_overflow_cases``, ``resume_cases``, ``compiled_cases``).
 
 ``--full`` runs the whole product of base grid x knobs, NVMe at every world size and dtype.
 """
