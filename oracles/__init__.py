@@ -19,7 +19,7 @@ from .emulate import (emulated_direction, emulated_momentum, emulated_muon_updat
 from .layout import (REGIONS, LayoutParam, Location, Placement, RankSlice, Segment, Zero3Layout, Zero12Layout,
                      ds_param_groups, locate, locate_flat, param_slices, partition_padding, placement, rank_segments,
                      region_indices, region_ranges, zero3_layout, zero12_layout)
-from .loss_scaler import LossScaleAtMinimum, LossScalerConfig, LossScalerState, update_scale
+from .loss_scaler import LossScaleAtMinimum, LossScalerConfig, LossScalerState, scale_plan, update_scale
 from .loss_scaler import initial_state as initial_scaler_state
 from .momentum import muon_momentum, round_to
 from .newton_schulz import (NS_A, NS_B, NS_C, NS_COEFFICIENTS, NS_EPS, NS_STEPS, aspect_scale, band_entry_threshold,

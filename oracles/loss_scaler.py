@@ -87,3 +87,20 @@ def update_scale(state: LossScalerState, overflow: bool, cfg: LossScalerConfig) 
                 h = cfg.hysteresis
             scale = scale * cfg.scale_factor
     return replace(state, scale=scale, cur_iter=state.cur_iter + 1, last_overflow_iter=last, cur_hysteresis=h)
+
+
+def scale_plan(cfg: LossScalerConfig, steps: int, overflowed=frozenset(),
+               restart_after: int | None = None) -> tuple[tuple[float, float, bool], ...]:
+    """Per optimizer step 1..``steps``: (scale its backward used, scale after its update, skipped), when
+    exactly the steps in ``overflowed`` overflow. Skipped or not, every step calls the scaler once, so a
+    skipped step moves the scale (or spends hysteresis) and nothing else; ``restart_after``: a scaler
+    rebuilt from ``cfg`` after that step (a resume that does not restore it)."""
+    st = initial_state(cfg)
+    out = []
+    for s in range(1, steps + 1):
+        if restart_after is not None and s == restart_after + 1:
+            st = initial_state(cfg)
+        used = st.scale
+        st = update_scale(st, s in overflowed, cfg)
+        out.append((float(used), float(st.scale), s in overflowed))
+    return tuple(out)

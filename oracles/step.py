@@ -308,6 +308,15 @@ class Conventions:
     # defragmentation``): one ns_method, the last Muon group's, for every Muon parameter. None: each
     # parameter's own (its group's, else the config's).
     muon_ns_method: Optional[str] = None
+    # Accident of ZeRO-3 with a bf16 model (DSM-025): a step skipped by the invalid-norm test (the second
+    # one, after Muon ran; with ``skip_on_nonfinite="fp16_only"`` the only one a bf16 non-finite gradient
+    # meets) keeps the Muon momentum Muon wrote: every matrix with a finite gradient advances (Muon leaves
+    # a matrix with a non-finite one as it was). False: the skip leaves every momentum as it was.
+    momentum_committed_on_invalid_norm: bool = False
+    # Accident of fp16 without ZeRO (DSM-026, ``fp16/unfused_optimizer.py`` ``_update_scale``): the dynamic
+    # scaler runs with this hysteresis whatever the config says (1: every overflow halves). None: the
+    # configured one (``StepConfig.loss_scaler``).
+    loss_scaler_hysteresis: Optional[int] = None
 
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm", "raw"), "scaled_update_dtype": ("float64", "model"),
@@ -571,6 +580,8 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     gradients already, and the two coincide.)"""
     if ns_mode not in NS_MODES:
         raise ValueError(f"ns_mode must be one of {NS_MODES}")
+    if conv.loss_scaler_hysteresis is not None and cfg.loss_scaler is not None:
+        cfg = replace(cfg, loss_scaler=replace(cfg.loss_scaler, hysteresis=conv.loss_scaler_hysteresis))
     if conv.muon_momentum_lost_after is not None and state.step_count == conv.muon_momentum_lost_after:
         state = replace(state, momentum={n: torch.zeros_like(m) for n, m in state.momentum.items()})
     G = accumulate(grads, cfg)
@@ -592,7 +603,10 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
         return _skip(state, cfg, conv, G, "update_overflow", momentum=new_mom)
     clip = _norm_and_clip(state, cfg, conv, Gs, directions, norm, pre_k, shared_norm, norm_directions)
     if clip is None:
-        return _skip(state, cfg, conv, G, "nonfinite_norm")
+        # what Muon wrote: muon_update keeps the momentum of a matrix whose gradient is not finite
+        wrote = {n: m for n, m in new_mom.items() if bool(torch.isfinite(Gs[n]).all())}
+        return _skip(state, cfg, conv, G, "nonfinite_norm",
+                     momentum=wrote if conv.momentum_committed_on_invalid_norm else None)
     new_state, recs = _apply(state, cfg, conv, G, Gs, new_mom, directions, clip, norm_directions)
     backward_scale = S if conv.backward_loss_scaled else 1.0
 

@@ -259,3 +259,51 @@ def test_reported_norm_over_the_implementations_own_updates():
     assert abs(by_grad.reported_norm_own - grad_norm) <= 4 * 2.0 ** -53 * grad_norm
     _, shared = oracle_step(st, _grads(), cfg, shared_norm=1.5, norm_directions={"w": other})
     assert shared.reported_norm_own is None and shared.reported_norm == 1.5
+
+
+def test_invalid_norm_skip_commits_the_momentum_muon_wrote():
+    """DSM-025: bf16, the raw-gradient test for fp16 only (``skip_on_nonfinite="fp16_only"``): an Adam vector's
+    inf reaches the norm, which skips the step; with ``momentum_committed_on_invalid_norm`` the clean
+    matrix's momentum is the one Muon wrote, M' = beta M + (1 - beta) G, computed here from the mechanism;
+    without it the momentum, the masters and Adam's state are unchanged."""
+    cfg = StepConfig(SPECS, model_dtype="bf16")
+    base = Conventions(skip_on_nonfinite="fp16_only")
+    st = initial_state(cfg, _weights(), base)
+    st, first = oracle_step(st, _grads(), cfg, base)  # an applied step: momentum and Adam state exist
+    assert not first.skipped
+    grads = _grads(6)
+    grads[0][0]["b"] = grads[0][0]["b"].clone()
+    grads[0][0]["b"][0] = float("inf")
+    beta = cfg.momentum
+    for commits in (False, True):
+        conv = replace(base, momentum_committed_on_invalid_norm=commits)
+        new, rec = oracle_step(st, grads, cfg, conv)
+        assert rec.skipped and rec.skip_reason == "nonfinite_norm"
+        expect = beta * st.momentum["w"] + (1 - beta) * grads[0][0]["w"] if commits else st.momentum["w"]
+        assert torch.allclose(new.momentum["w"], expect, rtol=0, atol=1e-15)
+        assert torch.equal(new.master["w"], st.master["w"]) and torch.equal(new.master["b"], st.master["b"])
+        assert torch.equal(new.adam_m["b"], st.adam_m["b"]) and new.adam_step == st.adam_step
+    _, intended = oracle_step(st, grads, cfg, Conventions())
+    assert intended.skip_reason == "nonfinite_grad"  # the intended test catches it before Muon
+
+
+def test_invalid_norm_skip_keeps_a_poisoned_matrix_s_own_momentum():
+    """DSM-025 on a poisoned Muon matrix: Muon leaves the momentum of a matrix whose gradient is not finite
+    where it was, so only the clean matrices' momentum is committed by the invalid-norm skip."""
+    specs = SPECS + (ParamSpec("u", (4, 6), True),)
+    cfg = StepConfig(specs, model_dtype="bf16")
+    conv = Conventions(skip_on_nonfinite="fp16_only", momentum_committed_on_invalid_norm=True)
+    gen = torch.Generator().manual_seed(8)
+
+    def grads():
+        return [[{s.name: torch.randn(*s.shape, generator=gen, dtype=torch.float64) * 1e-3 for s in specs}]]
+
+    st = initial_state(cfg, {**_weights(), "u": torch.randn(4, 6, generator=gen, dtype=torch.float64)}, conv)
+    st, _ = oracle_step(st, grads(), cfg, conv)
+    g = grads()
+    g[0][0]["u"][1, 2] = float("nan")
+    new, rec = oracle_step(st, g, cfg, conv)
+    assert rec.skipped and rec.skip_reason == "nonfinite_norm"
+    assert torch.equal(new.momentum["u"], st.momentum["u"])
+    beta = cfg.momentum
+    assert torch.allclose(new.momentum["w"], beta * st.momentum["w"] + (1 - beta) * g[0][0]["w"], rtol=0, atol=1e-15)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oracles import LossScaleAtMinimum, LossScalerConfig, initial_scaler_state, update_scale
+from oracles import LossScaleAtMinimum, LossScalerConfig, initial_scaler_state, scale_plan, update_scale
 
 
 def reference_scales(overflows, *, s0, window, hysteresis, consecutive, min_scale):
@@ -97,3 +97,39 @@ def test_static_scalers_never_move():
             s = update_scale(s, ovf, cfg)
         assert s.scale == 1.0
     assert initial_scaler_state(LossScalerConfig.for_model_dtype("fp16")).scale == 2.0 ** 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(1, 12), max_size=6), st.sampled_from((1, 2, 3)), st.sampled_from((1, 2, 3)))
+def test_scale_plan_is_the_rule_over_a_case_s_steps(overflowed, window, hysteresis):
+    """``scale_plan``: per step the scale used, the scale after and whether it was skipped, every step
+    (skipped ones included) calling the scaler once, against this file's own statement of the rules."""
+    cfg = LossScalerConfig(initial_scale_power=8, loss_scale_window=window, hysteresis=hysteresis)
+    plan = scale_plan(cfg, 12, frozenset(overflowed))
+    flags = [s in overflowed for s in range(1, 13)]
+    used, last = reference_scales(flags, s0=256.0, window=window, hysteresis=hysteresis, consecutive=False,
+                                  min_scale=1.0)
+    assert [u for u, _, _ in plan] == used
+    assert [a for _, a, _ in plan] == used[1:] + [last]
+    assert [sk for _, _, sk in plan] == flags
+
+
+def test_default_hysteresis_skips_twice_before_the_first_backoff():
+    """Hysteresis 2 (DeepSpeed's documented default): overflows at steps 2 and 3 keep the scale at step
+    2 and halve it at step 3; with hysteresis 1 step 2 halves already."""
+    two = scale_plan(LossScalerConfig(initial_scale_power=8, hysteresis=2), 4, frozenset({2, 3}))
+    assert two == ((256.0, 256.0, False), (256.0, 256.0, True), (256.0, 128.0, True), (128.0, 128.0, False))
+    one = scale_plan(LossScalerConfig(initial_scale_power=8, hysteresis=1), 3, frozenset({2}))
+    assert one == ((256.0, 256.0, False), (256.0, 128.0, True), (128.0, 128.0, False))
+
+
+def test_an_overflow_on_the_growth_step_does_not_grow():
+    """Window 2 grows after step 3 when nothing overflows; an overflow there spends hysteresis instead,
+    and the count of clean steps restarts, so no growth follows within the next two steps."""
+    cfg = LossScalerConfig(initial_scale_power=8, loss_scale_window=2)
+    clean = scale_plan(cfg, 5)
+    assert [a > u for u, a, _ in clean].index(True) == 2  # step 3
+    hit = scale_plan(cfg, 5, frozenset({3}))
+    assert [a for _, a, _ in hit] == [256.0] * 5
+    with_restart = scale_plan(cfg, 5, restart_after=3)
+    assert with_restart[3][0] == 256.0  # a rebuilt scaler starts from 2**initial_scale_power again

@@ -10,6 +10,7 @@ own tests here (conv crash, swap files); DSM-006 needs two param groups and is s
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +18,9 @@ from harness.registry.bugs import BY_ID, bugs_for
 from harness.case.spec import Overflow, ParamShape
 from harness.launch.pool import CaseFailure
 from harness.case.scenarios import TINY_PARAMS, pipeline_case
-from harness.judge.verdict import judge
+from harness.judge.verdict import judge, step_config
+from harness.catalog.matrix import local_overflow_cases
+import oracles
 
 pytestmark = pytest.mark.pipeline
 
@@ -49,6 +52,7 @@ CASES = [
                               extra_zero={"parameter_alignment": True}).replace(name="z1-none-fp32-ws2-heads-pa")),
     ("DSM-009", _comm32(pipeline_case(3, "none", "fp16", 2, steps=3))),
     ("DSM-010", pipeline_case(3, "nvme", "fp32", 1, steps=3).replace(name="z3-nvme-fp32-ws1-ckpt1", checkpoint_at=1)),
+    ("DSM-025", next(c for c in local_overflow_cases() if c.name == "z3-none-bf16-ws2-ga2-ovfloc-adaminf")),
 ]
 
 
@@ -118,3 +122,23 @@ def test_conv_fix_reaches_stage_0_after_a_stock_case_in_the_same_ranks(pool_mana
     assert evaluate(cases["z0-none-fp32-ws2-ga2"], "stock", pool_manager).status == "passed"
     o = evaluate(cases["resnet-z0-none-fp32-ws2-standard"], "patched", pool_manager)
     assert o.status == "passed", o.message
+
+
+def test_stage0_fp16_spends_hysteresis_before_it_halves_only_patched(pool_manager):
+    """DSM-026: without ZeRO, fp16 overflows at steps 2 and 3 with ``hysteresis`` left out (DeepSpeed's
+    documented default 2): the scaler rule keeps the scale at step 2 and halves it at step 3. Stock halves at
+    both (every overflow, as with hysteresis 1); the patched runtime follows the rule. Stage 0 fp16 keeps
+    DSM-016 on the patched column (no fix), so the scale trajectory itself is compared here."""
+    c = next(c for c in local_overflow_cases(full=True) if c.name == "z0-none-fp16-ws2-ga2-ovfloc-adaminf-row")
+    assert "DSM-026" in [b.id for b in bugs_for(c)] and "DSM-026" not in [b.id for b in bugs_for(c, patched=True)]
+    cfg = step_config(c).loss_scaler
+    assert cfg.hysteresis == 2  # the default the installed DeepSpeed documents, the case leaves it out
+    rule = list(oracles.scale_plan(cfg, c.steps, frozenset({2, 3})))
+    every = list(oracles.scale_plan(replace(cfg, hysteresis=1), c.steps, frozenset({2, 3})))
+    assert rule != every
+
+    def scales(case):
+        return [(r.loss_scale, r.loss_scale_after, r.skipped) for r in pool_manager.run(case).result.steps]
+
+    assert scales(c) == every
+    assert scales(c.replace(patched=True)) == rule

@@ -22,7 +22,8 @@ from harness.case.scenarios import pipeline_case
 from harness.judge.verdict import bug_model, judge
 
 MODELLED = {"DSM-001", "DSM-002", "DSM-003", "DSM-004", "DSM-005", "DSM-006", "DSM-007", "DSM-008", "DSM-009",
-            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019", "DSM-020", "DSM-023"}
+            "DSM-010", "DSM-013", "DSM-014", "DSM-015", "DSM-016", "DSM-019", "DSM-020", "DSM-023", "DSM-025",
+            "DSM-026"}
 
 
 def test_every_numerical_bug_a_case_can_trigger_has_a_model():

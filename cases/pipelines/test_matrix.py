@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+import oracles
 from cases.pipelines._support import run_case, suite
 from harness.catalog import matrix
+from harness.judge.verdict import step_config
 
 pytestmark = pytest.mark.pipeline
 
@@ -45,6 +47,29 @@ def test_overflow_skips_step(case, column, pool_manager, seed, request):
         before, after = steps[1].params[name], steps[2].params[name]
         assert (before.momentum / before.momentum_scale == after.momentum / after.momentum_scale).all(), name
         assert (before.master == after.master).all(), name
+
+
+@pytest.mark.parametrize("case,column", suite(matrix.local_overflow_cases))
+def test_localized_overflow_holds_every_state(case, column, pool_manager, seed, request):
+    """One parameter's gradient overflows, the rest stay finite. Beyond the oracle's agreement, the promise:
+    exactly the poisoned steps are skipped, and across each of them every parameter's master and every Muon
+    momentum (the clean matrices' included) is bit for bit what it was; the scale follows DeepSpeed's scaler
+    rule with the case's resolved settings."""
+    o = run_case(case, column, pool_manager, seed, request)
+    steps = {s.step: s for s in o.trajectory.steps}
+    poisoned = {ov.step for ov in case.overflows}
+    assert {s for s, r in steps.items() if r.skipped} == poisoned
+    sc = step_config(case).loss_scaler
+    if sc is not None:
+        plan = oracles.scale_plan(sc, case.steps, frozenset(poisoned))
+        assert [(r.loss_scale, r.loss_scale_after) for r in o.trajectory.steps] == [p[:2] for p in plan]
+    for s in sorted(poisoned):
+        for name, after in steps[s].params.items():
+            before = steps[s - 1].params[name]
+            assert (before.master == after.master).all(), (s, name)
+            if name in o.trajectory.muon_params:
+                assert (before.momentum / before.momentum_scale == after.momentum / after.momentum_scale).all(), \
+                    (s, name)
 
 
 @pytest.mark.parametrize("case,column", suite(matrix.growth_cases))

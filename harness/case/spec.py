@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 
 from harness.case.dsconfig import DTYPE_ALIASES, DSConfig
@@ -49,12 +50,32 @@ class ParamShape:
 
 @dataclass(frozen=True)
 class Overflow:
-    """Poison one rank's gradient with ``value`` at (optimizer step, micro-step) to force a skip."""
+    """A non-finite gradient at (optimizer step, rank, micro-step) that must make DeepSpeed skip the step.
+
+    ``param`` None: every parameter's data of that rank and micro-batch is poisoned, so the loss and every
+    gradient there go non-finite together. ``param`` a name: only that parameter's gradient contribution
+    is (its first element, through the backward; ``harness.case.synthetic``), as a real overflow starts in
+    one place, while the loss and every other gradient stay finite. Only then does a skipped step still
+    hold clean Muon momentum whose advancing would show."""
 
     step: int
     rank: int = 0
     micro: int = 0
     value: float = float("inf")
+    param: str | None = None
+
+    def __post_init__(self):
+        for key, low in (("step", 1), ("rank", 0), ("micro", 0)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"Overflow {key} {v!r}: must be an integer >= {low} (steps count from 1, ranks "
+                                 "and micro-steps from 0)")
+        if not isinstance(self.value, (int, float)) or isinstance(self.value, bool) or math.isfinite(self.value):
+            raise ValueError(f"Overflow value {self.value!r}: must be inf, -inf or nan (a finite value forces "
+                             "no skip; to model a large finite gradient use Case.grad_scale)")
+        if self.param is not None and (not isinstance(self.param, str) or not self.param):
+            raise ValueError(f"Overflow param {self.param!r}: a parameter name of the case, or None to poison "
+                             "every parameter of that rank and micro-step")
 
 
 @dataclass(frozen=True)
@@ -166,6 +187,8 @@ class Case:
     def __post_init__(self):
         if self.unused:
             self._check_unused()
+        if self.overflows:
+            self._check_overflows()
         if self.fused_adam_fails:
             if (not self.runs_muon or self.offload != "none" or self.ds.optimizer.torch_adam
                     or self.client_optimizer is not None):
@@ -227,6 +250,26 @@ class Case:
                 raise ValueError(f"case {self.name!r}: every parameter unused at step {step}: no loss to "
                                  "differentiate")
 
+    def _check_overflows(self) -> None:
+        """Where each overflow lands must exist in the run, or it would silently poison nothing."""
+        names = {p.name for p in self.params}
+        for o in self.overflows:
+            where = f"case {self.name!r}: overflow {o}"
+            if o.step > self.steps or o.rank >= self.world_size:
+                raise ValueError(f"{where}: step must be 1..{self.steps} and rank 0..{self.world_size - 1}")
+            if o.param is None:
+                continue
+            if self.model:
+                raise ValueError(f"{where}: a localized overflow (param) needs the synthetic model; a real "
+                                 "module's forward is its own (param None poisons every gradient)")
+            if o.param not in names:
+                raise ValueError(f"{where}: param {o.param!r} is not a parameter of the case ({sorted(names)})")
+            if (o.param, o.step) in self.unused:
+                raise ValueError(f"{where}: {o.param!r} is unused at step {o.step}, so it has no gradient to poison")
+            gas = self.ds.gradient_accumulation_steps
+            if gas is not None and o.micro >= gas:
+                raise ValueError(f"{where}: micro must be 0..{gas - 1} (gradient_accumulation_steps {gas})")
+
     def _check_model_parallel(self) -> None:
         mp = self.model_parallel
         if isinstance(mp, bool) or not isinstance(mp, int) or mp < 1 or self.world_size % mp:
@@ -281,6 +324,18 @@ class Case:
         Muon-shaped matrices but no Muon step, and a config without an optimizer section has no Muon."""
         return self.client_optimizer is None and self.ds.names_muon and any(p.uses_muon for p in self.params)
 
+    @property
+    def overflow_leaves_muon_clean(self) -> bool:
+        """Some step's injected overflows are all localized (``Overflow.param``) and leave a Muon matrix's
+        gradient finite: only there does a skipped step hold Muon momentum that could wrongly advance
+        (``muon_update`` keeps the momentum of a matrix whose gradient is non-finite)."""
+        muon = {p.name for p in self.params if p.uses_muon}
+        for s in {o.step for o in self.overflows}:
+            here = {o.param for o in self.overflows if o.step == s}
+            if None not in here and muon - here:
+                return True
+        return False
+
     def replace(self, **changes) -> "Case":
         return dataclasses.replace(self, **changes)
 
@@ -295,6 +350,9 @@ class Case:
             del d["unused"]  # the same for cases without unused parameters
         if not d["fused_adam_fails"]:
             del d["fused_adam_fails"]
+        for o in d["overflows"]:
+            if o["param"] is None:
+                del o["param"]  # an overflow everywhere keeps the JSON it had before ``param`` existed
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -358,7 +416,7 @@ def ds_config(
     ns_method: str = "gram",
     initial_scale_power: int = 8,
     loss_scale_window: int = 1000,
-    hysteresis: int = 2,
+    hysteresis: int | None = 2,  # None: left out, DeepSpeed's documented default applies
     save_muon_momentum_buffer_in_memory: bool = False,
     sub_group_size: int | None = None,
     extra_zero: dict | None = None,
@@ -408,7 +466,9 @@ def ds_config(
                       "single_submit": False, "overlap_events": True}
     if dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": initial_scale_power,
-                       "loss_scale_window": loss_scale_window, "hysteresis": hysteresis, "min_loss_scale": 1}
+                       "loss_scale_window": loss_scale_window, "min_loss_scale": 1}
+        if hysteresis is not None:
+            cfg["fp16"]["hysteresis"] = hysteresis
     elif dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return canonical_json(cfg)

@@ -26,10 +26,14 @@ that rounded data, and ``local_gradients`` differentiates the loss of the same r
 
 Conventions (shared with ``harness.rank.ds_run`` and the oracles):
 * ``step`` counts optimizer steps from 1; ``micro`` counts micro-batches within a step from 0.
-* An ``Overflow(step, rank, micro, value)`` of the case sets ``T[0, 0] = value`` in *every*
-  parameter's batch of that (rank, step, micro): the loss and every gradient of that rank become
+* An ``Overflow(step, rank, micro, value)`` of the case without ``param`` sets ``T[0, 0] = value`` in
+  *every* parameter's batch of that (rank, step, micro): the loss and every gradient of that rank become
   non-finite there (rows of ``W`` touching ``T[0,0]``; the vector entry 0), all other ranks are clean.
   ``local_gradients`` sees the same poisoned data.
+* With ``param``, only that parameter's batch carries ``poison`` (a 0-d tensor of ``value``): its forward
+  passes the weight through ``poison_grad``, which is the identity forward and in the backward sets the
+  first element of the gradient reaching the weight to ``value``. The loss and every other gradient stay
+  finite; ``local_gradients`` sets the same element of the same micro-batch's gradient.
 """
 from __future__ import annotations
 
@@ -113,7 +117,9 @@ def batch_data(case, rank: int, step: int, micro: int, dtype: torch.dtype | None
     (the case's model dtype by default) and stored in that dtype."""
     if dtype is None:
         dtype = MODEL_DTYPES[case.dtype]
-    poison = [o.value for o in case.overflows if o.step == step and o.rank == rank and o.micro == micro]
+    here = [o for o in case.overflows if o.step == step and o.rank == rank and o.micro == micro]
+    poison = [o.value for o in here if o.param is None]
+    local = {o.param: o.value for o in here if o.param is not None}
     B = case.batch
     out = {}
     skipped = {name for name, s in case.unused if s == step}
@@ -138,6 +144,8 @@ def batch_data(case, rank: int, step: int, micro: int, dtype: torch.dtype | None
         _shape_spectrum(case, d)
         for v in poison:
             d["T"][0, 0] = v
+        if p.name in local:
+            d["poison"] = torch.tensor(local[p.name], dtype=torch.float32)
         out[p.name] = {k: t.to(dtype) for k, t in d.items()}
     return out
 
@@ -169,6 +177,27 @@ def _shape_spectrum(case, d: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # the module
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """The identity forward; backward: the incoming gradient with its first element set to the poison,
+    so one parameter's gradient goes non-finite exactly where the oracle's does, and nothing upstream."""
+
+    @staticmethod
+    def forward(ctx, w, value):
+        ctx.save_for_backward(value)
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (value,) = ctx.saved_tensors
+        out = grad.contiguous().clone()
+        out.view(-1)[0] = value.to(out.dtype)
+        return out, None
+
+
+def poison_grad(w: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return _PoisonGrad.apply(w, value)
 
 
 def term_loss(w: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -205,7 +234,11 @@ class Node(torch.nn.Module):
         for local in self._own:
             if self._full[local] not in batch:  # unused at this step (Case.unused)
                 continue
-            t = term_loss(getattr(self, local), batch[self._full[local]])
+            d = batch[self._full[local]]
+            w = getattr(self, local)
+            if "poison" in d:  # a localized overflow (Overflow.param) of this micro-batch
+                w = poison_grad(w, d["poison"])
+            t = term_loss(w, d)
             total = t if total is None else total + t
         for child in self.children():
             t = child(batch)
@@ -296,6 +329,8 @@ def local_gradients(params_f64: dict[str, torch.Tensor], case, rank: int, step: 
             n = p.shape[0]
             R = w * d["Z"] - d["T"]
             out[p.name] = (2.0 / (B * n)) * (R * d["Z"]).sum(dim=0)
+        if "poison" in d:  # the element the model's backward poisons (poison_grad)
+            out[p.name].view(-1)[0] = float(d["poison"])
     return out
 
 

@@ -10,8 +10,8 @@ Fewer distinct models, more distinct paths. The CI gate is a covering design:
 * NVMe (swapping needs a >= 1 MiB per-rank matrix, so these cost seconds each): stage x swapper
   {partitioned, pipelined} x dtype at world size 2, plus fp32 at world sizes 1 and 3.
 * ZeRO-3 with ``save_muon_momentum_buffer_in_memory`` on: offload none/cpu/nvme at fp32 and fp16.
-* Loss-scale dynamics, checkpoint resume and the compiled subset are separate cases
-  (``overflow_cases``, ``resume_cases``, ``compiled_cases``).
+* Loss-scale dynamics, overflows in one parameter, checkpoint resume and the compiled subset are separate
+  cases (``overflow_cases``, ``local_overflow_cases``, ``resume_cases``, ``compiled_cases``).
 
 ``--full`` runs the whole product of base grid x knobs, NVMe at every world size and dtype.
 """
@@ -21,7 +21,9 @@ import dataclasses
 import itertools
 import json
 
-from harness.case.spec import Case, Overflow, ParamGroup, ParamShape, canonical_json
+import oracles
+from harness.case.spec import OFFLOADS, Case, Overflow, ParamGroup, ParamShape, canonical_json
+from harness.judge.verdict import step_config
 from harness.case.nvme import nvme_matrix
 from harness.case.scenarios import TINY_PARAMS, nvme_params, pipeline_case
 from harness.models import BUILTIN
@@ -141,6 +143,77 @@ def overflow_cases(full: bool = False) -> list[Case]:
         c = _case(1, "none", "fp32", 2, steps=4, hysteresis=1, suffix="-overflow")
         out.append(c.replace(overflows=(Overflow(step=2, rank=1, micro=0),)))
     return out
+
+
+# The localized overflow's targets (``Overflow.param``): a Muon matrix, and a vector only the auxiliary Adam
+# steps. Poisoning the vector leaves every Muon matrix clean on the skipped step.
+LOCAL_OVERFLOW_TARGETS = {"muon": "layer0.weight", "adam": "layer1.bias"}
+LOCAL_OVERFLOW_STEP = 2  # step 1 applies first, so the momentum a skipped step must leave alone exists
+
+
+def _local_overflow(c: Case, target: str, steps: tuple[int, ...], value: float, suffix: str) -> Case:
+    """``c`` with one parameter's gradient poisoned on rank 1 at the last micro-step of each of ``steps``
+    (a window's later micro-batch, so what the earlier ones accumulated must be thrown away too)."""
+    ovf = tuple(Overflow(step=s, rank=1, micro=c.grad_accum - 1, value=value, param=LOCAL_OVERFLOW_TARGETS[target])
+                for s in steps)
+    return c.replace(name=f"{c.name}-ovfloc-{target}{suffix}", overflows=ovf)
+
+
+def growth_step(c: Case) -> int:
+    """The first step whose scale update grows the fp16 loss scale when nothing overflows: DeepSpeed's
+    scaler rule (``oracles.scale_plan``) with the case's resolved settings."""
+    plan = oracles.scale_plan(step_config(c).loss_scaler, c.steps)
+    grows = [s for s, (used, after, _) in enumerate(plan, 1) if after > used]
+    if not grows:
+        raise ValueError(f"{c.name}: the loss scale never grows in {c.steps} steps")
+    return grows[0]
+
+
+LOCAL_OVERFLOW_PATHS = ((0, "none"),) + tuple(itertools.product(STAGES, OFFLOADS))
+
+
+def local_overflow_cases(full: bool = False) -> list[Case]:
+    """One parameter's gradient overflows (``Overflow.param``) on rank 1 in the second micro-batch of a
+    window of two, while the loss and every other gradient stay finite: the step must be skipped on
+    every rank, every momentum, Adam moment and master left as they were (the clean matrices' too), the
+    fp16 scale moved by DeepSpeed's hysteresis rule, and the next steps applied as if the skipped one had
+    never happened (``oracles.step``). ``hysteresis`` left out (DeepSpeed's documented default, 2: the
+    first overflow only spends hysteresis) and set to 1 (it halves); two overflows in a row; an overflow
+    on the step that would grow the scale. bf16 has no scaler: the non-finite gradient is caught by the
+    gradient test, or only by the invalid norm after Muon ran.
+
+    ``--full``: stage 0 and ZeRO-1/2/3 x offload none/cpu/nvme x fp16/bf16 x target (Muon matrix, Adam
+    vector) x hysteresis (default, 1; fp16), inf and NaN alternating, plus in-a-row and growth-step
+    overflows per path (fp16). CI: 6 cases at two ranks, each about a second here: ZeRO-1/2/3 without
+    offload and ZeRO-2/3 with CPU offload, both targets and dtypes, both hysteresis settings, in a row and
+    on a growth step."""
+    ci = [(1, "none", "fp16", "muon", None, "inf"), (2, "cpu", "fp16", "adam", 1, "nan"),
+          (3, "none", "bf16", "adam", None, "inf"), (2, "none", "bf16", "muon", None, "nan"),
+          (3, "cpu", "fp16", "adam", "row", "inf"), (2, "none", "fp16", "adam", "growth", "inf")]
+    grid = []
+    if full:
+        for i, (st, off) in enumerate(LOCAL_OVERFLOW_PATHS):
+            for j, (dt, target, how) in enumerate(
+                    [("fp16", t, h) for t in LOCAL_OVERFLOW_TARGETS for h in (None, 1, "row", "growth")]
+                    + [("bf16", t, None) for t in LOCAL_OVERFLOW_TARGETS]):
+                grid.append((st, off, dt, target, how, ("inf", "nan")[(i + j) % 2]))
+    return [_local_overflow_case(*combo) for combo in (grid or ci)]
+
+
+def _local_overflow_case(st: int, off: str, dt: str, target: str, how, value: str) -> Case:
+    """One localized-overflow case; ``how``: None (hysteresis left out), 1 (hysteresis 1), "row" (steps
+    2 and 3, hysteresis left out) or "growth" (the growth step, loss-scale window 2)."""
+    v = float(value)
+    kw = {"hysteresis": 1 if how == 1 else None} if dt == "fp16" else {}
+    if how == "growth":
+        c = _case(st, off, dt, 2, grad_accum=2, steps=5, loss_scale_window=2, **kw)
+        return _local_overflow(c, target, (growth_step(c),), v, f"{value}-growth")
+    if how == "row":
+        c = _case(st, off, dt, 2, grad_accum=2, steps=5, **kw)
+        return _local_overflow(c, target, (LOCAL_OVERFLOW_STEP, LOCAL_OVERFLOW_STEP + 1), v, f"{value}-row")
+    c = _case(st, off, dt, 2, grad_accum=2, steps=4, **kw)
+    tag = "" if dt != "fp16" else ("-h1" if how == 1 else "-hdefault")
+    return _local_overflow(c, target, (LOCAL_OVERFLOW_STEP,), v, f"{value}{tag}")
 
 
 def growth_cases(full: bool = False) -> list[Case]:
@@ -970,6 +1043,7 @@ def dpgroup_cases(full: bool = False) -> list[Case]:
 GROUPS = (
     ("sweep", lambda n: n.startswith("sweep-")),
     ("models", lambda n: _is_model_case(n)),
+    ("ovfloc", lambda n: "-ovfloc-" in n),
     ("compiled", lambda n: "-compiled" in n),
     ("knobs", lambda n: "-knob-" in n),
     ("gathers", lambda n: n.endswith("-gather")),
@@ -1018,6 +1092,7 @@ def model_cases(full: bool = False) -> list[Case]:
 
 def gate_cases(full: bool = False) -> list[Case]:
     cases = (base_cases(full) + nvme_cases(full) + inmem_cases(full) + overflow_cases(full)
+             + local_overflow_cases(full)
              + growth_cases(full) + stage0_cases(full) + unmanaged_cases(full) + unused_cases(full)
              + inline_adam_cases(full)
              + groups_cases(full)

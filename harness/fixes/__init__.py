@@ -20,14 +20,15 @@ Engines already built keep working with whatever is installed at the time of eac
 """
 from __future__ import annotations
 
-from harness.fixes import bf16opt, ckpt, muon, scaler, swapin, z0, z3, z12
+from harness.fixes import bf16opt, ckpt, muon, overflow, scaler, swapin, z0, z3, z12
 from harness.fixes._registry import (ACTIVE, EXPECTED_DEEPSPEED, Fix, PatchedRuntimeError, Target, _LOCK, check_version,
                                      install_target, installed_keys, source_hash, uninstall_target, verify)
 
 __all__ = ["apply", "remove", "applied", "fix_names", "fixes_for", "FIXES", "Fix", "PatchedRuntimeError", "describe",
            "EXPECTED_DEEPSPEED", "source_hash"]
 
-_ORDER = z12.FIXES + z3.FIXES + scaler.FIXES + ckpt.FIXES + muon.FIXES + z0.FIXES + bf16opt.FIXES + swapin.FIXES
+_ORDER = (z12.FIXES + z3.FIXES + scaler.FIXES + ckpt.FIXES + muon.FIXES + z0.FIXES + bf16opt.FIXES + swapin.FIXES
+          + overflow.FIXES)
 FIXES: dict[str, Fix] = {f.name: f for f in _ORDER}
 
 

@@ -18,6 +18,15 @@ if no loss scaling were configured. The fix multiplies the loss by the optimizer
 the stock ``backward`` (exactly what ``FP16_UnfusedOptimizer.backward`` would do) and returns the
 stock return value divided by it again (a power of two: exact), so callers see the loss they always saw.
 
+``z0-fp16-hysteresis`` (DSM-026). ``FP16_UnfusedOptimizer._update_scale`` halves the scale on every overflow:
+its ``LossScaleConfig`` keeps no ``delayed_shift``, so ``fp16.hysteresis`` (documented default 2) and
+``consecutive_hysteresis`` are never read. The fix keeps the remaining hysteresis on the optimizer, read
+from the engine's resolved fp16 config (``overflow_checker.deepspeed``): an overflow while more than one is
+left spends one and leaves the scale (the iteration and the last-overflow mark still move, as on any
+overflow); otherwise the stock update runs, and the hysteresis is refilled where DeepSpeed's dynamic scaler
+refills it (on a growth step, or every clean step with ``consecutive_hysteresis``). Not kept in the
+optimizer's state_dict, so a resume starts with full hysteresis.
+
 ``z0-per-head`` (DSM-020). Without ZeRO, ``MuonWithAuxAdam.step`` orthogonalises each 2-D weight itself
 and calls ``muon_update`` without ``num_heads``, so a parameter tagged per-head (``muon_num_heads``, the
 attribute ZeRO-1/2/3's call sites read) gets one whole-matrix Newton-Schulz. The stock step is kept
@@ -35,6 +44,8 @@ from harness.fixes.muon import MODEL_PARAM_ATTR, T_MUON_UPDATE_Z0, T_Z0_STEP, Z0
 
 INIT_STEP = "z0-no-init-step"
 LOSS_SCALE = "z0-fp16-loss-scale"
+HYSTERESIS = "z0-fp16-hysteresis"
+_LEFT = "_dsm_hysteresis_left"  # the hysteresis still to spend, on the optimizer (None: not read yet)
 
 
 def _is_muon(opt) -> bool:
@@ -81,6 +92,35 @@ def make_backward(orig):
     return backward
 
 
+def _hysteresis_left(self, fp16) -> int:
+    left = self.__dict__.get(_LEFT)
+    return int(fp16.hysteresis) if left is None else left
+
+
+def make_update_scale(orig):
+    def _update_scale(self, skip):
+        cfg = self.loss_scale_config
+        engine = getattr(self.overflow_checker, "deepspeed", None)
+        if not (active(HYSTERESIS) and cfg.dynamic_loss_scale and engine is not None):
+            return orig(self, skip)
+        fp16 = engine._config.float16_config  # INTERNAL: the resolved fp16 section (documented defaults)
+        left = _hysteresis_left(self, fp16)
+        if skip and left > 1:
+            self.__dict__[_LEFT] = left - 1
+            cfg.last_overflow_iter = cfg.cur_iter
+            cfg.cur_iter += 1
+            return None
+        before = cfg.cur_scale
+        out = orig(self, skip)
+        if not skip and (fp16.consecutive_hysteresis or cfg.cur_scale > before):
+            self.__dict__[_LEFT] = int(fp16.hysteresis)
+        return out
+
+    return _update_scale
+
+
+T_UPDATE_SCALE = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer._update_scale",
+                        "c60d63655d8a698b", make_update_scale)
 T_INIT_STATES = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer.initialize_optimizer_states",
                        "62fb3a529065019a", make_initialize_optimizer_states)
 T_BACKWARD = Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "99280baf44808c23", make_backward)
@@ -90,6 +130,8 @@ FIXES = (
         targets=(T_INIT_STATES,)),
     Fix(name=LOSS_SCALE, bugs=("DSM-015",),
         targets=(T_BACKWARD,)),
+    Fix(name=HYSTERESIS, bugs=("DSM-026",),
+        targets=(T_UPDATE_SCALE,)),
     Fix(name=Z0_HEADS, bugs=("DSM-020",),
         targets=(T_MUON_UPDATE_Z0, T_Z0_STEP, T_INIT_STATES)),
 )

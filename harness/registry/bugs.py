@@ -160,19 +160,9 @@ def _scale_plan_cached(case_json: str, restart_at):
     from harness.judge.verdict import step_config  # late: keeps this module numpy-free at import
 
     c = Case.from_json(case_json)
-    cfg = step_config(c).loss_scaler
-    poisoned = {o.step for o in c.overflows if not math.isfinite(o.value)}
-    if cfg is None:
-        return tuple((1.0, 1.0, s in poisoned) for s in range(1, c.steps + 1))
-    st = oracles.initial_scaler_state(cfg)
-    out = []
-    for s in range(1, c.steps + 1):
-        if restart_at is not None and s == restart_at + 1:
-            st = oracles.initial_scaler_state(cfg)
-        used = st.scale
-        st = oracles.update_scale(st, s in poisoned, cfg)
-        out.append((float(used), float(st.scale), s in poisoned))
-    return tuple(out)
+    cfg = step_config(c).loss_scaler or oracles.LossScalerConfig.for_model_dtype(c.dtype)  # None: a static 1
+    poisoned = frozenset(o.step for o in c.overflows if not math.isfinite(o.value))
+    return oracles.scale_plan(cfg, c.steps, poisoned, restart_at)
 
 
 def scale_plan(c: Case, restart_at: int | None = None) -> tuple:
@@ -407,8 +397,9 @@ BUGS: tuple[Bug, ...] = (
                 "backoff) old and new gradients are blended with weights skewed by S_new/S_old. Measured "
                 "(fp16 ws2, overflow at step 2, S 256 -> 128): momentum 0.0196 off at step 3 (4.9e6x); "
                 "growth 256 -> 512: 0.029 off at step 4 (3.8e6x).",
-        trigger=lambda c: _fp16_dynamic(c) and c.offload == "none" and _has_muon(c) and not _bf16_optimizer(c)
-        and _momentum_sees_scale_change(c),
+        # not stage 0: FP16_UnfusedOptimizer unscales the gradients before MuonWithAuxAdam steps them
+        trigger=lambda c: _fp16_dynamic(c) and c.offload == "none" and c.stage != 0 and _has_muon(c)
+        and not _bf16_optimizer(c) and _momentum_sees_scale_change(c),
         quantities=WEIGHTS,
         model=lambda c: {"momentum_units": "scaled"},
         where="stage_1_and_2.py get_flat_partition -> muon_update on the scaled gradient; stage3.py "
@@ -818,6 +809,48 @@ BUGS: tuple[Bug, ...] = (
         fix="unused-param-zero-grad",
         fix_covers=lambda c: c.offload != "nvme",  # harness/fixes/stale.py: why NVMe is left alone
         reproducer="python -m harness gate --only skiplayer",
+    ),
+    Bug(
+        id="DSM-025",
+        releases=measured(yes="0.19.8"),
+        title="ZeRO-3 bf16: a non-finite gradient reaches Muon, whose momentum advances on the skipped step",
+        symptom="bf16.check_grad_overflow (documented default true) promises a non-finite gradient is "
+                "detected before the optimizer step and the step skipped. ZeRO-3 tests the raw gradients "
+                "for fp16 only, so in bf16 Muon runs on the step first: the momentum of every matrix whose "
+                "gradient is finite advances (muon_update keeps a poisoned matrix's own), and only the "
+                "invalid-norm test skips the step. Measured (z3-none-bf16-ws2-ga2-ovfloc-adaminf, one Adam "
+                "vector's gradient inf on rank 1, micro-step 1 of step 2): the clean layer1.weight momentum "
+                "0.0393 where it must stay 0.0187 (all 21 elements), layer0.weight all 30; weights and Adam "
+                "state unchanged, as on a correct skip. ZeRO-1/2 (given the setting) skip before Muon.",
+        # an overflow everywhere leaves no matrix for Muon to advance (muon_update keeps a poisoned one's)
+        trigger=lambda c: c.stage == 3 and c.dtype == "bf16" and _has_muon(c) and c.overflow_leaves_muon_clean,
+        quantities=WEIGHTS | frozenset({"skipped"}),
+        model=lambda c: {"skip_on_nonfinite": "fp16_only", "momentum_committed_on_invalid_norm": True},
+        where="stage3.py _overflow_check_and_loss_scale_update (check_overflow only when self.dtype is "
+              "float16; engine.py _configure_zero_optimizer passes check_grad_overflow to ZeRO-1/2 only), then "
+              "step: _apply_muon_to_accumulated_grads writes the momentum before is_invalid_grad_norm skips",
+        fix="z3-bf16-gradient-overflow-check",
+        reproducer="python -m harness gate --only z3-none-bf16-ws2-ga2-ovfloc-adaminf",
+    ),
+    Bug(
+        id="DSM-026",
+        releases=measured(yes="0.19.8"),
+        title="fp16 without ZeRO ignores hysteresis: every overflow halves the loss scale",
+        symptom="fp16.hysteresis (documented default 2) lets a first overflow skip the step without halving "
+                "the scale. Without ZeRO the engine wraps Muon in FP16_UnfusedOptimizer, whose loss-scale "
+                "config keeps no hysteresis, so every overflow halves the scale (consecutive_hysteresis is "
+                "not read either). Measured (z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault, hysteresis left "
+                "out, one overflow at step 2): scale 128 after step 2 where it must stay 256, and with "
+                "DSM-015's unscaled backward the reported norm of step 3 halves (222 against 444). ZeRO-1/2/3 "
+                "honour it (DynamicLossScaler).",
+        trigger=lambda c: (c.stage == 0 and _fp16_dynamic(c) and c.ds.fp16.hysteresis > 1
+                           and any(not math.isfinite(o.value) for o in c.overflows)),
+        quantities=WEIGHTS | SCALER | frozenset({"grad"}),
+        model=lambda c: {"loss_scaler_hysteresis": 1},
+        where="fp16/loss_scaler.py LossScaleConfig (no delayed_shift kept from dynamic_loss_args); "
+              "fp16/unfused_optimizer.py _update_scale (halves on every skip)",
+        fix="z0-fp16-hysteresis",
+        reproducer="python -m harness gate --only z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault",
     ),
 )
 

@@ -991,7 +991,41 @@ def _install_dp_average_over_world():
     return _setattr(DeepSpeedEngine, "backward", backward)[1]
 
 
+def _install_momentum_committed_on_skip():
+    """ZeRO-1/2 without offload run Muon inside the boundary backward into a staged copy of each Muon group's
+    momentum and commit it in ``step()`` only when the step survives (``_commit_muon_momentum``). The mutant
+    commits, on a skipped step too, every group whose staged momentum is finite: a commit guarded by the
+    momentum's own finiteness instead of the step's overflow flag. ``muon_update`` keeps the momentum of a
+    matrix whose gradient is non-finite, so every staged group is finite; on a step poisoned everywhere it
+    also equals the committed one, and only an overflow in one place (``Overflow.param``) shows the commit."""
+    Z12, _, _ = _ds_classes()
+    cur = Z12.__dict__["step"]
+
+    def step(self, *args, **kwargs):
+        out = cur(self, *args, **kwargs)
+        if self.overflow and not self.cpu_offload:
+            for staged, flat in getattr(self, "_muon_pending_momentum", {}).values():
+                if bool(torch.isfinite(staged).all()):
+                    self.optimizer.state[flat]["momentum_buffer"].copy_(staged)
+        return out
+
+    return _setattr(Z12, "step", step)[1]
+
+
+def _z12_clean_matrix_on_skip(c: Case) -> bool:
+    """ZeRO-1/2 without offload (where the momentum is staged and committed) with a skipped step that leaves a
+    Muon matrix's gradient finite: its staged momentum advanced, which a commit on the skip keeps."""
+    return (c.stage in (1, 2) and c.offload == "none" and c.runs_muon and not _bf16_route(c)
+            and c.overflow_leaves_muon_clean)
+
+
 MUTANTS.update({m.name: m for m in (
+    Mutant("momentum-committed-on-skip",
+           "ZeRO-1/2 (no offload): on a skipped step, the staged Muon momentum of every group whose momentum "
+           "is finite is committed anyway, so a clean matrix's momentum advances on a step that was discarded.",
+           _install_momentum_committed_on_skip,
+           _z12_clean_matrix_on_skip,
+           "plausible: the commit tested per group (its momentum finite) instead of the step's overflow"),
     Mutant("dp-average-over-world",
            "The data-parallel gradient average divides by the world size, not by the data-parallel "
            "group's size (a data-parallel group smaller than the world averages too little).",

@@ -26,6 +26,7 @@ from harness.catalog.matrix import knob_cases
 from harness.catalog.matrix import gather_cases
 from harness.catalog.matrix import dpgroup_cases
 from harness.catalog.matrix import compiled_cases
+from harness.catalog.matrix import local_overflow_cases
 from harness.catalog.models import kill_cases as model_kill_cases
 from harness.launch.pool import PoolManager
 from harness.catalog.matrix import gate_cases
@@ -80,6 +81,13 @@ def _compiled_kill_case() -> Case:
     return next(c for c in compiled_cases() if c.name == "z1-none-fp32-ws2-compiled-hpns")
 
 
+def _local_overflow_kill_case() -> Case:
+    """ZeRO-2 with one Adam vector's gradient overflowing on the would-be growth step
+    (harness.catalog.matrix.local_overflow_cases): a skipped step that still holds clean Muon momentum."""
+
+    return next(c for c in local_overflow_cases() if c.name == "z2-none-fp16-ws2-ga2-ovfloc-adaminf-growth")
+
+
 def default_kill_cases() -> list[Case]:
     """Small cases (world size 1-2, and the model-parallel case at 4) that together kill every mutant."""
     from harness.case.scenarios import TINY_PARAMS, pipeline_case
@@ -101,6 +109,7 @@ def default_kill_cases() -> list[Case]:
         _gather_kill_case(),
         _dpgroup_kill_case(),
         _compiled_kill_case(),
+        _local_overflow_kill_case(),
     ]
     out = []
     for c in cases:
