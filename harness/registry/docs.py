@@ -87,7 +87,8 @@ def fix_text(b: Bug) -> str:
 
 def bug_section(b: Bug) -> str:
     rows = [("releases", releases_text(b)), ("trigger", _code_text(b.trigger)), ("symptom", b.symptom),
-            ("diverges in", ", ".join(sorted(b.quantities))), ("where", b.where), ("modelled", modelled_text(b)),
+            ("diverges in", ", ".join(sorted(b.quantities))), ("where", b.where),
+            ("modelled", modelled_text(b) + (f": {b.unmodelled}" if b.unmodelled else "")),
             ("fix", fix_text(b)), ("reproducer", f"`{b.reproducer}`" if b.reproducer else "none")]
     if b.crash is not None:
         rows.insert(4, ("crash", "; ".join(f"{t} \"{m}\" in `{f}`" for t, m, f in (b.crash, *b.crash_also))))
