@@ -7,6 +7,7 @@ import hoisted to a module top fails here on any machine, however fast.
 from __future__ import annotations
 
 import argparse
+import signal
 import json
 import subprocess
 import sys
@@ -164,12 +165,17 @@ def test_the_cuda_refusal_of_gpu_is_its_listed_code_2(capsys):
 
 
 def test_every_listed_exit_code_of_a_handler_is_one_it_returns():
-    """The codes each subcommand lists are exactly 0, 1, 2 (and check's 3): a listed code no handler
-    returns, or a handler's code that is not listed, fails here."""
+    """The codes each subcommand lists are exactly 0, 1, 2, check's 3 and 4, the incomplete folder's 4
+    of gate and report, and 130/143 of a stopped command (every one but report, which starts no
+    process): a listed code no handler returns, or a handler's code that is not listed, fails here."""
     from harness.cli import check
+    from harness.launch.lifecycle import Interrupted
 
+    stopped = {Interrupted(signal.SIGINT).exit_code, Interrupted(signal.SIGTERM).exit_code}
     for name, sp in subcommands().items():
-        want = {0, 1, 2} | ({check.EXIT_RUN_FAILED} if name == "check" else set())
+        want = {0, 1, 2} | ({check.EXIT_RUN_FAILED, check.EXIT_CANNOT_JUDGE} if name == "check" else set())
+        want |= {4} if name in ("gate", "report") else set()
+        want |= set() if name == "report" else stopped
         assert set(listed_codes(sp)) == want, (name, listed_codes(sp))
         if name != "check":
             assert "raised an exception" in listed_codes(sp)[1], name  # Python's exit 1 for an uncaught one

@@ -465,10 +465,11 @@ def ds_config(
         cfg["aio"] = {"block_size": 131072, "queue_depth": 8, "intra_op_parallelism": 1,
                       "single_submit": False, "overlap_events": True}
     if dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": initial_scale_power,
-                       "loss_scale_window": loss_scale_window, "min_loss_scale": 1}
-        if hysteresis is not None:
-            cfg["fp16"]["hysteresis"] = hysteresis
+        fp16 = {"enabled": True, "initial_scale_power": initial_scale_power,
+                "loss_scale_window": loss_scale_window, "min_loss_scale": 1}
+        if hysteresis is not None:  # left out: DeepSpeed's documented default applies
+            fp16["hysteresis"] = hysteresis
+        cfg["fp16"] = fp16
     elif dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return canonical_json(cfg)

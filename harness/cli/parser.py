@@ -25,9 +25,15 @@ BENCH_CASES, BENCH_QUICK_CASES = 3, 1  # bench: a fresh-interpreter case costs u
 BENCH_FRESH_TARGET, BENCH_BARE_TARGET = 10.0, 1.3
 
 
-def _epilog(codes: tuple[str, ...], raised: bool = True) -> str:
+STOPPED = ("130  stopped by SIGINT (Ctrl-C): what was judged is kept, nothing of the run is left running",
+           "143  stopped by SIGTERM: the same")
+
+
+def _epilog(codes: tuple[str, ...], raised: bool = True, stoppable: bool = True) -> str:
     """The exit codes, one a line; argparse's own usage errors exit 2 too, so code 2 says so, and an
-    uncaught exception exits 1, so code 1 says so (``raised``)."""
+    uncaught exception exits 1, so code 1 says so (``raised``); every command that starts processes
+    can be stopped (``harness.launch.lifecycle``), which ``stoppable`` lists."""
+    codes = codes + (STOPPED if stoppable else ())
     if raised:
         codes = tuple(c + f"; {RAISED}" if c.startswith("1 ") else c for c in codes)
     if any(c.startswith("2 ") for c in codes):
@@ -40,7 +46,7 @@ def _epilog(codes: tuple[str, ...], raised: bool = True) -> str:
 
 def _sub(sub, name: str, help: str, codes: tuple[str, ...], description: str | None = None, raised: bool = True):
     text = description or textwrap.fill(help[:1].upper() + help[1:] + ".", WIDTH)
-    return sub.add_parser(name, help=help, description=text, epilog=_epilog(codes, raised),
+    return sub.add_parser(name, help=help, description=text, epilog=_epilog(codes, raised, name != "report"),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
@@ -62,8 +68,7 @@ def _gate(sub) -> None:
         "mutation self-check failed, or a --jobs shard exited non-zero",
         "2  bad input: --shard not K/N, --jobs below 1 or with --shard, an --only that matches no case, --resume of "
         "a folder with no run plan",
-        "4  the results folder is incomplete (planned case-columns not judged; finish with --resume)",
-        "130/143  stopped by SIGINT (Ctrl-C) / SIGTERM: what was judged is kept, a summary printed"))
+        "4  the results folder is incomplete (planned case-columns not judged; finish with --resume)"))
     g.add_argument("--report", default="reports/gate.html",
                    help="the HTML report (default %(default)s); the results go to a folder next to it, <stem>-results")
     g.add_argument("--full", action="store_true", help="the whole product instead of the CI covering subset")
