@@ -107,3 +107,18 @@ def test_a_folder_missing_planned_case_columns_is_incomplete_never_pass(tmp_path
     results.finish_plan(root, "gate-resume1", selfchecks_done=["patched"], interrupted=None)
     assert results.completeness(root).complete
     assert report_verdict(root) == (True, [])
+
+
+def test_a_command_run_inside_a_process_spares_the_children_it_already_had(tmp_path, monkeypatch):
+    """``main`` called in a process that already has children (a pytest worker's rank pools): the scope's
+    reaper ends only what the command started."""
+    monkeypatch.setenv("MUON_HARNESS_SCRATCH_BASE", str(tmp_path))
+    older = subprocess.Popen(["sleep", "60"])
+    try:
+        with lifecycle.command_scope():
+            newer = subprocess.Popen(["sleep", "60"])
+            time.sleep(1.5)  # recorded by the reaper
+        newer.wait(timeout=10)  # ended by the reaper
+        assert older.poll() is None
+    finally:
+        older.kill()

@@ -166,6 +166,10 @@ def reap(run_id: str, scratch: Path, owner: int, watch) -> None:
     import select  # late: only the reaper process needs it
 
     seen: dict[int, int] = {}
+    try:  # the owner's children from before the command (a pytest worker's rank pools) are not the run's
+        before = {int(k): v for k, v in json.loads((scratch / "before").read_text()).items()}
+    except (OSError, ValueError):
+        before = {}
     owner_started = start_time(owner)
     while owner_started is not None and start_time(owner) == owner_started:
         ready, _, _ = select.select([watch], [], [], SNAPSHOT_EVERY_S)
@@ -175,7 +179,7 @@ def reap(run_id: str, scratch: Path, owner: int, watch) -> None:
     seen.update(_identities(descendants(owner)))
     seen.update(_identities(marked(run_id)))
     seen.pop(os.getpid(), None)
-    end_processes(seen)
+    end_processes({p: t for p, t in seen.items() if before.get(p) != t})
     shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -226,6 +230,7 @@ def command_scope():
     marker = "/".join(filter(None, [os.environ.get(RUN_MARKER), run_id]))
     scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{run_id}-", dir=base))
     (scratch / "owner").write_text(json.dumps({"pid": os.getpid(), "start": start_time(os.getpid())}))
+    (scratch / "before").write_text(json.dumps(_identities(descendants(os.getpid()))))
     saved_env = {k: os.environ.get(k) for k in (RUN_MARKER, "TMPDIR")}
     saved_tmp, saved_handlers = tempfile.tempdir, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     read_end, write_end = os.pipe()
