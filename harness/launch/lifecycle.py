@@ -96,12 +96,10 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def marked(run_id: str) -> list[int]:
-    """Live processes whose exec environment carries this run's id. The marker is the path of run ids
-    from the outermost command down (``<gate>/<shard>``): a shard's reaper ends its own processes, never
-    a sibling shard's, and the outer command's reaper ends them all."""
-    prefix = f"{RUN_MARKER}=".encode()
-    found = []
+def env_values(name: str):
+    """(pid, value) of ``name`` in the exec environment of every live process but this one: the one scan
+    of /proc environments (this run's marker, the torchrun launcher's)."""
+    prefix = f"{name}=".encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -110,9 +108,15 @@ def marked(run_id: str) -> list[int]:
                 values = [kv[len(prefix):] for kv in f.read().split(b"\0") if kv.startswith(prefix)]
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if values and run_id.encode() in values[0].split(b"/") and start_time(int(entry)) is not None:
-            found.append(int(entry))
-    return found
+        if values and start_time(int(entry)) is not None:
+            yield int(entry), values[0].decode(errors="replace")
+
+
+def marked(run_id: str) -> list[int]:
+    """Live processes whose exec environment carries this run's id. The marker is the path of run ids
+    from the outermost command down (``<gate>/<shard>``): a shard's reaper ends its own processes, never
+    a sibling shard's, and the outer command's reaper ends them all."""
+    return [pid for pid, value in env_values(RUN_MARKER) if run_id in value.split("/")]
 
 
 def survivors(run_id: str, *, group: int | None = None, parent: int | None = None) -> list[int]:

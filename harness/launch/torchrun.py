@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.env import buildenv
+from harness.launch import lifecycle
 from harness.rank.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case.spec import Case
 from harness.launch.launcher import DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed
@@ -348,22 +349,7 @@ def torchrun_command(case_file, out, nproc: int, *, accelerator: str = "cpu", lo
 
 def marked_processes(uid: str) -> list[int]:
     """PIDs (not zombies) whose environment carries ``MUON_HARNESS_TORCHRUN=uid``."""
-    key = f"{MARKER}={uid}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if key not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except (FileNotFoundError, PermissionError, ProcessLookupError, IndexError):
-            continue
-        found.append(int(entry))
-    return found
+    return [pid for pid, value in lifecycle.env_values(MARKER) if value == uid]
 
 
 def _kill(proc: subprocess.Popen, uid: str) -> None:
