@@ -3,6 +3,7 @@
 #   bash scripts/run.sh main   install everything, then run the gate (CI subset; --full for all) and write reports/gate.html
 #   bash scripts/run.sh test   install everything, then run the test suite (what .ci/run does)
 #   bash scripts/run.sh mutation [--sample N --seed S]   source mutation of DeepSpeed's Muon code
+#   bash scripts/run.sh compare --base A --head B [args]   judge a DeepSpeed change (docs/compare.md)
 # Extra arguments after the subcommand go to the harness CLI (main) or to pytest (test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,5 +75,6 @@ case "$what" in
     exec .venv/bin/python -m pytest -n 2 "$@" ;;
   report) exec .venv/bin/python -m harness report "$@" ;;  # merge shards' results (docs/sharding.md)
   mutation) exec .venv/bin/python -m harness mutate --engine cosmic-ray "$@" ;;  # docs/mutation.md
-  *) echo "usage: bash scripts/run.sh main|test|report|mutation [args]" >&2; exit 2 ;;
+  compare) exec .venv/bin/python -m harness compare "$@" ;;  # each side's venv is set up by the command
+  *) echo "usage: bash scripts/run.sh main|test|report|mutation|compare [args]" >&2; exit 2 ;;
 esac

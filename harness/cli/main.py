@@ -122,8 +122,21 @@ def _check(args: argparse.Namespace) -> int:
     return run_check(args)
 
 
-HANDLERS = {"gate": _gate, "run": _run, "report": _report, "bench": _bench, "mutate": _mutate, "gpu": _gpu,
-            "check": _check}
+def _compare(args: argparse.Namespace) -> int:
+    from harness.cli import compare  # late: the report's loader reaches numpy
+
+    try:
+        if args.merge:
+            return compare.merge([Path(p) for p in args.merge], Path(args.out))
+        if not (args.base and args.head):
+            return _error("compare: give --base and --head (or --merge DIR...)")
+        return compare.run(args.base, args.head, Path(args.out), compare.gate_args_of(args))
+    except (compare.CompareInputError, ValueError) as exc:
+        return _error(str(exc))
+
+
+HANDLERS = {"gate": _gate, "run": _run, "compare": _compare, "report": _report, "bench": _bench, "mutate": _mutate,
+            "gpu": _gpu, "check": _check}
 
 
 def main(argv=None) -> int:

@@ -422,6 +422,7 @@ def run_single(case: Case, report: str | None = None) -> int:
     """The reproducer: rerun exactly one case on every column it can run in; print the verdict."""
     manager = PoolManager()
     worst = 0
+    print(versions.banner())  # which DeepSpeed this rerun judged: a case may behave otherwise on another tree
     try:
         for col in (["patched"] if case.patched else ["stock"]):
             o = evaluate(case, col, manager)

@@ -96,6 +96,29 @@ def _gate(sub) -> None:
     g.add_argument("--append", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: the parent made DIR
 
 
+def _compare(sub) -> None:
+    c = _sub(sub, "compare", "judge a DeepSpeed change: the same gate on a base and a head tree, case by case", (
+        "0  nothing regressed (every case-column unchanged, fixed, still present, changed, not on both, or cannot "
+        "judge: summary.md lists each)",
+        "1  a case-column that passed on base fails on head (a regression)",
+        "2  bad input: a side that is no release, source checkout, REPO@COMMIT or 'installed'; --shard not K/N; "
+        "--merge of a folder that is no compare output, or of shards that compared different trees",
+        "4  a side's gate was incomplete (its exit code is passed on)"))
+    c.add_argument("--base", help="the tree before the change: a release (0.19.7), a source checkout's folder, "
+                                  "REPO@COMMIT, or 'installed'")
+    c.add_argument("--head", help="the tree after the change (the same forms)")
+    c.add_argument("--out", default="reports/compare", help="the output folder: base-results/, head-results/, "
+                                                            "summary.md, compare.html (default %(default)s)")
+    c.add_argument("--full", action="store_true", help="the whole product instead of the CI covering subset")
+    c.add_argument("--only", default=None, help="substring filter on case names")
+    c.add_argument("--seed", type=int, default=0, help="the seed of every case's data and model (default 0)")
+    c.add_argument("--shard", default=None, metavar="K/N",
+                   help="only shard K of N (the same cases on both trees); join the N outputs with --merge")
+    c.add_argument("--jobs", type=int, default=1, metavar="N", help="each side's gate as N local shards")
+    c.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="instead of running: join the --out folders of --shard runs into --out and classify")
+
+
 def _run(sub) -> None:
     r = _sub(sub, "run", "rerun one case given as JSON (what divergence messages print)", (
         "0  passed, or failed as a known bug predicts",
@@ -281,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog=TOP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                             help="the subcommand; python -m harness COMMAND --help gives its options and exit codes")
-    for add in (_gate, _run, _bench, _report, _mutate, _gpu, _check):
+    for add in (_gate, _run, _compare, _bench, _report, _mutate, _gpu, _check):
         add(sub)
     return ap
 

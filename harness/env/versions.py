@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from harness.case import dsconfig
 import importlib.util
+
+from harness.case import dsconfig
+from harness.env import tree
 
 # Releases the harness was run on (PyPI sdists); README "DeepSpeed versions" gives each one's result.
 RELEASES = ("0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.19.3", "0.19.4", "0.19.5", "0.19.6", "0.19.7", "0.19.8")
@@ -118,7 +120,8 @@ def in_range(version: str, lo: str | None = None, hi: str | None = None) -> bool
 
 
 # ------------------------------------------------------------------------------------------------
-# what each release accepts: config adaptation and refusals by design
+# what the tree under test accepts: config adaptation and refusals by design, each decided by a probe of
+# the tree's source (``harness.env.tree``), never by its version string
 
 
 def _zero(cfg: dict) -> dsconfig.Zero:
@@ -131,28 +134,27 @@ def _offloads_optimizer(cfg: dict) -> bool:
 
 @dataclass(frozen=True)
 class ConfigRule:
-    """A config change one version range needs for a case to mean what it means on 0.19.8.
+    """A config change a tree needs for a case to mean what it means on 0.19.8.
 
-    ``applies(case, cfg)`` -> bool; ``change(cfg)`` edits the parsed config in place. Only rules that do
-    not change the mathematics are allowed here (the oracle is version-independent)."""
+    ``on(caps)``: the tree needs it (``tree.Capabilities``); ``applies(case, cfg)`` -> bool; ``change(cfg)``
+    edits the parsed config in place. Only rules that do not change the mathematics are allowed here (the
+    oracle is the same for every tree)."""
 
     name: str
-    lo: str | None
-    hi: str | None
     why: str
+    on: object
     applies: object
     change: object
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """A combination a version range refuses by design (raises, or has no such feature): the case is
-    deselected on those releases, showing ``reason`` (the release's own words where it has them)."""
+    """A combination a tree refuses by design (raises, or has no such feature): ``on(caps, case)`` says the
+    tree lacks it; the case is deselected there, showing ``reason`` (the tree's own words where it has them)."""
 
     name: str
-    lo: str | None
-    hi: str | None
     reason: str
+    on: object
     applies: object
 
 
@@ -162,39 +164,25 @@ def _set_reduce_scatter_off(cfg: dict) -> None:
 
 CONFIG_RULES: tuple[ConfigRule, ...] = (
     # 0.19.3-0.19.7 stage_1_and_2.py (0.19.7: lines 244-246) raise "Muon with reduce scatter does not support
-    # optimizer offload because offload retains only partition slices; disable reduce scatter or optimizer
-    # offload". The
-    # harness's ZeRO-1/2 offload configs leave reduce_scatter at its default (True); reduce_scatter only
-    # picks the collective that averages the gradient, so turning it off keeps the case's mathematics.
-    ConfigRule("z12-offload-reduce-scatter-off", "0.19.3", "0.19.8",
-               "this release refuses Muon with reduce_scatter and optimizer offload on ZeRO-1/2",
+    # optimizer offload ...". reduce_scatter only picks the collective that averages the gradient, so turning
+    # it off keeps the case's mathematics.
+    ConfigRule("z12-offload-reduce-scatter-off",
+               "this tree refuses Muon with reduce_scatter and optimizer offload on ZeRO-1/2",
+               lambda k: k["refuses_reduce_scatter_with_offload"],
                lambda c, cfg: _zero(cfg).stage in (1, 2) and _offloads_optimizer(cfg)
                and _zero(cfg).reduce_scatter and c.runs_muon,
                _set_reduce_scatter_off),
-    # Before 0.19.0 Muon has no ns_method (0.18.9 original_muon.py:66 muon_update(grad, momentum, beta,
-    # ns_steps, nesterov): always the standard quintic); cases that ask for "standard" mean exactly that.
-    ConfigRule("drop-ns-method-key", None, "0.19.0",
-               "this release has no ns_method option (standard Newton-Schulz only)",
+    # A muon_update without ns_method (0.18.9 original_muon.py:66) always runs the standard quintic; cases
+    # that ask for "standard" mean exactly that.
+    ConfigRule("drop-ns-method-key", "this tree has no ns_method option (standard Newton-Schulz only)",
+               lambda k: "ns_method" not in k["muon_update_params"],
                lambda c, cfg: "ns_method" in dsconfig.resolve(cfg).optimizer.params,
                lambda cfg: cfg["optimizer"]["params"].pop("ns_method")),
 )
 
 
-def has_ns_method(version: str | None = None) -> bool:
-    """Whether Muon takes an ``ns_method`` (from 0.19.0; 0.18.9's muon_update has no such argument)."""
-    return in_range(version or installed().version, "0.19.0", None)
-
-
-def default_ns_method(version: str | None = None) -> str:
-    """The Newton-Schulz method a Muon group without ``ns_method`` runs: "gram" from 0.19.0 (0.19.7
-    original_muon.py muon_update's ``ns_method="gram"``), the standard quintic before (0.18.9 has no other).
-    Judging a 0.18.9 run against gram's fp16 allowance instead held its bf16 standard Newton-Schulz to an
-    8x tighter bound (measured by 84925e7: 1.01-1.06x "over")."""
-    return "gram" if has_ns_method(version) else "standard"
-
-
 def _ns_methods(case, cfg: dict, default: str) -> set:
-    ds = dsconfig.resolve(cfg)  # the config's own choice; ``default`` is the release's being asked about
+    ds = dsconfig.resolve(cfg)  # the config's own choice; ``default`` is the tree's
     if ds.given("optimizer.muon.ns_method"):
         default = ds.optimizer.muon.ns_method
     return {default} | {g.ns_method for g in case.groups if g.ns_method}
@@ -212,60 +200,65 @@ def _passes_group_dicts(case) -> bool:
     return bool(case.groups) or bool(case.model) and _model_declares_groups(case.model, case.seed)
 
 
+# zero_optimization keys the harness sets that older trees' DeepSpeedZeroConfig forbids (pydantic
+# extra_forbidden at initialize: measured, 0.19.6 z2-none-fp16-ws2-nonorm-overflow)
+NEWER_ZERO_KEYS = ("compute_grad_norm", "parameter_alignment", "save_muon_momentum_buffer_in_memory")
+
+
+def _missing_zero_keys(k, cfg: dict) -> list[str]:
+    ds = dsconfig.resolve(cfg)
+    return [key for key in NEWER_ZERO_KEYS if ds.given(f"zero_optimization.{key}")
+            and key not in k["zero_config_fields"]]
+
+
 REFUSALS: tuple[Refusal, ...] = (
     # 0.18.9-0.19.1 engine.py _configure_basic_optimizer (0.18.9: lines 1748-1753) read ``p.use_muon`` of
-    # every item of model_parameters: a param-group dict raises AttributeError "'dict' object has no attribute
-    # 'use_muon'". 0.19.2 flattens the dicts (DSM-104), 0.19.7 splits each group.
-    Refusal("param-group-dicts-with-muon", None, "0.19.2",
-            "this release's Muon takes a flat parameter list: param-group dicts raise AttributeError "
+    # every item of model_parameters: a param-group dict raises AttributeError.
+    Refusal("param-group-dicts-with-muon",
+            "this tree's Muon takes a flat parameter list: param-group dicts raise AttributeError "
             "\"'dict' object has no attribute 'use_muon'\" (engine.py _configure_basic_optimizer)",
+            lambda k, c: not k["takes_group_dicts"],
             lambda c, cfg: c.runs_muon and _passes_group_dicts(c)),
-    Refusal("per-head-muon", None, "0.19.8",
-            "per-head Muon (a parameter's muon_num_heads) reached muon_update in 0.19.8; this release "
-            "orthogonalizes the whole matrix",
-            lambda c, cfg: any(p.num_heads for p in c.params)),
-    # 0.19.7 engine.py:2334/2371 _check_muon_can_reach_its_parameters raises ZeRORuntimeException "Muon cannot
-    # be used with the BF16_Optimizer, which this configuration selects ..." (only 0.19.7 has the check).
-    Refusal("bf16-optimizer-route", "0.19.7", "0.19.8",
+    Refusal("per-head-muon", "per-head Muon (a parameter's muon_num_heads): this tree's muon_update orthogonalizes the "
+            "whole matrix (no usable num_heads)",
+            lambda k, c: not k["per_head_muon"], lambda c, cfg: any(p.num_heads for p in c.params)),
+    # 0.19.7 engine.py:2334/2371 _check_muon_can_reach_its_parameters raises ZeRORuntimeException.
+    Refusal("bf16-optimizer-route",
             "Muon cannot be used with the BF16_Optimizer, which this configuration selects: bf16 with "
-            "grad_accum_dtype fp32 at ZeRO stage 1 (the release's own ZeRORuntimeException)",
+            "grad_accum_dtype fp32 at ZeRO stage 1 (the tree's own ZeRORuntimeException)",
+            lambda k, c: k["refuses_bf16_optimizer_route"],
             lambda c, cfg: c.runs_muon and dsconfig.resolve(cfg).bf16_optimizer_route),
-    # 0.19.8 original_muon.py looks the Newton-Schulz compute dtype up through ``ns_compute_dtype`` at call
-    # time, the hook the high-precision-NS mode (``Case.ns_dtype``, ``-compiled-hpns``) replaces; 0.18.9-0.19.7
-    # pick it inline from the accelerator (0.19.7 original_muon.py:50 bf16 / :90 fp16, else fp32), so float64
-    # Newton-Schulz cannot be asked for there without editing DeepSpeed.
-    Refusal("ns-compute-dtype-hook", None, "0.19.8",
-            "this release picks the Newton-Schulz compute dtype inline (original_muon.py zeropower_via_*: bf16/fp16 "
-            "where the accelerator supports it); there is no ns_compute_dtype to force float64 through",
-            lambda c, cfg: c.ns_dtype is not None),
-    # The Muon all-gather cache (``Case.allgather_caps`` sets its byte limits, harness.rank.gather_cache checks it)
-    # is 0.19.8's (stage_1_and_2.py:408-411 _muon_allgather_*); 0.18.9-0.19.7 have none to cap or check.
-    Refusal("muon-allgather-cache", None, "0.19.8",
-            "this release has no Muon all-gather cache (stage_1_and_2.py _muon_allgather_buffers arrived in 0.19.8)",
+    # The high-precision-NS mode (``Case.ns_dtype``) replaces the ``ns_compute_dtype`` hook (0.19.8);
+    # without it the dtype is picked inline and float64 cannot be asked for without editing DeepSpeed.
+    Refusal("ns-compute-dtype-hook",
+            "this tree picks the Newton-Schulz compute dtype inline (original_muon.py zeropower_via_*); there is "
+            "no ns_compute_dtype to force float64 through",
+            lambda k, c: not k["ns_compute_dtype_hook"], lambda c, cfg: c.ns_dtype is not None),
+    # The Muon all-gather cache (``Case.allgather_caps``, checked by harness.rank.gather_cache).
+    Refusal("muon-allgather-cache", "this tree's ZeRO optimizer keeps no Muon all-gather cache "
+            "(_muon_allgather_buffers)",
+            lambda k, c: not k["muon_allgather_cache(z3)" if c.stage == 3 else "muon_allgather_cache(z12)"],
             lambda c, cfg: c.allgather_caps is not None),
-    # zero_optimization.compute_grad_norm (skip the norm when there is no clipping) arrived in 0.19.7 (its
-    # runtime/zero/config.py); 0.18.9-0.19.6's DeepSpeedZeroConfig forbids unknown keys (pydantic
-    # extra_forbidden at initialize: measured, 0.19.6 z2-none-fp16-ws2-nonorm-overflow).
-    Refusal("compute-grad-norm-key", None, "0.19.7",
-            "this release has no zero_optimization.compute_grad_norm option (its DeepSpeedZeroConfig rejects the key)",
-            lambda c, cfg: dsconfig.resolve(cfg).given("zero_optimization.compute_grad_norm")),
-    # managed_gradient_accumulation (runtime/constants.py, engine.py) arrived in 0.19.4; an older engine ignores
-    # the key and keeps counting micro-steps, so the once-a-window step() of an unmanaged case would never
-    # reach its boundary (matrix.unmanaged_cases).
-    Refusal("unmanaged-gradient-accumulation", None, "0.19.4",
-            "this release has no managed_gradient_accumulation option (the client-owned accumulation "
-            "boundary arrived in 0.19.4)",
+    Refusal("zero-config-key", "this tree's DeepSpeedZeroConfig has no such field (it rejects the key)",
+            lambda k, c: bool(_missing_zero_keys(k, json.loads(c.ds_config))),
+            lambda c, cfg: True),
+    # Without managed_gradient_accumulation an engine keeps counting micro-steps, so the once-a-window step()
+    # of an unmanaged case would never reach its boundary (matrix.unmanaged_cases).
+    Refusal("unmanaged-gradient-accumulation",
+            "this tree has no managed_gradient_accumulation option (the client-owned accumulation boundary)",
+            lambda k, c: not k["managed_gradient_accumulation"],
             lambda c, cfg: dsconfig.resolve(cfg).managed_gradient_accumulation is False),
-    # 0.19.4's engine.py _do_sanity_check (:1653) asserts "managed_gradient_accumulation=False is not supported
-    # with ZeRO optimizer state offload" (measured); 0.19.5 lifted it.
-    Refusal("unmanaged-with-offload", "0.19.4", "0.19.5",
-            "managed_gradient_accumulation false with optimizer offload is refused by this release's own "
+    # 0.19.4's engine.py _do_sanity_check (:1653) asserts it (measured); 0.19.5 lifted it.
+    Refusal("unmanaged-with-offload",
+            "managed_gradient_accumulation false with optimizer offload is refused by this tree's own "
             "sanity check (engine.py _do_sanity_check)",
+            lambda k, c: k["refuses_unmanaged_with_offload"],
             lambda c, cfg: dsconfig.resolve(cfg).managed_gradient_accumulation is False
             and _offloads_optimizer(cfg)),
-    Refusal("gram-newton-schulz", None, "0.19.0",
-            "Gram Newton-Schulz (ns_method 'gram') arrived in 0.19.0; this release runs the standard quintic only",
-            lambda c, cfg: c.runs_muon and "gram" in _ns_methods(c, cfg, default_ns_method("0.18.9"))),
+    Refusal("gram-newton-schulz", "this tree has no Gram Newton-Schulz (ns_method 'gram'); it runs the standard "
+            "quintic only",
+            lambda k, c: "gram" not in k["ns_methods"],
+            lambda c, cfg: c.runs_muon and "gram" in _ns_methods(c, cfg, "standard")),
 )
 
 
@@ -273,28 +266,38 @@ REFUSALS: tuple[Refusal, ...] = (
 class Adapted:
     case: object  # the case to run (config adapted), or None when deselected
     changes: tuple[str, ...] = ()  # names of the ConfigRules applied
-    deselected: str | None = None  # the reason, when the release refuses the combination by design
+    deselected: str | None = None  # the reason, when the tree refuses the combination by design
 
 
-def refuses(name: str, version: str | None = None) -> bool:
-    """Whether ``version`` (default: the installed DeepSpeed) lies in the range of the refusal ``name``."""
+def caps_of(caps=None):
+    """The capabilities asked about (default: the installed tree's)."""
+    return caps if caps is not None else tree.capabilities()
+
+
+def refuses(name: str, caps=None, case=None) -> bool:
+    """Whether the tree (default: the installed one) lacks what the refusal ``name`` is about."""
     r = next(r for r in REFUSALS if r.name == name)
-    return in_range(version or installed().version, r.lo, r.hi)
+    return bool(r.on(caps_of(caps), case))
 
 
-def adapt(case, version: str | None = None) -> Adapted:
-    """The case as the installed (or given) DeepSpeed needs it: the ONE place a case's config is
-    adapted per release. Pure: the version is read once, the case is not changed in place."""
+def adapt(case, caps=None) -> Adapted:
+    """The case as the tree under test needs it: the ONE place a case's config is adapted per tree. Pure:
+    the probes are read once, the case is not changed in place. An undecided probe raises
+    ``tree.Undecided`` (the case then cannot be judged)."""
     from harness.case.spec import canonical_json  # late: keeps this module torch-free at import
 
-    version = version or installed().version
+    k = caps_of(caps)
     cfg = json.loads(case.ds_config)
     for r in REFUSALS:
-        if in_range(version, r.lo, r.hi) and r.applies(case, cfg):
-            return Adapted(None, (), f"deselected on DeepSpeed {version}: {r.reason} ({r.name})")
+        if r.applies(case, cfg) and r.on(k, case):
+            why = r.reason
+            if r.name == "zero-config-key":
+                why = f"{why}: zero_optimization.{', '.join(_missing_zero_keys(k, cfg))}"
+            return Adapted(None, (), f"deselected on DeepSpeed {installed().label if caps is None else k.root}: "
+                                     f"{why} ({r.name})")
     applied = []
     for rule in CONFIG_RULES:
-        if in_range(version, rule.lo, rule.hi) and rule.applies(case, cfg):
+        if rule.applies(case, cfg) and rule.on(k):
             rule.change(cfg)
             applied.append(rule.name)
     if not applied:
@@ -302,20 +305,31 @@ def adapt(case, version: str | None = None) -> Adapted:
     return Adapted(case.replace(ds_config=canonical_json(cfg)), tuple(applied))
 
 
-def ns_order_emulated(version: str | None = None) -> bool:
+def has_ns_method(caps=None) -> bool:
+    """Whether Muon takes an ``ns_method`` (0.18.9's muon_update has no such argument)."""
+    return "ns_method" in caps_of(caps)["muon_update_params"]
+
+
+def default_ns_method(caps=None) -> str:
+    """The Newton-Schulz method a Muon group without ``ns_method`` runs: ``muon_update``'s default (0.19.7
+    original_muon.py ``ns_method="gram"``), the standard quintic where it has none. Judging a 0.18.9 run
+    against gram's fp16 allowance instead held its bf16 standard Newton-Schulz to an 8x tighter bound
+    (measured by 84925e7: 1.01-1.06x "over")."""
+    return caps_of(caps)["default_ns_method"]
+
+
+def ns_order_emulated(caps=None) -> bool:
     """Whether the oracle's bit-exact 16-bit Newton-Schulz emulation (``oracles.emulate``) follows this
-    release's operation order. Before 0.19.8 the gram iteration casts ``G`` to fp16 and then normalises
-    (0.19.7 original_muon.py:89-97); 0.19.8 normalises first (in fp32 for an fp16 input) and then casts,
-    which is the order emulated. Other releases are judged in ``exact`` mode: float64 Newton-Schulz with
-    the derived 16-bit NS tolerance (as the compiled subset is)."""
-    return in_range(version or installed().version, "0.19.8", None)
+    tree's operation order: only where both iterations are 0.19.8's code (``tree.EMULATED_NS``; before
+    0.19.8 the gram iteration casts ``G`` to fp16 and then normalises). Other trees are judged in
+    ``exact`` mode: float64 Newton-Schulz with the derived 16-bit NS tolerance (as the compiled subset is)."""
+    return caps_of(caps)["ns_order_emulated"]
 
 
-def z3_distributed_muon(version: str | None = None) -> bool:
-    """Before 0.19.8 ZeRO-3 runs Muon inside the gradient reduce, dealing the Muon matrices out one per
-    rank (0.18.9-0.19.7 stage3.py ``_apply_distributed_muon_update``), with or without offload: one
-    ``muon_update`` per matrix per step in all. 0.19.8 runs it in the optimizer step."""
-    return not in_range(version or installed().version, "0.19.8", None)
+def z3_muon_placement(offload: bool, caps=None) -> str:
+    """Where ZeRO-3 runs Muon on a path: "reduce" (inside the gradient reduce, one rank per matrix, once
+    per micro-batch: ``_apply_distributed_muon_update``) or "step" (0.19.8's: in the optimizer step)."""
+    return caps_of(caps)["z3_muon_placement(offload)" if offload else "z3_muon_placement(none)"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,8 +387,9 @@ def banner() -> str:
     if os.environ.get("MUON_HARNESS_MEASURE") == "1":
         excuse = "MEASURING: every registered bug is a candidate excuse (xfailed: it shows; xpassed: it does not)"
     elif rel is None:
-        excuse = ("an unseen release: the stock column runs with NO bug excuses (every divergence fails; "
-                  "attribute each to a bug id or report it as a new finding)")
+        excuse = ("a tree no gate run measured: no measured bug excuses; each divergence is tried against every "
+                  "registered bug's model and crash (named only where one matches at full strength; a bug without "
+                  "a model only where the tree's source shows its mechanism), the rest fail")
     else:
         excuse = f"judged with the bugs measured on {rel}"
     cols = "stock and patched columns" if patched_applies() else \

@@ -65,10 +65,19 @@ def bug_model(changes: dict) -> oracles.Conventions:
 def reproduce_command(case: Case) -> str:
     """The command that reruns exactly this case from any directory: this interpreter by its absolute
     path, and on ``PYTHONPATH`` the project and, for a user's ``--model package.module:factory``, the
-    folder it is imported from (the ranks of the rerun import it again)."""
+    folder it is imported from (the ranks of the rerun import it again). A trailing shell comment names
+    the DeepSpeed tree that interpreter imports: the case may behave otherwise on another."""
     paths = [str(buildenv.PROJECT_ROOT)] + ([d] if (d := _model_import_root(case.model)) else [])
     return (f"PYTHONPATH={shlex.quote(os.pathsep.join(dict.fromkeys(paths)))} {shlex.quote(sys.executable)} "
-            f"-m harness run --case {shlex.quote(case.to_json())}")
+            f"-m harness run --case {shlex.quote(case.to_json())}  # DeepSpeed {_deepspeed_label()}")
+
+
+def _deepspeed_label() -> str:
+    try:
+        inst = versions.installed()
+    except RuntimeError:
+        return "(not installed)"
+    return f"{inst.label} at {inst.location}"
 
 
 def _model_import_root(model: str | None) -> str | None:
@@ -307,7 +316,7 @@ def expected_muon_calls(case: Case, sc: oracles.StepConfig, layout) -> int:
     muon = [p.name for p in sc.params if p.use_muon]
     from harness.env import versions
 
-    if case.stage == 3 and versions.z3_distributed_muon():  # one rank per matrix, offload or not
+    if case.stage == 3 and versions.z3_muon_placement(case.offload != "none") == "reduce":  # one rank per matrix
         return len(muon)
     if case.offload != "none" or case.stage == 0:  # stage 0: every rank steps every (whole) matrix
         return case.dp_size * len(muon)

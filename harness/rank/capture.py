@@ -466,9 +466,9 @@ def path_info(engine) -> PathInfo:
         off = bool(opt.offload_optimizer)  # INTERNAL: True for cpu and nvme optimizer offload
         from harness.env import versions
 
-        # Before 0.19.8 ZeRO-3 runs Muon inside the gradient reduce, on the loss-scaled bucket, offload or
-        # not (versions.z3_distributed_muon); only 0.19.8's offload path divides by S first.
-        return PathInfo("z3_offload" if off else "z3", 3, off, off and not versions.z3_distributed_muon())
+        # Muon inside the gradient reduce runs on the loss-scaled bucket (versions.z3_muon_placement); the
+        # offload path that runs it in the step divides by S first.
+        return PathInfo("z3_offload" if off else "z3", 3, off, off and versions.z3_muon_placement(True) == "step")
     if isinstance(opt, DeepSpeedZeroOptimizer):
         off = bool(opt.cpu_offload)  # INTERNAL: True for cpu and nvme (stage 1/2 treat nvme as cpu)
         return PathInfo("z12_offload" if off else "z12", stage, off, off)

@@ -1,34 +1,30 @@
-"""Where DeepSpeed's internals differ between releases, how the capture reaches them.
+"""Where DeepSpeed's internals differ between trees, how the capture reaches them.
 
-Why a table: ``harness.rank.capture`` reads DeepSpeed's own objects (the ``muon_update`` it calls, the
-momentum buffers, the swapper fields). Those moved between releases; each difference is one entry
-here, keyed by a version range, so capture.py keeps one code path and asks this module only for the
-names that changed. Every entry is a fact read from that release's source (file:line given).
+Why one record: ``harness.rank.capture`` reads DeepSpeed's own objects (the ``muon_update`` it calls, the
+momentum buffers, the swapper fields). Those moved between releases; each difference is one field here,
+answered by a probe of the tree's source (``harness.env.tree``), so capture.py keeps one code path and
+asks this module only for the names that changed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.env import versions
+from harness.env import tree
 
 
 @dataclass(frozen=True)
 class Adapter:
-    lo: str | None  # first release it applies to (inclusive; None: any older)
-    hi: str | None  # first release it no longer applies to
     # Modules that bind ``muon_update`` at import (``from ...original_muon import muon_update`` at module
-    # level), so replacing ``original_muon.muon_update`` does not reach their calls: the recorder wraps
-    # each module's own binding too.
+    # level: 0.18.9-0.19.7), so replacing ``original_muon.muon_update`` does not reach their calls: the
+    # recorder wraps each module's own binding too (``tree.muon_bindings``).
     muon_bindings: tuple[str, ...] = ()
     # How ZeRO-3 names the process group a parameter is partitioned over: "method" (the optimizer's
     # ``_get_param_partition_group(p)``, 0.19.3 on) or "attribute" (``p.ds_process_group``, falling back to
     # the optimizer's ``dp_process_group``: what that method returns where it exists).
     z3_partition_group: str = "method"
     # How the optimizer's param groups are named: "name" (each group's own ``name``: "muon-params" /
-    # "adam-params", 0.19.2 on) or "use_muon" (no name before 0.19.2: 0.18.9-0.19.1 engine.py
-    # ``param_groups.append(dict(params=..., use_muon=True/False, ...))``; the name is derived from the flag).
+    # "adam-params", 0.19.2 on) or "use_muon" (no name: the name is derived from the flag).
     group_names: str = "name"
-    note: str = ""
     # Which entry of BF16_Optimizer's gradient list holds a parameter's gradient: "attribute" (the
     # parameter's ``_index_in_param_group``, which 0.19.8 sets to its place in the group, bf16_optimizer.py
     # :353-355) or "group_position" (0.18.9-0.19.7: ``_index_in_param_group`` counts only the parameters
@@ -36,44 +32,17 @@ class Adapter:
     # while the list BF16_Optimizer links, ``fp32_groups_gradient_dict[i]`` (0.19.6 bf16_optimizer.py:268),
     # holds every parameter of the group: the entry is the parameter's place in ``bf16_groups[i]``).
     bf16_grad_index: str = "attribute"
-    # Path kinds (``capture.PathInfo.kind``) on which the release steps the Muon matrices without calling
-    # ``muon_update``, so their gradient is read before the step as Adam's is: before 0.19.7 the
-    # BF16_Optimizer hands ``MuonWithAuxAdam.step`` its flat fp32 partitions and the Muon group is moved by
-    # lr times its gradient (0.19.6 muon_optimizer.py:61-67; 0.19.7 refuses the route with Muon).
+    # Path kinds (``capture.PathInfo.kind``) on which the tree steps the Muon matrices without calling
+    # ``muon_update``, so their gradient is read before the step as Adam's is (0.19.6 muon_optimizer.py:61-67
+    # moves the Muon group by lr times its gradient).
     muon_grads_before_step: tuple[str, ...] = ()
 
 
-_BOUND = ("deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3")
-
-ADAPTERS: tuple[Adapter, ...] = (
-    # <= 0.19.7: stage_1_and_2.py:39 and stage3.py:50 (0.19.7) import muon_update at module level (0.19.8
-    # imports it inside get_flat_partition / _muon_update_sub_group / _apply_muon_updates_cpu_offload).
-    # <= 0.19.2: stage3.py has no _get_param_partition_group (added in 0.19.3).
-    # <= 0.19.1: the Muon/Adam halves carry no ``name`` (0.18.9/0.19.0 engine.py:1763/1772, 0.19.1 :1778/1787).
-    # <= 0.19.7: BF16_Optimizer's gradient list is indexed by the parameter's place in its group (0.19.8
-    # :353-355 sets _index_in_param_group so); <= 0.19.6: its Muon group is stepped without muon_update.
-    Adapter(None, "0.19.2", _BOUND, "attribute", "use_muon",
-            "muon_update bound at import; ZeRO-3 partition group read from the parameter; unnamed groups",
-            bf16_grad_index="group_position", muon_grads_before_step=("bf16_opt", "z0")),
-    Adapter("0.19.2", "0.19.3", _BOUND, "attribute",
-            note="muon_update bound at import; ZeRO-3 partition group read from the parameter",
-            bf16_grad_index="group_position", muon_grads_before_step=("bf16_opt", "z0")),
-    Adapter("0.19.3", "0.19.7", _BOUND, "method",
-            "muon_update bound at import by the ZeRO-1/2 and ZeRO-3 optimizers; BF16_Optimizer runs no Muon",
-            bf16_grad_index="group_position", muon_grads_before_step=("bf16_opt", "z0")),
-    Adapter("0.19.7", "0.19.8", _BOUND, "method",
-            "muon_update bound at import by the ZeRO-1/2 and ZeRO-3 optimizers", bf16_grad_index="group_position"),
-    Adapter("0.19.8", None, (), "muon_update imported at each call site (the layout the capture was written on)"),
-)
-
-
-def adapter_for(version: str | None = None) -> Adapter:
-    """The adapter of ``version`` (default: the installed DeepSpeed); exactly one range holds it."""
-    version = version or versions.installed().version
-    hits = [a for a in ADAPTERS if versions.in_range(version, a.lo, a.hi)]
-    if len(hits) != 1:
-        raise RuntimeError(f"capture adapters: {len(hits)} ranges hold DeepSpeed {version} (must be exactly one)")
-    return hits[0]
+def adapter_for(caps=None) -> Adapter:
+    """The adapter of a tree (default: the installed DeepSpeed), from its probes."""
+    k = caps if caps is not None else tree.capabilities()
+    return Adapter(k["muon_bindings"], k["z3_partition_group"], k["group_names"], k["bf16_grad_index"],
+                   k["muon_grads_before_step"])
 
 
 def z3_partition_group(opt, p):

@@ -74,6 +74,10 @@ class Bug:
     # Why a numerical bug has no model (it then excuses its quantities by name, below full strength);
     # every bug is modelled, a crash, a refusal, or says this
     unmodelled: str | None = None
+    # Where the tree's own source shows this bug's mechanism for a case (a probe of ``harness.env.tree``):
+    # on a tree where the bug was not measured (a source checkout, a pull request), an unmodelled bug
+    # excuses its quantities by name only where this says so (None: never)
+    present: Callable[[Case], bool] | None = None
 
     @property
     def modelled(self) -> str:
@@ -298,7 +302,7 @@ def _z3_momentum_tail_past_end(c: Case) -> bool:
     ``n`` exactly when ``n % q != 0`` and ``ceil(n / q) < W``. Only a step that is not skipped runs Muon. Releases
     that run Muon in the reduce (0.19.0-0.19.7) write the momentum back the same way with offload too
     (measured: z3-cpu-fp32-ws4-emptyshare, 0.19.0-0.19.7, in ``_apply_distributed_muon_update``)."""
-    if c.stage != 3 or c.dp_size < 2 or (c.offload != "none" and not historical.muon_in_z3_reduce()):
+    if c.stage != 3 or c.dp_size < 2 or (c.offload != "none" and versions.z3_muon_placement(True) != "reduce"):
         return False
     W = c.dp_size
     for p in c.params:
@@ -917,10 +921,39 @@ def excuses(bug_id: str, release: str | None = None) -> bool:
     return AFFECTED.get(bug_id, {}).get(release, False)
 
 
+def unmeasured(b: Bug) -> bool:
+    """Whether no gate run measured bug ``b`` on the tree under test (an unseen release, a source checkout:
+    nothing is known of it there, so its model may be tried and its source signature may count)."""
+    if os.environ.get("MUON_HARNESS_MEASURE") == "1":
+        return False
+    release = versions.judged_as()
+    return release is None or release not in b.releases
+
+
+def _present(b: Bug, case: Case) -> bool:
+    return b.present is not None and unmeasured(b) and b.present(case)
+
+
 def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
     """The bugs a case is expected to hit; with ``patched``, only those the patched runtime can't fix."""
-    # as measured on the installed release (``excuses``); older releases' own bugs too
-    hits = [b for b in BUGS + HISTORICAL if excuses(b.id) and b.trigger(case)]
+    # as measured on the installed release (``excuses``), or shown by the tree's source where unmeasured
+    # (``Bug.present``); older releases' own bugs too
+    return _reachable([b for b in BUGS + HISTORICAL if (excuses(b.id) or _present(b, case)) and b.trigger(case)],
+                      case, patched)
+
+
+def candidates_for(case: Case, *, patched: bool = False) -> list[Bug]:
+    """Bugs to try on a case that diverges, beyond those expected: every bug with a model for the case or a
+    crash signature, on a tree where it was not measured. One is named only where its model (or its exact
+    crash) matches at full strength; a bug measured absent on the tree is never tried."""
+    expected = {b.id for b in bugs_for(case, patched=patched)}
+    return [b for b in _reachable([b for b in BUGS + HISTORICAL if b.id not in expected and unmeasured(b)
+                                   and (b.crash is not None or (b.model is not None and b.model(case) is not None))
+                                   and b.trigger(case)], case, patched)]
+
+
+def _reachable(hits: list[Bug], case: Case, patched: bool) -> list[Bug]:
+    """Drop bugs whose code the case cannot reach given the others, and (patched) those the runtime fixes."""
     unreached = {f for b in hits for f in historical.SKIPPED_FRAMES.get(b.id, ())}
     hits = [b for b in hits if not (b.crash and b.crash[2] in unreached)]
     if any(b.id in historical.NO_MUON_GROUP for b in hits):

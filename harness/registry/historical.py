@@ -16,7 +16,7 @@ import os
 from harness.case import nvme
 from harness.case.spec import Case
 from harness.registry.releases import measured
-from harness.env import versions
+from harness.env import tree, versions
 from oracles.layout import param_slices
 from oracles.layout import placement
 from harness.env import device
@@ -67,19 +67,11 @@ def _z3_dist_muon_mixed_shapes(c: Case) -> bool:
 
 
 def groups_flattened() -> bool:
-    """Whether the release judged (as measured) flattens user param groups into one Muon and one Adam group
-    (DSM-104): the ZeRO-3 deal then runs over all the Muon matrices together (measured: 0.19.6
-    z3-none-bf16-ws2-groups and z3-cpu-fp32-ws2-groups crash as DSM-102 says)."""
+    """Whether the tree under test flattens user param groups into one Muon and one Adam group (DSM-104:
+    ``tree.groups_flattened``): the ZeRO-3 deal then runs over all the Muon matrices together (measured:
+    0.19.6 z3-none-bf16-ws2-groups and z3-cpu-fp32-ws2-groups crash as DSM-102 says)."""
 
-    flattening = next(s for s in SPECS if s["id"] == "DSM-104")["releases"]
-    return bool(flattening.get(versions.judged_as() or "", False))
-
-
-def muon_in_z3_reduce() -> bool:
-    """Whether the release judged runs ZeRO-3's Muon inside the gradient reduce (``_apply_distributed_muon_update``,
-    0.19.0-0.19.7), with and without optimizer offload alike; 0.19.8 runs it once per step after accumulation,
-    and its offload path in a function of its own (``_apply_muon_updates_cpu_offload``)."""
-    return _judged_release_in("0.19.0", "0.19.8")
+    return bool(tree.capabilities()["groups_flattened"])
 
 
 def muon_update_returns_2d_for_4d() -> bool:
@@ -381,6 +373,8 @@ SPECS: tuple[dict, ...] = (
         where="0.19.7 stage_1_and_2.py:994-1011: get_flat_partition (the only caller of muon_update) runs "
               "only when cpu_offload is False; the offload epilogue copies raw gradients to the CPU optimizer",
         reproducer="z1-cpu-fp16-ws2-ga2 (gate case) on DeepSpeed 0.19.7",
+        present=lambda c: not tree.capabilities()["z12_offload_runs_muon"],
+        unmodelled="the step the offloaded Muon matrices get instead was not derived",
     ),
     dict(
         id="DSM-102",
@@ -477,6 +471,7 @@ SPECS: tuple[dict, ...] = (
               "engine.py:2199-2235 _configure_basic_optimizer: 'Flatten param group dicts' then two groups "
               "from the config; 0.19.7 splits each user group (engine.py _muon_param_groups)",
         reproducer="z2-cpu-fp16-ws2-groups (gate case) on the source checkout",
+        present=lambda c: groups_flattened(),
     ),
     dict(
         id="DSM-105",
@@ -575,6 +570,7 @@ SPECS: tuple[dict, ...] = (
         where="0.19.7 stage3.py:1599-1604 __reduce_and_partition_ipg_grads: only __avg_scatter_contiguous_grads "
               "(:1772) calls _apply_distributed_muon_update",
         reproducer="z3-none-bf16-ws2-knob-buckets (gate case) on DeepSpeed 0.19.7",
+        present=lambda c: versions.z3_muon_placement(c.offload != "none") == "reduce",
     ),
     dict(
         id="DSM-111",
@@ -591,6 +587,7 @@ SPECS: tuple[dict, ...] = (
         where="0.19.7 stage3.py:1772 _apply_distributed_muon_update in __avg_scatter_contiguous_grads, called on "
               "every backward's reduce (no gradient-accumulation-boundary test); 0.19.8 runs Muon in the step",
         reproducer="z3-nvme-part-fp32-ws1-ga2 (gate case) on DeepSpeed 0.19.7",
+        present=lambda c: versions.z3_muon_placement(c.offload != "none") == "reduce",
     ),
     dict(
         id="DSM-112",

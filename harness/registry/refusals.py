@@ -9,14 +9,15 @@ it cannot run, and nothing would notice. These cases hand it the config on purpo
 
 A refusal is matched as a crash bug is (``harness.registry.bugs.raised_in``): exception type, a message
 fragment (DeepSpeed's own words) and the frame that raises, read from the rank's traceback. Each entry
-names the source lines it was read from; ``lo`` is the oldest release it was checked on.
+names the source lines it was read from; a tree is expected to refuse only where its source still says the
+refusal's message (``DsRefusal.said_by``: a probe of the tree, not of its version string).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from harness.case import dsconfig
-from harness.env import versions
+from harness.env import tree
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,13 @@ class DsRefusal:
     frame: str  # "file.py:function": where it must be raised
     source: str  # where it was read (DeepSpeed file:line per release)
     applies: object  # (case, cfg) -> bool
-    lo: str | None = None  # oldest release the refusal was read on (None: any)
+
+    @property
+    def said_by(self) -> str:
+        """The file of the ``deepspeed`` package whose string constants must hold ``fragment``."""
+        file = self.frame.partition(":")[0]
+        return {"stage3.py": "runtime/zero/stage3.py", "original_muon.py": "runtime/zero/muon/original_muon.py",
+                "__init__.py": "__init__.py"}[file]
 
     def matches(self, traceback: str) -> bool:
         from harness.registry.bugs import raised_in  # late: keeps this module torch-free at import
@@ -79,39 +86,34 @@ REFUSALS: tuple[DsRefusal, ...] = (
               "stage3.py:__init__",
               "runtime/zero/stage3.py:360-361 (0.19.8), :352-353 (0.19.7), :337-338 (0.18.9)",
               lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3
-              and _zero(cfg).reduce_scatter is not False,
-              lo="0.18.9"),
+              and _zero(cfg).reduce_scatter is not False),
     # zero_quantized_gradients makes the engine build a local all-to-all group (engine.py:2159-2161) that
     # it hands the ZeRO-3 optimizer as all2all_process_group (engine.py:2769).
     DsRefusal("z3-muon-all2all", "ValueError", "Muon and all2all process group cannot be used together",
               "stage3.py:__init__",
               "runtime/zero/stage3.py:362-363 (0.19.8), :354-355 (0.19.7), :339-340 (0.18.9)",
               lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3
-              and bool(_zero(cfg).zero_quantized_gradients),
-              lo="0.18.9"),
+              and bool(_zero(cfg).zero_quantized_gradients)),
     # Per-head Muon (a parameter's muon_num_heads, original_muon.py:170-177) refuses, at the first step, a
     # head count the parameter cannot hold: not a 2-D matrix, or rows not divisible by the count.
     DsRefusal("per-head-not-2d", "ValueError", "Per-head Muon expects a 2D attention projection",
               "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:172-173 (0.19.8)",
-              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) != 2 for p in c.params),
-              lo="0.19.8"),
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) != 2 for p in c.params)),
     DsRefusal("per-head-indivisible", "ValueError", "Per-head Muon needs the output dim to split evenly",
               "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:176-178 (0.19.8)",
               lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) == 2 and p.shape[0] % p.num_heads
-                                                for p in c.params),
-              lo="0.19.8"),
+                                                for p in c.params)),
     # ZeRO-3 runs every Muon matrix with one momentum (one beta for the distributed update) and refuses
     # user groups that set different ones, rather than step some with another group's beta.
     DsRefusal("z3-muon-group-betas", "ValueError", "All Muon parameter groups must have the same momentum",
               "stage3.py:_create_fp16_partitions_with_defragmentation",
               "runtime/zero/stage3.py:927-929 (0.19.8); the same check from 0.18.9",
-              lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3 and len(_muon_group_betas(c, cfg)) > 1,
-              lo="0.18.9"),
+              lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3 and len(_muon_group_betas(c, cfg)) > 1),
     # Per-head Muon under AutoTP: every tagged projection's shard cuts a head, so nothing stays per-head
     # after the re-resolution on the shards; DeepSpeed raises rather than train without it.
     DsRefusal("per-head-tp-cut", "ValueError", "every tagged projection is sharded across head boundaries",
               "__init__.py:resolve_per_head_muon_after_sharding", "__init__.py:428-430 (0.19.8)",
-              lambda c, cfg: _muon(cfg) and _tp_heads_cut(c, cfg), lo="0.19.8"),
+              lambda c, cfg: _muon(cfg) and _tp_heads_cut(c, cfg)),
 )
 
 
@@ -119,5 +121,5 @@ def expected(case) -> list[DsRefusal]:
     """The refusals DeepSpeed (the installed release) must make for this case."""
 
     cfg = case.config
-    version = versions.installed().version
-    return [r for r in REFUSALS if versions.in_range(version, r.lo, None) and r.applies(case, cfg)]
+    t = tree.installed()
+    return [r for r in REFUSALS if r.applies(case, cfg) and t.says(r.said_by, r.fragment)]
