@@ -261,3 +261,48 @@ def test_release_rules_ask_whether_muon_runs_not_whether_a_matrix_is_muon_shaped
     assert any(p.uses_muon for p in adamw.params) and not adamw.runs_muon
     assert versions.adapt(muon, caps("0.19.7")).changes == ("z12-offload-reduce-scatter-off",)
     assert versions.adapt(adamw, caps("0.19.7")).changes == ()
+
+
+# what each release's own source says, read by hand from its files (the probes must read the same)
+PLACEMENT = {"0.18.9": ("reduce", "reduce"), "0.19.3": ("reduce", "reduce"), "0.19.7": ("reduce", "reduce"),
+             "0.19.8": ("step", "step")}
+
+
+@pytest.mark.parametrize("release", sorted(PLACEMENT))
+def test_zero3_muon_placement_is_read_from_the_source(release):
+    """0.18.9-0.19.7 run ZeRO-3's Muon in the gradient reduce (stage3.py ``_apply_distributed_muon_update``,
+    offload or not); 0.19.8 in the step (``_muon_update_sub_group``, ``_apply_muon_updates_cpu_offload``)."""
+    k = caps(release)
+    assert (versions.z3_muon_placement(False, k), versions.z3_muon_placement(True, k)) == PLACEMENT[release]
+    assert k["z12_offload_runs_muon"] is (release == "0.19.8")  # DSM-101: before 0.19.8 no offload Muon
+
+
+def test_a_tree_that_matches_no_known_shape_cannot_be_judged(tmp_path):
+    """A ZeRO-3 optimizer that calls muon_update from a function no probe knows: the placement probe says
+    so by name, and a ZeRO-3 case is "cannot judge" rather than a DeepSpeed failure."""
+    zero = tmp_path / "deepspeed" / "runtime" / "zero"
+    zero.mkdir(parents=True)
+    (zero / "stage3.py").write_text("class DeepSpeedZeroOptimizer_Stage3:\n    def _somewhere_new(self):\n"
+                                    "        muon_update(1, 2)\n")
+    k = tree.capabilities(str(tmp_path / "deepspeed"))
+    with pytest.raises(tree.Undecided, match=r"z3_muon_placement\(none\).*_somewhere_new"):
+        versions.z3_muon_placement(False, k)
+    assert "z3_muon_placement(offload)" in k.undecided()
+
+
+def test_on_an_unmeasured_tree_bugs_are_tried_by_model_and_named_by_source(monkeypatch):
+    """On a tree no gate run measured: a modelled bug of any release is a candidate where it triggers (tried,
+    never expected); an unmodelled one is expected only where the tree's source shows its mechanism
+    (DSM-101: no muon_update on the ZeRO-1/2 offload path)."""
+    monkeypatch.setattr(versions, "installed", lambda: versions.Installed("0.19.6+abc", True, "/src"))
+    offload = pipeline_case(1, "cpu", "fp16", 2, ns_method="standard")
+    trees = {release: caps(release) for release in ("0.19.6", "0.19.8")}  # before capabilities is replaced
+    for release, present in (("0.19.6", True), ("0.19.8", False)):
+        k = trees[release]
+        monkeypatch.setattr(tree, "capabilities", lambda root=None, k=k: k)
+        expected = {b.id for b in registry.bugs_for(offload)}
+        assert ("DSM-101" in expected) is present, (release, expected)
+        plain = pipeline_case(1, "none", "fp16", 2, ns_method="standard")
+        tried = {b.id for b in registry.candidates_for(plain)}
+        assert "DSM-108" in tried and not tried & {b.id for b in registry.bugs_for(plain)}  # tried, not assumed
+        assert all(b.model is not None or b.crash is not None for b in registry.candidates_for(plain))

@@ -947,9 +947,9 @@ def candidates_for(case: Case, *, patched: bool = False) -> list[Bug]:
     crash signature, on a tree where it was not measured. One is named only where its model (or its exact
     crash) matches at full strength; a bug measured absent on the tree is never tried."""
     expected = {b.id for b in bugs_for(case, patched=patched)}
-    return [b for b in _reachable([b for b in BUGS + HISTORICAL if b.id not in expected and unmeasured(b)
-                                   and (b.crash is not None or (b.model is not None and b.model(case) is not None))
-                                   and b.trigger(case)], case, patched)]
+    return _reachable([b for b in BUGS + HISTORICAL if b.id not in expected and unmeasured(b) and b.trigger(case)
+                       and (b.crash is not None or (b.model is not None and b.model(case) is not None))],
+                      case, patched)
 
 
 def _reachable(hits: list[Bug], case: Case, patched: bool) -> list[Bug]:
