@@ -23,14 +23,16 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 mkdir -p "$root"
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-stamp="$venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+stamp="$venv/.installed-$(cat pyproject.toml "$0" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   pip=("$venv/bin/pip" install -q --disable-pip-version-check)
   "${pip[@]}" "torch==2.13.0"
-  # The harness's dependencies from pyproject.toml, less the pinned DeepSpeed (this venv gets another).
+  # The harness's dependencies from pyproject.toml, with the [models] extra (the model cases: the same
+  # cases on every tree, as compare needs), less the pinned DeepSpeed (this venv gets another).
   mapfile -t deps < <("$venv/bin/python" - <<'PYDEPS'
 import tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = project["dependencies"] + project.get("optional-dependencies", {}).get("models", [])
 print("\n".join(d for d in deps if not d.startswith(("deepspeed", "torch"))))
 PYDEPS
 )

@@ -87,7 +87,7 @@ def test_shards_merge_into_one_summary_with_the_regression_and_its_reproducer(tm
     counts = dict(re.findall(r"^\| ([a-z ]+) \| (\d+) \|$", md, re.M))
     assert counts == {"regressed": "1", "fixed": "1", "still present": "1", "changed": "0", "cannot judge": "0",
                       "not on both": "0", "unchanged": "1"}
-    assert "- **DSM-101**: fixed in 1" in md and "- **DSM-003**: still present in 1" in md
+    assert "- **DSM-101**: fixed in 1 (passing on head in 1)" in md and "- **DSM-003**: still present in 1" in md
     reg = md[md.index("## Regressions"):]
     assert "`case-b`: failed" in reg and "reproduce on head: `" in reg and "-m harness run --case" in reg
     assert "case-b" in (tmp_path / "merged" / "compare.html").read_text()

@@ -232,7 +232,13 @@ def command_scope():
     clean_stale(base)
     run_id = uuid.uuid4().hex[:12]
     marker = "/".join(filter(None, [os.environ.get(RUN_MARKER), run_id]))
-    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{run_id}-", dir=base))
+    if os.environ.get(RUN_MARKER):
+        # nested (a --jobs shard, a compare's gate): a short name, since unix socket paths under it (torch's
+        # pymp listeners) must stay under 108 bytes, three scopes deep included; the outer folder owns it
+        scratch = base / f"n{run_id[:8]}"
+        scratch.mkdir()
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{run_id}-", dir=base))
     (scratch / "owner").write_text(json.dumps({"pid": os.getpid(), "start": start_time(os.getpid())}))
     (scratch / "before").write_text(json.dumps(_identities(descendants(os.getpid()))))
     saved_env = {k: os.environ.get(k) for k in (RUN_MARKER, "TMPDIR")}

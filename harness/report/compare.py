@@ -87,8 +87,14 @@ def compare(base_root: Path, head_root: Path) -> list[Row]:
     return rows
 
 
+# a head outcome that stops the run before every quantity is judged: a bug of the base that does not show
+# there is masked, not fixed
+MASKING = frozenset({"error"})
+
+
 def bug_lines(rows: list[Row]) -> list[str]:
-    """One line per bug id: in how many case-columns the change fixed it, left it, or brought it."""
+    """One line per bug id: in how many case-columns the change fixed it (the head no longer shows it, whether
+    or not the case now passes), left it, brought it, or hid it behind an error."""
     tally: dict[str, Counter] = {}
     for r in rows:
         b = set(r.base.bug_ids) if r.base else set()
@@ -96,14 +102,19 @@ def bug_lines(rows: list[Row]) -> list[str]:
         for bug in b | h:
             c = tally.setdefault(bug, Counter())
             if bug in b and bug not in h:
-                c["fixed" if r.cls == "fixed" else "gone"] += 1
+                masked = r.head is None or r.head.status in MASKING or r.head.strength == "crash"
+                c["masked by a head error" if masked else "fixed"] += 1
+                c["now passing"] += r.cls == "fixed"
             elif bug in b and bug in h:
                 c["still present"] += 1
             else:
                 c["new on head"] += 1
-    order = ("fixed", "gone", "still present", "new on head")
-    return [f"- **{bug}**: " + ", ".join(f"{k} in {c[k]}" for k in order if c[k])
-            for bug, c in sorted(tally.items())]
+    order = ("fixed", "still present", "new on head", "masked by a head error")
+
+    def said(k: str, c: Counter) -> str:
+        passing = f" (passing on head in {c['now passing']})" if k == "fixed" and c["now passing"] else ""
+        return f"{k} in {c[k]}{passing}"
+    return [f"- **{bug}**: " + ", ".join(said(k, c) for k in order if c[k]) for bug, c in sorted(tally.items())]
 
 
 def summary(rows: list[Row], base_label: str, head_label: str) -> str:
