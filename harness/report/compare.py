@@ -133,16 +133,47 @@ def summary(rows: list[Row], base_label: str, head_label: str) -> str:
                 f"  - reproduce on head: `{r.head.reproduce}`"]
     if not reg:
         out.append("- none")
+    out += _unexplained(rows)
     for cls in ("cannot judge", "not on both"):
         these = [r for r in rows if r.cls == cls]
         if these:
-            out += ["", f"## {cls.capitalize()} ({len(these)})", ""] + [f"- `{r.case}`: {r.why}" for r in these]
+            out += ["", f"## {cls.capitalize()} ({len(these)})", ""]
+            out += [f"- `{r.case}`: {r.why}" + _head_state(r, cls) for r in these]
     fixed = [r for r in rows if r.cls == "fixed"]
     if fixed:
         out += ["", f"## Fixed ({len(fixed)})", ""]
         out += [f"- `{r.case}`: was {r.base.status}" + (f" [{', '.join(r.base.bug_ids)}]" if r.base.bug_ids else
                                                        " (no bug id matched)") for r in fixed]
     return "\n".join(out) + "\n"
+
+
+def _divergence(rec: CaseRecord) -> str:
+    """The first localised divergence line of a record's message (what diverged, step, rank partition)."""
+    lines = [ln.strip() for ln in rec.message.splitlines() if ln.strip()]
+    hit = next((ln for ln in lines if " diverged at step " in ln), None)
+    return (hit or _first_line(rec))[:300]
+
+
+def _unexplained(rows: list[Row]) -> list[str]:
+    """Head failures no bug explains that are not regressions (the base failed too, or lacked the case):
+    what a reviewer must still look at, since a base bug can hide what the change did."""
+    these = [r for r in rows if r.head is not None and r.head.status in ("failed", "error") and not r.head.bug_ids
+             and r.cls not in ("regressed", "unchanged")]
+    if not these:
+        return []
+    out = ["", f"## Failing on head with no bug that explains it, not regressions ({len(these)})", ""]
+    for r in these:
+        was = (f"{r.base.status}" + (f" [{', '.join(r.base.bug_ids)}]" if r.base.bug_ids else "")) if r.base else "-"
+        out += [f"- `{r.case}` ({r.cls}; base {was}): head {r.head.status}: {_divergence(r.head)}",
+                f"  - reproduce on head: `{r.head.reproduce}`"]
+    return out
+
+
+def _head_state(r: Row, cls: str) -> str:
+    if cls != "not on both" or r.head is None or r.head.status == "skipped":
+        return ""
+    ids = f" [{', '.join(r.head.bug_ids)}]" if r.head.bug_ids else ""
+    return f"; head: {r.head.status}{ids}"
 
 
 def _cell(rec: CaseRecord | None) -> str:
