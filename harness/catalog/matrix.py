@@ -990,6 +990,11 @@ NO_CACHE_CAPS = {(1, 2): (96, 0), 3: (96, 0)}
 # A scratch budget of 16 bytes, below one element per rank and buffer ((W + 1) x 2 buffers x 4 bytes = 24 at
 # W=2): the chunk size floors at one element (``max(1, ...)``), 26 chunks a batch.
 ONE_ELEMENT_CAPS = (16, 128)
+# ZeRO-3 gathers a Muon sub-group's pieces in one buffer, keyed by its size: one sub-group per matrix
+# (``SUBGROUP_PARAMS`` at ``SUBGROUP_SIZE``) gives one key per matrix, so a cap that holds one fp32 entry (W=2:
+# 180, 144, 132, 120 bytes without offload; the offload path's gradient-and-momentum entries double them)
+# evicts while the sub-groups take turns. The test layers alone give one key per step, which never evicts.
+Z3_EVICT_CAPS = {"none": (96, 200), "cpu": (96, 400)}
 
 
 def gather_cases(full: bool = False) -> list[Case]:
@@ -1005,13 +1010,18 @@ def gather_cases(full: bool = False) -> list[Case]:
     for i, (st, off, dt, ws) in enumerate(combos):
         caps = GATHER_CAPS[3] if st == 3 else GATHER_CAPS[(1, 2)]
         c = _case(st, off, dt, ws, grad_accum=1 + i % 2, suffix="-gather")
-        out.append(c.replace(allgather_caps=caps))
+        # ZeRO-1/2 offload switch between a gradient-only and a gradient-and-momentum entry of 96 bytes
+        # each under a 128-byte cap; ZeRO-1/2 without offload never use the cache, ZeRO-3 here one key
+        out.append(c.replace(allgather_caps=caps, allgather_evicts=st in (1, 2) and off != "none"))
     out.append(_case(1, "cpu", "fp32", 2, params=GATHER_PACK_PARAMS, suffix="-gather-pack").replace(
-        allgather_caps=GATHER_CAPS[(1, 2)]))
+        allgather_caps=GATHER_CAPS[(1, 2)], allgather_evicts=True))
     for st, off in ((1, "cpu"), (3, "none")):
         c = _case(st, off, "fp32", 2, suffix="-gather-nocache")
         out.append(c.replace(allgather_caps=NO_CACHE_CAPS[3] if st == 3 else NO_CACHE_CAPS[(1, 2)]))
     out.append(_case(2, "cpu", "fp32", 2, suffix="-gather-oneelem").replace(allgather_caps=ONE_ELEMENT_CAPS))
+    for off, ws in [(off, ws) for off in ("none", "cpu") for ws in ((2, 3) if full else (2,))]:
+        c = _case(3, off, "fp32", ws, params=SUBGROUP_PARAMS, sub_group_size=SUBGROUP_SIZE, suffix="-gather-evict")
+        out.append(c.replace(allgather_caps=Z3_EVICT_CAPS[off], allgather_evicts=True))
     return out
 
 

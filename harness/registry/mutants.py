@@ -966,7 +966,9 @@ MUTANTS.update({m.name: m for m in (
            _install_gather_cache_unbounded,
            # ZeRO-1/2 offload (two entry shapes: gradient only, then gradient + momentum) and ZeRO-3
            # offload overflow the cap; ZeRO-3 without offload reuses one entry here
-           lambda c: c.allgather_caps is not None and c.stage in (1, 2, 3) and c.offload != "none" and bool(_muon(c)),
+           # a case that claims eviction (Case.allgather_evicts) fills its cap by construction
+           lambda c: c.allgather_caps is not None and bool(_muon(c))
+           and ((c.stage in (1, 2, 3) and c.offload != "none") or c.allgather_evicts),
            "plausible: the eviction loop of the gather cache (stage_1_and_2.py _muon_all_gather_partitions)"),
 )})
 
@@ -1063,6 +1065,49 @@ MUTANTS.update({m.name: m for m in (
            # momentum in one buffer larger than the gathers cases' cap (harness.catalog.matrix.GATHER_CAPS), so
            # it caches nothing there (what gather-cache-unbounded's kills show)
            lambda c: c.allgather_caps is not None and bool(_muon(c))
-           and ((c.stage in (1, 2) and c.offload != "none") or (c.stage == 3 and c.offload == "none")),
+           and ((c.stage in (1, 2) and c.offload != "none") or (c.stage == 3 and c.offload == "none")
+                or c.allgather_evicts),
            "plausible: a destroy() that forgets a cache (stage_1_and_2.py / stage3.py destroy)"),
+)})
+
+
+def _install_gather_cache_keeps_oldest():
+    """The Muon gather-buffer cache keeps the entries it has and refuses newer ones once full: every gather
+    call that pushed an entry out is undone afterwards (its old entries and byte count put back into the
+    same ``OrderedDict``, the new entry dropped). Numbers unchanged, never above the cap, nothing left after
+    ``destroy()``: only the eviction count of a case that claims eviction (``Case.allgather_evicts``,
+    ``harness.rank.gather_cache``) sees it, as it would see a cache that never fills."""
+    def make(cur):
+        def gather(self, *args, **kwargs):
+            cache = self._muon_allgather_buffers
+            kept, nbytes = list(cache.items()), self._muon_allgather_buffer_bytes
+            try:
+                return cur(self, *args, **kwargs)
+            finally:
+                if any(k not in cache for k, _ in kept):
+                    cache.clear()
+                    cache.update(kept)
+                    self._muon_allgather_buffer_bytes = nbytes
+        return gather
+
+    Z12, Z3, _ = _ds_classes()
+    undos = [_setattr(Z12, "_muon_all_gather_partitions", make(Z12.__dict__["_muon_all_gather_partitions"]))[1],
+             _setattr(Z3, "_partitioned_buffers_all_gather",
+                      make(Z3.__dict__["_partitioned_buffers_all_gather"]))[1]]
+
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("gather-cache-keeps-oldest",
+           "The Muon all-gather buffer cache never evicts: once full it keeps its oldest entries and caches "
+           "no newer one (bounded, but not least-recently-used).",
+           _install_gather_cache_keeps_oldest,
+           lambda c: c.allgather_evicts and bool(_muon(c)),
+           "plausible: an eviction loop whose condition never holds (stage_1_and_2.py "
+           "_muon_all_gather_partitions, stage3.py _partitioned_buffers_all_gather)"),
 )})
