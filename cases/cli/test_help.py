@@ -166,8 +166,9 @@ def test_the_cuda_refusal_of_gpu_is_its_listed_code_2(capsys):
 
 def test_every_listed_exit_code_of_a_handler_is_one_it_returns():
     """The codes each subcommand lists are exactly 0, 1, 2, check's 3 and 4, the incomplete folder's 4
-    of gate, report and compare (a side's gate incomplete), and 130/143 of a stopped command (every one but report, which starts no
-    process): a listed code no handler returns, or a handler's code that is not listed, fails here."""
+    of gate, report and compare (a side's gate incomplete), and 130/143 of a stopped command (every one but
+    report, which starts no process): a listed code no handler returns, or a handler's code that is not
+    listed, fails here."""
     from harness.cli import check
     from harness.launch.lifecycle import Interrupted
 
