@@ -116,9 +116,16 @@ def big_adam_nvme_cases(full: bool = False) -> list[Case]:
 
 
 def inmem_cases(full: bool = False) -> list[Case]:
+    """ZeRO-3 with ``save_muon_momentum_buffer_in_memory``: offload none/cpu and NVMe on both swappers, 3
+    steps; besides the numbers, the resident buffer must stay the optimizer state's tensor and out of the
+    swap folder (``harness.rank.resident``). CI: fp32 and fp16 on the partitioned swapper, fp32 on the
+    pipelined one; ``--full``: every dtype on both."""
     out = []
     for off, dt in itertools.product(("none", "cpu", "nvme"), ("fp32", "fp16") if not full else DTYPES):
         out.append(_case(3, off, dt, 2, save_muon_momentum_buffer_in_memory=True, suffix="-inmem"))
+    for dt in (DTYPES if full else ("fp32",)):
+        out.append(_case(3, "nvme", dt, 2, swapper="pipelined", save_muon_momentum_buffer_in_memory=True,
+                         suffix="-inmem"))
     return out
 
 
@@ -230,8 +237,8 @@ def resume_cases(full: bool = False) -> list[Case]:
     nothing (weights, momentum, Adam moments, loss scale) diverges at step 3.
 
     CI (covering): stage 0 and ZeRO-1/2/3 x offload none/cpu with dtype and world size cycling, ZeRO-3
-    NVMe with both swappers, ZeRO-3 in-memory momentum without and with CPU offload, and an fp16
-    resume across an injected overflow (the restored loss scale must be the halved one).
+    NVMe with both swappers, ZeRO-3 in-memory momentum without offload, with CPU offload and on NVMe with
+    both swappers, and an fp16 resume across an injected overflow (the restored loss scale must be the halved one).
     ``--full``: stage x offload (none, cpu, nvme both swappers) x dtype x world size 1-3, ZeRO-3 with
     in-memory momentum on and off."""
     out = []
@@ -255,12 +262,14 @@ def resume_cases(full: bool = False) -> list[Case]:
     add(0, "none", "bf16", 2)
     for i, (st, off) in enumerate(itertools.product(STAGES, ("none", "cpu"))):
         add(st, off, DTYPES[i % 3], WORLD_SIZES[i % 3])
-    # NVMe resumes cost 60-120 s per column here (two engine builds around the swapped matrix), so CI
-    # keeps one per swapper; ZeRO-1/2 NVMe (DSM-002) and in-memory NVMe resumes are in --full.
+    # NVMe resumes cost 2-6 s a case here (harness/data/case_times.json): CI keeps one per swapper with the
+    # momentum swapped and one per swapper with it resident; ZeRO-1/2 NVMe (DSM-002) are in --full.
     add(3, "nvme", "fp32", 2, "partitioned")
     add(3, "nvme", "bf16", 2, "pipelined")
     for off, dt in (("none", "fp16"), ("cpu", "bf16")):
         add(3, off, dt, 2, inmem=True)
+    add(3, "nvme", "fp32", 2, "partitioned", inmem=True)
+    add(3, "nvme", "bf16", 2, "pipelined", inmem=True)
     c = _case(1, "none", "fp16", 2, steps=4, hysteresis=1, suffix="-resume-overflow")
     out.append(c.replace(checkpoint_at=2, overflows=(Overflow(step=2, rank=1, micro=0),)))
     return out

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from harness.case.nvme import expects_swap
 from harness.case.spec import Case, ParamShape
 from oracles.layout import zero3_padded_tail
 from harness import models
@@ -1110,4 +1111,73 @@ MUTANTS.update({m.name: m for m in (
            lambda c: c.allgather_evicts and bool(_muon(c)),
            "plausible: an eviction loop whose condition never holds (stage_1_and_2.py "
            "_muon_all_gather_partitions, stage3.py _partitioned_buffers_all_gather)"),
+)})
+
+
+def _z3_inmem(c: Case) -> bool:
+    return c.stage == 3 and bool(c.ds.zero.save_muon_momentum_buffer_in_memory) and bool(_muon(c))
+
+
+def _install_resident_momentum_state_copy():
+    """After every ZeRO-3 step the optimizer state's ``momentum_buffer`` of each Muon sub-group is a copy of
+    the resident in-memory buffer instead of the buffer itself (``save_muon_momentum_buffer_in_memory``). The
+    step reads and writes the resident buffer and rebinds the state to it first thing, so the numbers and a
+    checkpoint saved right after a step are unchanged: only the resident watch's same-tensor check
+    (``harness.rank.resident``) sees the two copies that a later writer of either would split."""
+    _, Z3, _ = _ds_classes()
+    cur = Z3.__dict__["step"]
+
+    def step(self, *args, **kwargs):
+        out = cur(self, *args, **kwargs)
+        if self.save_muon_momentum_buffer_in_memory:
+            for i, buf in self.muon_momentum_buffer_partitioned_groups_flat.items():
+                state = self.optimizer.state.get(self.fp32_partitioned_groups_flat[i])
+                if state is not None and state.get("momentum_buffer") is buf:
+                    copy = buf.clone()
+                    copy.swappable = False  # kept out of the swap files like the buffer it copies
+                    state["momentum_buffer"] = copy
+        return out
+
+    return _setattr(Z3, "step", step)[1]
+
+
+def _install_resident_momentum_written_to_swap():
+    """After every ZeRO-3 step the resident Muon momentum of each swapped sub-group is also written to the
+    swap folder under the name the swapper gives an optimizer state (``momentum_buffer-<ds_id>.tensor.swp``)
+    and kept in memory: the IO ``save_muon_momentum_buffer_in_memory`` exists to avoid, with the numbers
+    unchanged. Only the resident watch's swap-folder check (``harness.rank.resident``) sees it."""
+    _, Z3, _ = _ds_classes()
+    cur = Z3.__dict__["step"]
+
+    def step(self, *args, **kwargs):
+        import os  # late: rank side
+
+        out = cur(self, *args, **kwargs)
+        swapper = getattr(self, "optimizer_swapper", None)
+        if self.save_muon_momentum_buffer_in_memory and swapper is not None:
+            for i, buf in self.muon_momentum_buffer_partitioned_groups_flat.items():
+                if self._swappable_optimizer_subgroup(i):
+                    ds_id = self.fp32_partitioned_groups_flat[i].ds_id
+                    path = os.path.join(swapper.swap_folder, f"momentum_buffer-{ds_id}.tensor.swp")
+                    buf.detach().float().cpu().numpy().tofile(path)
+        return out
+
+    return _setattr(Z3, "step", step)[1]
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("resident-momentum-state-copy",
+           "ZeRO-3 with the Muon momentum kept in memory: after each step the optimizer state holds a copy of "
+           "the resident momentum buffer, not the buffer itself.",
+           _install_resident_momentum_state_copy,
+           _z3_inmem,
+           "plausible: a rebinding that clones (stage3.py _muon_update_sub_group / _apply_muon_updates_cpu_offload "
+           "'optimizer.state[...][\"momentum_buffer\"] = ...'; PR #8464 _adopt_restored_muon_momentum rebinds it)"),
+    Mutant("resident-momentum-written-to-swap",
+           "ZeRO-3 NVMe with the Muon momentum kept in memory: each swapped sub-group's resident momentum is also "
+           "written to the swap folder after every step.",
+           _install_resident_momentum_written_to_swap,
+           lambda c: _z3_inmem(c) and c.offload == "nvme" and expects_swap(c),
+           "plausible: the resident buffer treated as a swappable state (0.19.7 lacked swappable=False, DSM-109; "
+           "PR #8464 adds is_resident to is_swappable_tensor)"),
 )})
