@@ -92,6 +92,38 @@ def nvme_cases(full: bool = False) -> list[Case]:
     return out
 
 
+def unswapped_grad_params(world_size: int, n: int = 5) -> tuple[ParamShape, ...]:
+    """``n`` Muon matrices of ``2W x 32768`` (a quarter MiB per rank each): together their sub-group's
+    per-rank partition passes the 1 MiB swap threshold, so the sub-group is swapped, while each matrix's own
+    gradient fragment stays below it and is kept in memory (``optimizer_utils.py _swap_out_gradients``):
+    a swapped sub-group with no swapped gradient at all."""
+    return tuple(ParamShape(f"wide{i}.weight", (2 * world_size, 32768)) for i in range(n))
+
+
+def unswapped_grad_cases(full: bool = False) -> list[Case]:
+    """ZeRO-3 NVMe with a swapped Muon sub-group made only of unswapped gradient fragments
+    (``unswapped_grad_params``) beside the test layers, 3 steps. CI: the partitioned swapper at one rank, the
+    pipelined one at two; ``--full``: both swappers x world size 1-2 x dtype."""
+    combos = [("partitioned", "fp32", 1), ("pipelined", "fp32", 2)]
+    if full:
+        combos = list(itertools.product(("partitioned", "pipelined"), DTYPES, (1, 2)))
+    return [_case(3, "nvme", dt, ws, swapper=sw, params=TINY_PARAMS + unswapped_grad_params(ws),
+                  suffix="-unswappedgrads") for sw, dt, ws in combos]
+
+
+# Initial loss scales of the clip-under-loss-scaling cases (``clip_scale_cases``), beside the grid's 2^8.
+CLIP_SCALE_POWERS = (4, 12)
+
+
+def clip_scale_cases(full: bool = False) -> list[Case]:
+    """fp16 with clipping active on every step on ZeRO-1/2/3 with CPU offload, at initial loss scales 2^4 and
+    2^12 (the grid's fp16 clip cases run at 2^8): the oracle is the same at every scale (loss scaling must
+    not change a step that is not skipped), so each passing case is equal to the others within its
+    allowance. CI: world size 2; ``--full``: world size 1-3."""
+    return [_case(st, "cpu", "fp16", ws, clip=CLIP, initial_scale_power=p, suffix=f"-lsp{p}")
+            for st in STAGES for ws in (WORLD_SIZES if full else (2,)) for p in CLIP_SCALE_POWERS]
+
+
 # An Adam parameter big enough to be swapped (1 MiB at one rank, as an embedding is in a real model): its
 # sub-group carries three tensors (the fp32 partition and Adam's two moments) where a swapped Muon sub-group
 # carries two, so a buffer count off by one for an odd count shows only here.
@@ -1121,7 +1153,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
              + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full)
              + empty_share_cases(full) + aligned_cases(full) + conv2d_offload_cases(full) + equal_betas_cases(full)
-             + aux_l2_cases(full) + big_adam_nvme_cases(full)
+             + aux_l2_cases(full) + big_adam_nvme_cases(full) + unswapped_grad_cases(full) + clip_scale_cases(full)
              + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))

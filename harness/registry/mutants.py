@@ -1181,3 +1181,47 @@ MUTANTS.update({m.name: m for m in (
            "plausible: the resident buffer treated as a swappable state (0.19.7 lacked swappable=False, DSM-109; "
            "PR #8464 adds is_resident to is_swappable_tensor)"),
 )})
+
+
+def _install_unswapped_grads_released_on_read():
+    """The swapper forgets a swapped sub-group's in-memory gradient fragments (those below the swap
+    threshold, ``OptimizerStateSwapInfo.unswapped_gradients``) as soon as it has read them into the
+    gradient buffer, as ``_retrieve_unswapped_grad_partitions`` did before PR #8464 moved the release to the
+    swap-out: the Muon update ZeRO-3 writes back into those fragments (``_writeback_swap_state``) then has
+    nowhere to go, and the optimizer step reads the fragments again from what the buffer happens to hold."""
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper  # late: DeepSpeed, rank side
+
+    cur = OptimizerSwapper.__dict__["_retrieve_unswapped_grad_partitions"]
+
+    def retrieve(self, swap_info, dest_buffer):
+        out = cur(self, swap_info, dest_buffer)
+        swap_info.release_unswapped_gradients()
+        return out
+
+    return _setattr(OptimizerSwapper, "_retrieve_unswapped_grad_partitions", retrieve)[1]
+
+
+def _swapped_muon_only_unswapped_fragments(c: Case) -> bool:
+    """A swapped ZeRO-3 Muon sub-group in which every matrix's own per-rank gradient fragment is below the swap
+    threshold (``matrix.unswapped_grad_cases``): there the step has no gradient left to read and rank 0
+    raises (measured on both swappers). Where a swapped matrix shares the sub-group (every other NVMe case)
+    the mutant survives (measured on z3-nvme-part-fp32-ws2, -ws1-ga2 and z3-nvme-pipe-fp32-ws2-ga2-standard):
+    the numbers come out right, so the gradient buffer the step reads still holds the lost update."""
+    from harness.case import nvme  # late: the swap rule's helpers
+
+    if not (c.stage == 3 and c.offload == "nvme" and c.runs_muon):
+        return False
+    by_name = {p.name: p for p in c.params}
+    return any(sub["group"] == "muon" and sub["swapped"] and all(
+        nvme.FP32_BYTES * math.ceil(by_name[n].numel / c.dp_size) < nvme.min_swap_bytes(c) for n in sub["params"])
+        for sub in nvme.predict_swapped_subgroups(c))
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("unswapped-grads-released-on-read",
+           "ZeRO-3 NVMe: a swapped sub-group's in-memory (sub-threshold) gradient fragments are dropped once read, "
+           "so the Muon update written back into them is lost before the optimizer step reads them.",
+           _install_unswapped_grads_released_on_read,
+           _swapped_muon_only_unswapped_fragments,
+           "historical: swap_tensor/optimizer_utils.py _retrieve_unswapped_grad_partitions before PR #8464"),
+)})
