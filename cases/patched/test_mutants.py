@@ -18,6 +18,7 @@ def _snapshot():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
     from deepspeed.runtime.zero.muon import muon_optimizer
 
     import deepspeed
@@ -26,7 +27,7 @@ def _snapshot():
            "deepspeed.set_optimizer_flags": deepspeed.set_optimizer_flags,
            "original_muon._aspect_ratio_scale": original_muon._aspect_ratio_scale}
     for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, MuonWithAuxAdam, DeepSpeedEngine,
-                BF16_Optimizer):
+                BF16_Optimizer, OptimizerSwapper):
         for k, v in vars(cls).items():
             out[f"{cls.__name__}.{k}"] = v
     return out

@@ -149,6 +149,10 @@ class Case:
     # ``_muon_allgather_max_buffer_bytes`` / ``_muon_allgather_max_cached_bytes``; no config key), so
     # that a matrix is gathered in several chunks and the cache evicts. None: DeepSpeed's defaults.
     allgather_caps: tuple[int, int] | None = None
+    # The case claims that its caps make DeepSpeed's gather cache evict: an older entry pushed out by a newer
+    # one at least once per engine, counted in DeepSpeed's own cache object (harness.rank.gather_cache). A cap
+    # the gathers never fill passes the cap check too, so without the count the claim would be unchecked.
+    allgather_evicts: bool = False
     # Model-parallel ranks per data-parallel rank (harness.rank.mpu): > 1 hands DeepSpeed an ``mpu`` that
     # splits the world into ``model_parallel`` independent data-parallel runs of ``dp_size`` ranks
     # each (Megatron layout: model-parallel peers are consecutive ranks), each fed its own data.
@@ -350,6 +354,8 @@ class Case:
             del d["unused"]  # the same for cases without unused parameters
         if not d["fused_adam_fails"]:
             del d["fused_adam_fails"]
+        if not d["allgather_evicts"]:
+            del d["allgather_evicts"]  # the same for cases that claim no eviction
         for o in d["overflows"]:
             if o["param"] is None:
                 del o["param"]  # an overflow everywhere keeps the JSON it had before ``param`` existed

@@ -92,6 +92,38 @@ def nvme_cases(full: bool = False) -> list[Case]:
     return out
 
 
+def unswapped_grad_params(world_size: int, n: int = 5) -> tuple[ParamShape, ...]:
+    """``n`` Muon matrices of ``2W x 32768`` (a quarter MiB per rank each): together their sub-group's
+    per-rank partition passes the 1 MiB swap threshold, so the sub-group is swapped, while each matrix's own
+    gradient fragment stays below it and is kept in memory (``optimizer_utils.py _swap_out_gradients``):
+    a swapped sub-group with no swapped gradient at all."""
+    return tuple(ParamShape(f"wide{i}.weight", (2 * world_size, 32768)) for i in range(n))
+
+
+def unswapped_grad_cases(full: bool = False) -> list[Case]:
+    """ZeRO-3 NVMe with a swapped Muon sub-group made only of unswapped gradient fragments
+    (``unswapped_grad_params``) beside the test layers, 3 steps. CI: the partitioned swapper at one rank, the
+    pipelined one at two; ``--full``: both swappers x world size 1-2 x dtype."""
+    combos = [("partitioned", "fp32", 1), ("pipelined", "fp32", 2)]
+    if full:
+        combos = list(itertools.product(("partitioned", "pipelined"), DTYPES, (1, 2)))
+    return [_case(3, "nvme", dt, ws, swapper=sw, params=TINY_PARAMS + unswapped_grad_params(ws),
+                  suffix="-unswappedgrads") for sw, dt, ws in combos]
+
+
+# Initial loss scales of the clip-under-loss-scaling cases (``clip_scale_cases``), beside the grid's 2^8.
+CLIP_SCALE_POWERS = (4, 12)
+
+
+def clip_scale_cases(full: bool = False) -> list[Case]:
+    """fp16 with clipping active on every step on ZeRO-1/2/3 with CPU offload, at initial loss scales 2^4 and
+    2^12 (the grid's fp16 clip cases run at 2^8): the oracle is the same at every scale (loss scaling must
+    not change a step that is not skipped), so each passing case is equal to the others within its
+    allowance. CI: world size 2; ``--full``: world size 1-3."""
+    return [_case(st, "cpu", "fp16", ws, clip=CLIP, initial_scale_power=p, suffix=f"-lsp{p}")
+            for st in STAGES for ws in (WORLD_SIZES if full else (2,)) for p in CLIP_SCALE_POWERS]
+
+
 # An Adam parameter big enough to be swapped (1 MiB at one rank, as an embedding is in a real model): its
 # sub-group carries three tensors (the fp32 partition and Adam's two moments) where a swapped Muon sub-group
 # carries two, so a buffer count off by one for an odd count shows only here.
@@ -116,9 +148,16 @@ def big_adam_nvme_cases(full: bool = False) -> list[Case]:
 
 
 def inmem_cases(full: bool = False) -> list[Case]:
+    """ZeRO-3 with ``save_muon_momentum_buffer_in_memory``: offload none/cpu and NVMe on both swappers, 3
+    steps; besides the numbers, the resident buffer must stay the optimizer state's tensor and out of the
+    swap folder (``harness.rank.resident``). CI: fp32 and fp16 on the partitioned swapper, fp32 on the
+    pipelined one; ``--full``: every dtype on both."""
     out = []
     for off, dt in itertools.product(("none", "cpu", "nvme"), ("fp32", "fp16") if not full else DTYPES):
         out.append(_case(3, off, dt, 2, save_muon_momentum_buffer_in_memory=True, suffix="-inmem"))
+    for dt in (DTYPES if full else ("fp32",)):
+        out.append(_case(3, "nvme", dt, 2, swapper="pipelined", save_muon_momentum_buffer_in_memory=True,
+                         suffix="-inmem"))
     return out
 
 
@@ -230,8 +269,8 @@ def resume_cases(full: bool = False) -> list[Case]:
     nothing (weights, momentum, Adam moments, loss scale) diverges at step 3.
 
     CI (covering): stage 0 and ZeRO-1/2/3 x offload none/cpu with dtype and world size cycling, ZeRO-3
-    NVMe with both swappers, ZeRO-3 in-memory momentum without and with CPU offload, and an fp16
-    resume across an injected overflow (the restored loss scale must be the halved one).
+    NVMe with both swappers, ZeRO-3 in-memory momentum without offload, with CPU offload and on NVMe with
+    both swappers, and an fp16 resume across an injected overflow (the restored loss scale must be the halved one).
     ``--full``: stage x offload (none, cpu, nvme both swappers) x dtype x world size 1-3, ZeRO-3 with
     in-memory momentum on and off."""
     out = []
@@ -255,12 +294,14 @@ def resume_cases(full: bool = False) -> list[Case]:
     add(0, "none", "bf16", 2)
     for i, (st, off) in enumerate(itertools.product(STAGES, ("none", "cpu"))):
         add(st, off, DTYPES[i % 3], WORLD_SIZES[i % 3])
-    # NVMe resumes cost 60-120 s per column here (two engine builds around the swapped matrix), so CI
-    # keeps one per swapper; ZeRO-1/2 NVMe (DSM-002) and in-memory NVMe resumes are in --full.
+    # NVMe resumes cost 2-6 s a case here (harness/data/case_times.json): CI keeps one per swapper with the
+    # momentum swapped and one per swapper with it resident; ZeRO-1/2 NVMe (DSM-002) are in --full.
     add(3, "nvme", "fp32", 2, "partitioned")
     add(3, "nvme", "bf16", 2, "pipelined")
     for off, dt in (("none", "fp16"), ("cpu", "bf16")):
         add(3, off, dt, 2, inmem=True)
+    add(3, "nvme", "fp32", 2, "partitioned", inmem=True)
+    add(3, "nvme", "bf16", 2, "pipelined", inmem=True)
     c = _case(1, "none", "fp16", 2, steps=4, hysteresis=1, suffix="-resume-overflow")
     out.append(c.replace(checkpoint_at=2, overflows=(Overflow(step=2, rank=1, micro=0),)))
     return out
@@ -990,6 +1031,11 @@ NO_CACHE_CAPS = {(1, 2): (96, 0), 3: (96, 0)}
 # A scratch budget of 16 bytes, below one element per rank and buffer ((W + 1) x 2 buffers x 4 bytes = 24 at
 # W=2): the chunk size floors at one element (``max(1, ...)``), 26 chunks a batch.
 ONE_ELEMENT_CAPS = (16, 128)
+# ZeRO-3 gathers a Muon sub-group's pieces in one buffer, keyed by its size: one sub-group per matrix
+# (``SUBGROUP_PARAMS`` at ``SUBGROUP_SIZE``) gives one key per matrix, so a cap that holds one fp32 entry (W=2:
+# 180, 144, 132, 120 bytes without offload; the offload path's gradient-and-momentum entries double them)
+# evicts while the sub-groups take turns. The test layers alone give one key per step, which never evicts.
+Z3_EVICT_CAPS = {"none": (96, 200), "cpu": (96, 400)}
 
 
 def gather_cases(full: bool = False) -> list[Case]:
@@ -1005,13 +1051,18 @@ def gather_cases(full: bool = False) -> list[Case]:
     for i, (st, off, dt, ws) in enumerate(combos):
         caps = GATHER_CAPS[3] if st == 3 else GATHER_CAPS[(1, 2)]
         c = _case(st, off, dt, ws, grad_accum=1 + i % 2, suffix="-gather")
-        out.append(c.replace(allgather_caps=caps))
+        # ZeRO-1/2 offload switch between a gradient-only and a gradient-and-momentum entry of 96 bytes
+        # each under a 128-byte cap; ZeRO-1/2 without offload never use the cache, ZeRO-3 here one key
+        out.append(c.replace(allgather_caps=caps, allgather_evicts=st in (1, 2) and off != "none"))
     out.append(_case(1, "cpu", "fp32", 2, params=GATHER_PACK_PARAMS, suffix="-gather-pack").replace(
-        allgather_caps=GATHER_CAPS[(1, 2)]))
+        allgather_caps=GATHER_CAPS[(1, 2)], allgather_evicts=True))
     for st, off in ((1, "cpu"), (3, "none")):
         c = _case(st, off, "fp32", 2, suffix="-gather-nocache")
         out.append(c.replace(allgather_caps=NO_CACHE_CAPS[3] if st == 3 else NO_CACHE_CAPS[(1, 2)]))
     out.append(_case(2, "cpu", "fp32", 2, suffix="-gather-oneelem").replace(allgather_caps=ONE_ELEMENT_CAPS))
+    for off, ws in [(off, ws) for off in ("none", "cpu") for ws in ((2, 3) if full else (2,))]:
+        c = _case(3, off, "fp32", ws, params=SUBGROUP_PARAMS, sub_group_size=SUBGROUP_SIZE, suffix="-gather-evict")
+        out.append(c.replace(allgather_caps=Z3_EVICT_CAPS[off], allgather_evicts=True))
     return out
 
 
@@ -1102,7 +1153,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + tall_head_cases(full) + defaults_cases(full) + ds_tagged_head_cases(full)
              + conv3d_cases(full) + one_element_share_cases(full) + one_matrix_cases(full) + low_scale_cases(full)
              + empty_share_cases(full) + aligned_cases(full) + conv2d_offload_cases(full) + equal_betas_cases(full)
-             + aux_l2_cases(full) + big_adam_nvme_cases(full)
+             + aux_l2_cases(full) + big_adam_nvme_cases(full) + unswapped_grad_cases(full) + clip_scale_cases(full)
              + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full))

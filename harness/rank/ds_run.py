@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.rank import capture, gather_cache
+from harness.rank import capture, gather_cache, resident
 from harness.case import synthetic
 from harness.case.spec import NVME_PATH_PLACEHOLDER, Case
 from harness.case.trajectory import Trajectory
@@ -533,7 +533,7 @@ class _CaseRun:
                  swap, t0: float):
         self.case, self.rank, self.world_size, self.workdir = case, rank, world_size, workdir
         self.capture_mode, self.recorder, self.swap, self.t0 = capture_mode, recorder, swap, t0
-        self.engine = self.named = self.info = self.traj = self.watch = None
+        self.engine = self.named = self.info = self.traj = self.watch = self.resident = None
         self.notes: list[str] = []
         self.pending: list[dict] = []  # coalesced: this rank's read_step dicts, one per step
         self.initial_pieces = None
@@ -564,6 +564,7 @@ class _CaseRun:
         # None: a release without the option, whose engine counts the micro-steps itself (managed)
         self.step_every_micro = case.ds.managed_gradient_accumulation is not False
         self.watch = stack.enter_context(_gather_watch(case, self.engine))
+        self.resident = resident.ResidentMomentumWatch(case, self.engine)
 
     def _coalesced(self) -> bool:
         """Coalesced: every rank keeps what it holds of each step (no collective) and rank 0 gets it all
@@ -646,7 +647,8 @@ class _CaseRun:
                                                   recorder=self.recorder, swap=self.swap, losses=losses,
                                                   gather_model=self.gather_model))
             self.pending[-1]["buffers"] = self.read_buffers(self.engine)
-            self.pending[-1]["extra_notes"] = self.watch[0].check_step(step, gather_cache.chunked(case))
+            self.pending[-1]["extra_notes"] = (self.watch[0].check_step(step, gather_cache.chunked(case))
+                                               + self.resident.check_step(step))
             return
         rec = capture.capture_step(self.engine, case, step, rank, world_size, named=self.named,
                                    id_to_name=self.recorder.id_to_name, info=self.info, pre=pre,
@@ -666,6 +668,7 @@ class _CaseRun:
         self.engine.save_checkpoint(str(ckpt), tag=tag)
         destroy_engine(self.engine)
         self.engine = None
+        self.resident.close()
         if self.coalesced:
             self.pending[-1]["extra_notes"] += self.watch[0].check_destroyed()
         # The rebuild's own initialize may call muon_update (stage 0 fp16/bf16: DSM-014's warm-up
@@ -677,6 +680,7 @@ class _CaseRun:
         self.info = capture.path_info(self.engine)
         self.engine.load_checkpoint(str(ckpt), tag=tag)
         self.watch[0] = gather_cache.GatherCacheWatch(case, self.engine)
+        self.resident = resident.ResidentMomentumWatch(case, self.engine)
         w, r = self.swap.reset()
         if self.rank == 0:
             self.traj.notes.append(f"checkpoint saved after step {step} and loaded into a fresh engine"
@@ -687,6 +691,7 @@ class _CaseRun:
         t_steps = time.perf_counter()
         destroy_engine(self.engine)
         self.engine = self.named = self.info = None
+        self.resident.close()
         if self.coalesced and self.pending:
             self.pending[-1]["extra_notes"] += self.watch[0].check_destroyed()
         if self.coalesced:
@@ -745,7 +750,7 @@ def _run_case(case: Case, rank: int, world_size: int, workdir: Path, capture_mod
             if run.engine is not None:
                 with contextlib.suppress(Exception):
                     destroy_engine(run.engine)
-            run.engine = run.named = None
+            run.engine = run.named = run.resident = None
         if case.model_parallel > 1:
             state.ds_groups.mpu = state.mpu  # the grid this case handed the engine (expected, not a leak)
         changed = state.restore()

@@ -10,11 +10,17 @@ chunking). The numbers are judged by the usual oracle; this module turns the thr
 capture notes, each of which fails the case (``harness.judge.verdict``): the cache held more than its cap
 (or its byte counter disagrees with what it holds), a case that claims chunking but whose step had
 no gather of ``MIN_CHUNKS`` or more chunks (all-gathers in one ``_muon_all_gather_partitions``
-call), and a buffer left behind after ``destroy()``.
+call), a buffer left behind after ``destroy()``, and a case that claims eviction
+(``Case.allgather_evicts``) whose engine never saw an older cache entry pushed out by a newer one. That last
+promise is counted in DeepSpeed's own cache object (the ``OrderedDict`` the optimizer holds, never
+replaced): its keys are recorded around every gather call, and a call after which a key that was there is
+gone while a new one is there is an eviction. A cache that never fills, or one that keeps its first
+entries and refuses the rest, stays under its cap as well; only the count tells them from an LRU cache.
 """
 from __future__ import annotations
 
 MIN_CHUNKS = 3
+GATHER_METHODS = ("_muon_all_gather_partitions", "_partitioned_buffers_all_gather")
 
 
 class GatherCacheWatch:
@@ -29,6 +35,8 @@ class GatherCacheWatch:
         self._in_call = 0
         self.max_gathers = 0
         self.evictions_possible = False
+        self.evictions = 0  # gather calls after which an older entry was gone and a newer one cached
+        self._cache = None  # DeepSpeed's cache object as first seen: a swap for another object is a note
         self._undo = None
         if case.allgather_caps is None or self.opt is None:
             return
@@ -50,23 +58,47 @@ class GatherCacheWatch:
 
         comm.all_gather_into_tensor = all_gather_into_tensor
         opt = self.opt
-        method = getattr(type(opt), "_muon_all_gather_partitions", None)
-        if method is not None:
-            def _muon_all_gather_partitions(*args, **kwargs):
-                inside[0] = True
-                self._in_call = 0
-                try:
-                    return method(opt, *args, **kwargs)
-                finally:
-                    inside[0] = False
-
-            opt._muon_all_gather_partitions = _muon_all_gather_partitions
+        self._cache = getattr(opt, "_muon_allgather_buffers", None)
+        wrapped = []
+        # ZeRO-1/2 gather through _muon_all_gather_partitions (chunked), ZeRO-3 through
+        # _partitioned_buffers_all_gather; both store into the same kind of cache
+        for attr in GATHER_METHODS:
+            method = getattr(type(opt), attr, None)
+            if method is not None:
+                setattr(opt, attr, self._wrap_gather(method, inside, count_chunks=attr == GATHER_METHODS[0]))
+                wrapped.append(attr)
 
         def undo():
             comm.all_gather_into_tensor = cur
-            opt.__dict__.pop("_muon_all_gather_partitions", None)
+            for attr in wrapped:
+                opt.__dict__.pop(attr, None)
 
         self._undo = undo
+
+    def _wrap_gather(self, method, inside, count_chunks: bool):
+        opt = self.opt
+
+        def gather(*args, **kwargs):
+            if count_chunks:
+                inside[0] = True
+                self._in_call = 0
+            before = list(self._cache.keys()) if self._cache is not None else []
+            try:
+                return method(opt, *args, **kwargs)
+            finally:
+                if count_chunks:
+                    inside[0] = False
+                self._count_eviction(before)
+
+        return gather
+
+    def _count_eviction(self, before: list) -> None:
+        if self._cache is None:
+            return
+        after = set(self._cache.keys())
+        had = set(before)
+        if any(k not in after for k in before) and any(k not in had for k in after):
+            self.evictions += 1
 
     @property
     def active(self) -> bool:
@@ -92,6 +124,8 @@ class GatherCacheWatch:
             notes.append(f"step {step}: the Muon gather cache holds {held} bytes > its cap {cap}")
         if counted != held:
             notes.append(f"step {step}: the Muon gather cache counts {counted} bytes but holds {held}")
+        if cache is not self._cache:
+            notes.append(f"step {step}: the optimizer's Muon gather cache is not the object it was built with")
         if chunked and self.gathers < MIN_CHUNKS:
             notes.append(f"step {step}: claims chunked Muon all-gathers but no gather spanned more than "
                          f"{self.gathers} chunk(s) (< {MIN_CHUNKS}): the case does not exercise chunking")
@@ -105,16 +139,20 @@ class GatherCacheWatch:
         cache = getattr(self.opt, "_muon_allgather_buffers", None) or {}
         left = sum(int(v[2]) for v in cache.values())
         counted = int(getattr(self.opt, "_muon_allgather_buffer_bytes", 0))
-        self.opt = None
+        self.opt = self._cache = None
+        notes = []
         if cache or counted:
-            return [f"destroy() left {len(cache)} Muon gather buffer(s) ({left} bytes, counter {counted})"]
-        return []
+            notes.append(f"destroy() left {len(cache)} Muon gather buffer(s) ({left} bytes, counter {counted})")
+        if getattr(self.case, "allgather_evicts", False) and not self.evictions:
+            notes.append("claims the Muon gather cache evicts, but no gather pushed an older cache entry out "
+                         "for a newer one (the cache never filled, or kept its old entries)")
+        return notes
 
     def close(self) -> None:
         if self._undo is not None:
             self._undo()
             self._undo = None
-        self.opt = None
+        self.opt = self._cache = None
 
 
 def chunked(case) -> bool:

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from harness.case.nvme import expects_swap
 from harness.case.spec import Case, ParamShape
 from oracles.layout import zero3_padded_tail
 from harness import models
@@ -966,7 +967,9 @@ MUTANTS.update({m.name: m for m in (
            _install_gather_cache_unbounded,
            # ZeRO-1/2 offload (two entry shapes: gradient only, then gradient + momentum) and ZeRO-3
            # offload overflow the cap; ZeRO-3 without offload reuses one entry here
-           lambda c: c.allgather_caps is not None and c.stage in (1, 2, 3) and c.offload != "none" and bool(_muon(c)),
+           # a case that claims eviction (Case.allgather_evicts) fills its cap by construction
+           lambda c: c.allgather_caps is not None and bool(_muon(c))
+           and ((c.stage in (1, 2, 3) and c.offload != "none") or c.allgather_evicts),
            "plausible: the eviction loop of the gather cache (stage_1_and_2.py _muon_all_gather_partitions)"),
 )})
 
@@ -1063,6 +1066,162 @@ MUTANTS.update({m.name: m for m in (
            # momentum in one buffer larger than the gathers cases' cap (harness.catalog.matrix.GATHER_CAPS), so
            # it caches nothing there (what gather-cache-unbounded's kills show)
            lambda c: c.allgather_caps is not None and bool(_muon(c))
-           and ((c.stage in (1, 2) and c.offload != "none") or (c.stage == 3 and c.offload == "none")),
+           and ((c.stage in (1, 2) and c.offload != "none") or (c.stage == 3 and c.offload == "none")
+                or c.allgather_evicts),
            "plausible: a destroy() that forgets a cache (stage_1_and_2.py / stage3.py destroy)"),
+)})
+
+
+def _install_gather_cache_keeps_oldest():
+    """The Muon gather-buffer cache keeps the entries it has and refuses newer ones once full: every gather
+    call that pushed an entry out is undone afterwards (its old entries and byte count put back into the
+    same ``OrderedDict``, the new entry dropped). Numbers unchanged, never above the cap, nothing left after
+    ``destroy()``: only the eviction count of a case that claims eviction (``Case.allgather_evicts``,
+    ``harness.rank.gather_cache``) sees it, as it would see a cache that never fills."""
+    def make(cur):
+        def gather(self, *args, **kwargs):
+            cache = self._muon_allgather_buffers
+            kept, nbytes = list(cache.items()), self._muon_allgather_buffer_bytes
+            try:
+                return cur(self, *args, **kwargs)
+            finally:
+                if any(k not in cache for k, _ in kept):
+                    cache.clear()
+                    cache.update(kept)
+                    self._muon_allgather_buffer_bytes = nbytes
+        return gather
+
+    Z12, Z3, _ = _ds_classes()
+    undos = [_setattr(Z12, "_muon_all_gather_partitions", make(Z12.__dict__["_muon_all_gather_partitions"]))[1],
+             _setattr(Z3, "_partitioned_buffers_all_gather",
+                      make(Z3.__dict__["_partitioned_buffers_all_gather"]))[1]]
+
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("gather-cache-keeps-oldest",
+           "The Muon all-gather buffer cache never evicts: once full it keeps its oldest entries and caches "
+           "no newer one (bounded, but not least-recently-used).",
+           _install_gather_cache_keeps_oldest,
+           lambda c: c.allgather_evicts and bool(_muon(c)),
+           "plausible: an eviction loop whose condition never holds (stage_1_and_2.py "
+           "_muon_all_gather_partitions, stage3.py _partitioned_buffers_all_gather)"),
+)})
+
+
+def _z3_inmem(c: Case) -> bool:
+    return c.stage == 3 and bool(c.ds.zero.save_muon_momentum_buffer_in_memory) and bool(_muon(c))
+
+
+def _install_resident_momentum_state_copy():
+    """After every ZeRO-3 step the optimizer state's ``momentum_buffer`` of each Muon sub-group is a copy of
+    the resident in-memory buffer instead of the buffer itself (``save_muon_momentum_buffer_in_memory``). The
+    step reads and writes the resident buffer and rebinds the state to it first thing, so the numbers and a
+    checkpoint saved right after a step are unchanged: only the resident watch's same-tensor check
+    (``harness.rank.resident``) sees the two copies that a later writer of either would split."""
+    _, Z3, _ = _ds_classes()
+    cur = Z3.__dict__["step"]
+
+    def step(self, *args, **kwargs):
+        out = cur(self, *args, **kwargs)
+        if self.save_muon_momentum_buffer_in_memory:
+            for i, buf in self.muon_momentum_buffer_partitioned_groups_flat.items():
+                state = self.optimizer.state.get(self.fp32_partitioned_groups_flat[i])
+                if state is not None and state.get("momentum_buffer") is buf:
+                    copy = buf.clone()
+                    copy.swappable = False  # kept out of the swap files like the buffer it copies
+                    state["momentum_buffer"] = copy
+        return out
+
+    return _setattr(Z3, "step", step)[1]
+
+
+def _install_resident_momentum_written_to_swap():
+    """After every ZeRO-3 step the resident Muon momentum of each swapped sub-group is also written to the
+    swap folder under the name the swapper gives an optimizer state (``momentum_buffer-<ds_id>.tensor.swp``)
+    and kept in memory: the IO ``save_muon_momentum_buffer_in_memory`` exists to avoid, with the numbers
+    unchanged. Only the resident watch's swap-folder check (``harness.rank.resident``) sees it."""
+    _, Z3, _ = _ds_classes()
+    cur = Z3.__dict__["step"]
+
+    def step(self, *args, **kwargs):
+        import os  # late: rank side
+
+        out = cur(self, *args, **kwargs)
+        swapper = getattr(self, "optimizer_swapper", None)
+        if self.save_muon_momentum_buffer_in_memory and swapper is not None:
+            for i, buf in self.muon_momentum_buffer_partitioned_groups_flat.items():
+                if self._swappable_optimizer_subgroup(i):
+                    ds_id = self.fp32_partitioned_groups_flat[i].ds_id
+                    path = os.path.join(swapper.swap_folder, f"momentum_buffer-{ds_id}.tensor.swp")
+                    buf.detach().float().cpu().numpy().tofile(path)
+        return out
+
+    return _setattr(Z3, "step", step)[1]
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("resident-momentum-state-copy",
+           "ZeRO-3 with the Muon momentum kept in memory: after each step the optimizer state holds a copy of "
+           "the resident momentum buffer, not the buffer itself.",
+           _install_resident_momentum_state_copy,
+           _z3_inmem,
+           "plausible: a rebinding that clones (stage3.py _muon_update_sub_group / _apply_muon_updates_cpu_offload "
+           "'optimizer.state[...][\"momentum_buffer\"] = ...'; PR #8464 _adopt_restored_muon_momentum rebinds it)"),
+    Mutant("resident-momentum-written-to-swap",
+           "ZeRO-3 NVMe with the Muon momentum kept in memory: each swapped sub-group's resident momentum is also "
+           "written to the swap folder after every step.",
+           _install_resident_momentum_written_to_swap,
+           lambda c: _z3_inmem(c) and c.offload == "nvme" and expects_swap(c),
+           "plausible: the resident buffer treated as a swappable state (0.19.7 lacked swappable=False, DSM-109; "
+           "PR #8464 adds is_resident to is_swappable_tensor)"),
+)})
+
+
+def _install_unswapped_grads_released_on_read():
+    """The swapper forgets a swapped sub-group's in-memory gradient fragments (those below the swap
+    threshold, ``OptimizerStateSwapInfo.unswapped_gradients``) as soon as it has read them into the
+    gradient buffer, as ``_retrieve_unswapped_grad_partitions`` did before PR #8464 moved the release to the
+    swap-out: the Muon update ZeRO-3 writes back into those fragments (``_writeback_swap_state``) then has
+    nowhere to go, and the optimizer step reads the fragments again from what the buffer happens to hold."""
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper  # late: DeepSpeed, rank side
+
+    cur = OptimizerSwapper.__dict__["_retrieve_unswapped_grad_partitions"]
+
+    def retrieve(self, swap_info, dest_buffer):
+        out = cur(self, swap_info, dest_buffer)
+        swap_info.release_unswapped_gradients()
+        return out
+
+    return _setattr(OptimizerSwapper, "_retrieve_unswapped_grad_partitions", retrieve)[1]
+
+
+def _swapped_muon_only_unswapped_fragments(c: Case) -> bool:
+    """A swapped ZeRO-3 Muon sub-group in which every matrix's own per-rank gradient fragment is below the swap
+    threshold (``matrix.unswapped_grad_cases``): there the step has no gradient left to read and rank 0
+    raises (measured on both swappers). Where a swapped matrix shares the sub-group (every other NVMe case)
+    the mutant survives (measured on z3-nvme-part-fp32-ws2, -ws1-ga2 and z3-nvme-pipe-fp32-ws2-ga2-standard):
+    the numbers come out right, so the gradient buffer the step reads still holds the lost update."""
+    from harness.case import nvme  # late: the swap rule's helpers
+
+    if not (c.stage == 3 and c.offload == "nvme" and c.runs_muon):
+        return False
+    by_name = {p.name: p for p in c.params}
+    return any(sub["group"] == "muon" and sub["swapped"] and all(
+        nvme.FP32_BYTES * math.ceil(by_name[n].numel / c.dp_size) < nvme.min_swap_bytes(c) for n in sub["params"])
+        for sub in nvme.predict_swapped_subgroups(c))
+
+
+MUTANTS.update({m.name: m for m in (
+    Mutant("unswapped-grads-released-on-read",
+           "ZeRO-3 NVMe: a swapped sub-group's in-memory (sub-threshold) gradient fragments are dropped once read, "
+           "so the Muon update written back into them is lost before the optimizer step reads them.",
+           _install_unswapped_grads_released_on_read,
+           _swapped_muon_only_unswapped_fragments,
+           "historical: swap_tensor/optimizer_utils.py _retrieve_unswapped_grad_partitions before PR #8464"),
 )})

@@ -24,6 +24,8 @@ from harness.catalog.matrix import bf16opt_cases
 from harness.catalog.matrix import subgroup_cases
 from harness.catalog.matrix import knob_cases
 from harness.catalog.matrix import gather_cases
+from harness.catalog.matrix import inmem_cases
+from harness.catalog.matrix import unswapped_grad_cases
 from harness.catalog.matrix import dpgroup_cases
 from harness.catalog.matrix import compiled_cases
 from harness.catalog.matrix import local_overflow_cases
@@ -69,6 +71,20 @@ def _gather_kill_case() -> Case:
     return next(c for c in gather_cases() if c.name == "z1-cpu-fp32-ws2-gather")
 
 
+def _resident_kill_case() -> Case:
+    """ZeRO-3 NVMe (pipelined) with the Muon momentum kept in memory (harness.catalog.matrix.inmem_cases): the
+    resident buffer's promises (harness.rank.resident) on a swapped sub-group."""
+
+    return next(c for c in inmem_cases() if c.name == "z3-nvme-pipe-fp32-ws2-inmem")
+
+
+def _unswapped_grads_kill_case() -> Case:
+    """ZeRO-3 NVMe at one rank with a swapped Muon sub-group of unswapped gradient fragments only
+    (harness.catalog.matrix.unswapped_grad_cases)."""
+
+    return next(c for c in unswapped_grad_cases() if c.name == "z3-nvme-part-fp32-ws1-unswappedgrads")
+
+
 def _dpgroup_kill_case() -> Case:
     """ZeRO-1 at world size 4 as 2 model-parallel x 2 data-parallel ranks (harness.catalog.matrix.dpgroup_cases)."""
 
@@ -107,6 +123,8 @@ def default_kill_cases() -> list[Case]:
         _subgroups_kill_case(),
         _knob_kill_case(),
         _gather_kill_case(),
+        _resident_kill_case(),
+        _unswapped_grads_kill_case(),
         _dpgroup_kill_case(),
         _compiled_kill_case(),
         _local_overflow_kill_case(),
