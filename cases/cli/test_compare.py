@@ -129,3 +129,10 @@ def test_the_workflow_runs_the_shard_and_merge_commands_tested_here():
         parsed.append(build_parser().parse_args(argv))
     assert any(a.shard == f"1/{shards}" and a.base and a.head for a in parsed)
     assert any(a.merge for a in parsed)
+
+
+def test_a_filter_that_starts_with_a_dash_reaches_each_side_as_one_token():
+    args = build_parser().parse_args(["compare", "--base", "0.19.7", "--head", "installed", "--only=-none-fp32-"])
+    extra = cli_compare.gate_args_of(args)
+    gate = build_parser().parse_args(["gate", *extra])
+    assert gate.only == "-none-fp32-"

@@ -156,7 +156,7 @@ def gate_args_of(args) -> list[str]:
     if args.full:
         extra.append("--full")
     if args.only:
-        extra += ["--only", args.only]
+        extra.append(f"--only={args.only}")  # one token: a filter may start with "-"
     if args.shard:
         Shard.parse(args.shard)  # raises ValueError: an input error
         extra += ["--shard", args.shard]
