@@ -142,3 +142,14 @@ def test_a_slice_measured_refreshes_its_cases_and_keeps_the_others(tmp_path):
     sharding.write_times({"b": 5.0, "c": 3.0}, "second", path)
     data = json.loads(path.read_text())
     assert data["cases"] == {"a": 1.0, "b": 5.0, "c": 3.0} and data["measured_by"] == "second"
+
+
+def test_a_jobs_shard_gets_a_dash_filter_as_one_token(tmp_path):
+    """``gate --only=-none-fp32- --jobs 2``: each shard's command line must parse back to the same filter
+    (as two tokens its parser read "-none-fp32-" as an option and every shard exited 2)."""
+    from harness.cli.main_job import GateArgs, shard_args
+    from harness.cli.parser import build_parser
+
+    a = GateArgs(report=str(tmp_path / "g.html"), only="-none-fp32-", jobs=2, results=str(tmp_path / "r"))
+    for argv in shard_args(a):
+        assert build_parser().parse_args(["gate", *argv]).only == "-none-fp32-"

@@ -112,7 +112,11 @@ def run_side(python: str, results: Path, gate_args: list[str]) -> int:
 
 
 def write(out: Path, base_results: Path, head_results: Path, labels: dict) -> int:
-    rows = classify.compare(base_results, head_results)
+    try:
+        rows = classify.compare(base_results, head_results)
+    except FileNotFoundError as exc:  # a side judged nothing: there is no comparison to make
+        print(f"compare: {exc}", file=sys.stderr)
+        return 4
     md = classify.summary(rows, labels["base"], labels["head"])
     (out / "summary.md").write_text(md)
     (out / "compare.html").write_text(classify.render_html(rows, labels["base"], labels["head"], md))
@@ -130,9 +134,11 @@ def run(base: str, head: str, out: Path, gate_args: list[str]) -> int:
         labels[side.role] = label(python)
         (out / "compare.json").write_text(json.dumps({"labels": labels, "gate_args": gate_args}, indent=1))
         rc = run_side(python, out / f"{side.role}-results", gate_args)
-        if rc not in (0, 1):  # 1: the gate found failures, which is what is being compared
-            print(f"compare: the {side.role} gate ended with exit {rc}", file=sys.stderr)
-            return rc
+        judged = any((out / f"{side.role}-results").glob("results-*.jsonl"))
+        if rc not in (0, 1) or not judged:  # 1: the gate found failures, which is what is being compared
+            print(f"compare: the {side.role} gate ended with exit {rc}"
+                  + ("" if judged else ", judging nothing"), file=sys.stderr)
+            return rc if rc not in (0, 1) else 4
     return write(out, out / "base-results", out / "head-results", labels)
 
 

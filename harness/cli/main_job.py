@@ -409,7 +409,7 @@ def shard_args(a: GateArgs) -> list[list[str]]:
         cmd = ["--shard", f"{k}/{a.jobs}", "--report", a.report, "--seed", str(a.seed), "--no-report", "--append"]
         cmd += ["--resume" if a.resume else "--results", str(a.results_dir)]
         cmd += ["--full"] if a.full else []
-        cmd += ["--only", a.only] if a.only else []
+        cmd += [f"--only={a.only}"] if a.only else []  # one token: a filter may start with "-"
         cmd += ["--quiet"]  # the parent prints one progress line for all (``Progress``)
         cmd += [] if a.mutate else ["--no-mutate"]
         cmd += ["--shuffle", str(a.shuffle)] if a.shuffle is not None else []

@@ -114,7 +114,7 @@ def _session_cmd(engine_py: Path, session: Path, cmap_path: Path, args, replaced
     if args.sample is not None:
         cmd += ["--sample", str(args.sample)]
     if args.only:
-        cmd += ["--only", args.only]
+        cmd += [f"--only={args.only}"]  # one token: a filter may start with "-"
     cmd += replaced + (["--judge-equivalents"] if args.judge_equivalents else [])
     if not args.fresh and not args.no_ledger:
         cmd += ["--ledger", str(ledger_file)]
