@@ -26,7 +26,7 @@ from .newton_schulz import (NS_A, NS_B, NS_C, NS_COEFFICIENTS, NS_EPS, NS_STEPS,
                             muon_direction, ns_gram, ns_standard, phi, phi_derivative, quintic,
                             quintic_band)
 from .step import (MODEL_DTYPES, Conventions, OracleState, ParamRecord, ParamSpec, StepConfig, StepRecord, accumulate,
-                   deepspeed_conventions, fp16_overflow, initial_state, run)
+                   deepspeed_conventions, fp16_overflow, initial_state, run, scale_ratio)
 from .step import step as oracle_step  # the function; ``oracles.step`` stays the module
 from .tolerance import (MODES, RATIO_SHOWN_MAX, UNIT_ROUNDOFF, Allowance, Allowances, Check, Divergence, allowances,
                         compare, grad_term_scale,

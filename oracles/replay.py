@@ -76,13 +76,17 @@ def fresh_model_weights(conv: Conventions, weights: Mapping[str, torch.Tensor],
 
 
 def stepped_gradients(conv: Conventions, G: Mapping[str, torch.Tensor], use_muon: Mapping[str, bool],
-                      held: Mapping[str, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]) -> dict:
+                      held: Mapping[str, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]],
+                      scale_ratio: float = 1.0) -> dict:
     """The gradient each parameter is stepped on, from the intended average ``G``. ``held``: for each
     parameter without a gradient this step, (its previous gradient in true units, its previous Muon
     update), as its buffers were left. ``adam_grads_lost``: the Adam half reads zeros;
     ``stale_unused_grads``: a parameter without a gradient reads what its buffer held (a Muon matrix:
-    the update written over its gradient; an Adam parameter: its gradient)."""
+    the update written over its gradient; an Adam parameter: its gradient); ``muon_in_new_scale``: a Muon
+    matrix reads ``G S / S'`` (``scale_ratio``, the step's ``S / S'``)."""
     out = {n: (torch.zeros_like(g) if conv.adam_grads_lost and not use_muon[n] else g) for n, g in G.items()}
+    if conv.muon_in_new_scale and conv.scale_update_before_unscale:
+        out = {n: (g * scale_ratio if use_muon[n] else g) for n, g in out.items()}
     if conv.stale_unused_grads:
         for n, (grad, update) in held.items():
             left = update if use_muon[n] else grad

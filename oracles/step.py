@@ -161,6 +161,12 @@ class Conventions:
         (``stage_1_and_2.py`` ``_apply_muon_updates_cpu_offload``, ``stage3.py`` same name): ``S*O`` is
         formed with the old scale and divided by the new one, so the Muon step is multiplied by
         ``S/S'``. Only acts together with ``scale_update_before_unscale``. Default False.
+    muon_in_new_scale: accident of a ZeRO-1/2 offload path that runs Muon after the scale update
+        (DeepSpeed PR #8464's ``_apply_muon_updates_cpu_offload``, called after ``_update_scale``): on a
+        growth step Muon's gradient is divided by the new scale ``S'`` (it reads ``G S / S'``) and its update is
+        stored times ``S'``, so the step itself is unharmed but the norm counts the Muon update as
+        ``O S' / S``. The gradient Muon reads is the caller's (``oracles.replay.stepped_gradients``); ``step``
+        reads this field for the norm. Only acts together with ``scale_update_before_unscale``. Default False.
     momentum_units: ``"true"`` (default) or ``"scaled"`` -- accident of the non-offload paths
         (``stage_1_and_2.py`` ``get_flat_partition`` -> ``muon_update`` on the loss-scaled gradient;
         ``stage3.py`` ``_muon_update_sub_group``): the momentum accumulates ``S * G``, so a change of
@@ -267,6 +273,7 @@ class Conventions:
     clip_norm_source: str = "muon_update"
     scale_update_before_unscale: bool = False
     muon_update_in_old_scale: bool = False
+    muon_in_new_scale: bool = False
     momentum_units: str = "true"
     momentum_dtype: str = "float64"
     grad_dtype: str = "float64"
@@ -594,7 +601,7 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     if conv.clip_norm_source == "gradient":
         norm = global_norm(Gs.values()) if shared_norm is None else shared_norm
         # the growth-step accident divides by S' where S was meant
-        grow = _scale_ratio(state, cfg, conv)
+        grow = scale_ratio(state, cfg, conv)
         pre_k = clip_coefficient(norm * grow, cfg.gradient_clipping) if forced_clip_coef is None else forced_clip_coef
     new_mom, directions = _muon_directions(state, cfg, conv, Gs, pre_k, ns_mode)
     S = float(state.scaler.scale)
@@ -724,6 +731,8 @@ def _norm_and_clip(state: OracleState, cfg: StepConfig, conv: Conventions, Gs, d
     normed_adam = [p for p in cfg.params if not p.use_muon and p.name not in conv.norm_excluded]
     # DSM-108's model: O carries no S, so in true units it counts (and steps) as O / S (of the backward)
     unscaled = 1.0 / S if conv.muon_update_unscaled else 1.0
+    if conv.muon_in_new_scale:  # stored as O S', counted in the norm as O S' / S
+        unscaled /= scale_ratio(state, cfg, conv)
     own = None
     if conv.clip_norm_source == "muon_update":
         norm = global_norm([directions[p.name] * unscaled for p in muon_specs] + [Gs[p.name] for p in normed_adam])
@@ -802,7 +811,7 @@ def _round_padded_tail(m: torch.Tensor, world_size: int, dtype: torch.dtype) -> 
     return flat.reshape(m.shape)
 
 
-def _scale_ratio(state: OracleState, cfg: StepConfig, conv: Conventions) -> float:
+def scale_ratio(state: OracleState, cfg: StepConfig, conv: Conventions) -> float:
     """``S / S'`` for a clean step if the scale update precedes unscaling, else 1."""
     if not conv.scale_update_before_unscale:
         return 1.0

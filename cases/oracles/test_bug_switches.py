@@ -307,3 +307,33 @@ def test_invalid_norm_skip_keeps_a_poisoned_matrix_s_own_momentum():
     assert torch.equal(new.momentum["u"], st.momentum["u"])
     beta = cfg.momentum
     assert torch.allclose(new.momentum["w"], beta * st.momentum["w"] + (1 - beta) * g[0][0]["w"], rtol=0, atol=1e-15)
+
+
+def test_muon_in_new_scale_counts_the_muon_update_doubled_in_the_norm_and_leaves_its_step():
+    """DeepSpeed PR #8464's offload path on a growth step (S' = 2S): the norm counts the Muon update as
+    O S'/S while Adam's gradient is halved, as DSM-003's; the Muon step itself is O / k. Expected values
+    from the mechanism: the norm over (2 O, G_adam), the clip on that norm times S/S'."""
+    from oracles import global_norm, clip_coefficient
+    from oracles.replay import stepped_gradients
+
+    cfg = StepConfig(SPECS, model_dtype="fp16", gradient_clipping=0.05,
+                     loss_scaler=LossScalerConfig(initial_scale_power=8, loss_scale_window=1))
+    base = Conventions(scale_update_before_unscale=True)
+    pr = replace(base, muon_in_new_scale=True)
+    st, _ = oracle_step(initial_state(cfg, _weights(), base), _grads(), cfg, base)
+    _, old = oracle_step(st, _grads(5), cfg, base)
+    _, rec = oracle_step(st, _grads(5), cfg, pr)
+    assert rec.loss_scale_after == 2 * rec.loss_scale_used
+    O, g_adam = rec.params["w"].direction, rec.params["b"].grad
+    assert torch.equal(O, old.params["w"].direction)  # the fed gradient is the caller's: the same here
+    assert abs(rec.global_norm - global_norm([2 * O, g_adam])) <= 1e-12 * rec.global_norm
+    k = clip_coefficient(rec.global_norm / 2, 0.05)
+    assert rec.clip_coef == k and k > 1
+    hp = cfg.hyper(SPECS[0])
+    theta = st.master["w"].to(torch.float64)
+    want = -hp["lr"] * hp["weight_decay"] * theta - hp["lr"] * O / k  # not halved: the PR's S' cancels
+    assert torch.allclose(rec.params["w"].update, want, rtol=1e-10, atol=0)
+    G = {"w": torch.ones(7, 3, dtype=torch.float64), "b": torch.ones(5, dtype=torch.float64)}
+    fed = stepped_gradients(pr, G, {"w": True, "b": False}, {}, scale_ratio=0.5)
+    assert torch.equal(fed["w"], G["w"] * 0.5) and torch.equal(fed["b"], G["b"])
+    assert torch.equal(stepped_gradients(base, G, {"w": True, "b": False}, {}, scale_ratio=0.5)["w"], G["w"])

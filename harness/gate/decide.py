@@ -307,8 +307,9 @@ def _try_candidates(c: Case, column: str, bugs, traj, digest: str, verdict: Verd
     if not problems:
         return None
     seen = {q for _, q in problems}
-    cands = [b for b in candidates_for(c, patched=column == "patched")
-             if b.crash is None and b.quantities & seen and b not in bugs]
+    cands = [v for b in candidates_for(c, patched=column == "patched")
+             if b.crash is None and b.quantities & seen and b not in bugs
+             for v in b.with_variants() if v.model(c) is not None]
     for extra in [[b] for b in cands] + ([cands] if len(cands) > 1 else []):
         try:
             o = _judge_models(c, column, bugs + extra, traj, digest, verdict, extra_msgs, swapped, t0)

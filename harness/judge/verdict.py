@@ -508,7 +508,7 @@ def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: 
     state, grads, mags = _step_gradients(run, traj, state, s, data_rank, mp_rank)
     use_muon = {n: p.use_muon for n, p in spec.items()}
     true_G = replay.stepped_gradients(conv, oracles.accumulate(grads, sc), use_muon,
-                                      checks.held_buffers(case, s, prev, spec))
+                                      checks.held_buffers(case, s, prev, spec), oracles.scale_ratio(state, sc, conv))
     forced, k_ds = checks.teacher_forced(run, rec, state)
     feed = {n: forced.get(n, true_G[n]) for n in true_G}
     feed_grads = [[feed] * case.grad_accum] * case.dp_size  # averages to exactly ``feed``

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from harness.env import versions
@@ -78,6 +78,14 @@ class Bug:
     # on a tree where the bug was not measured (a source checkout, a pull request), an unmodelled bug
     # excuses its quantities by name only where this says so (None: never)
     present: Callable[[Case], bool] | None = None
+    # Other code of the same bug seen on trees that were not measured (a pull request that moved it): models
+    # tried only there, beside ``model``, and only as candidates (``harness.gate.decide``); each says which
+    # code it is the model of in its comment
+    variants: tuple[Callable[[Case], dict | None], ...] = ()
+
+    def with_variants(self) -> list["Bug"]:
+        """This bug with its own model, then once per variant model (the same id, trigger and quantities)."""
+        return [self] + [replace(self, model=v, variants=()) for v in self.variants]
 
     @property
     def modelled(self) -> str:
@@ -390,6 +398,11 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"master", "model", "global_norm", "update"}),
         model=lambda c: {"scale_update_before_unscale": True, "muon_update_in_old_scale": c.offload != "none",
                          "reported_norm": "clip_norm" if c.stage == 3 else "norm"},
+        # DeepSpeed PR #8464's ZeRO-1/2 offload path (its stage_1_and_2.py step: _update_scale, then
+        # _apply_muon_updates_cpu_offload dividing the gathered gradient by the new loss_scale and storing
+        # the update times it): Muon reads G S / S' and the norm counts O S' / S; the Muon step is right
+        variants=(lambda c: {"scale_update_before_unscale": True, "muon_in_new_scale": True, "reported_norm": "norm"}
+                  if c.stage in (1, 2) and c.offload != "none" else None,),
         where="stage_1_and_2.py step (_update_scale at :3047 before :3121 and unscale_and_clip_grads); "
               "stage3.py step (_loss_scale_update_and_overflow_cleanup at :2891 before :2915/:2918, "
               "_global_grad_norm = N / new scale at :2897)",
