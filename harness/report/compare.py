@@ -103,13 +103,13 @@ def bug_lines(rows: list[Row]) -> list[str]:
             c = tally.setdefault(bug, Counter())
             if bug in b and bug not in h:
                 masked = r.head is None or r.head.status in MASKING or r.head.strength == "crash"
-                c["masked by a head error" if masked else "fixed"] += 1
+                c["masked by a head error or crash" if masked else "fixed"] += 1
                 c["now passing"] += r.cls == "fixed"
             elif bug in b and bug in h:
                 c["still present"] += 1
             else:
                 c["new on head"] += 1
-    order = ("fixed", "still present", "new on head", "masked by a head error")
+    order = ("fixed", "still present", "new on head", "masked by a head error or crash")
 
     def said(k: str, c: Counter) -> str:
         passing = f" (passing on head in {c['now passing']})" if k == "fixed" and c["now passing"] else ""
