@@ -443,3 +443,24 @@ def test_pruning_the_undrawn_maps_leaves_the_same_page(tmp_path):
         return re.sub(r"\bf\d+-", "f-", page)  # figures are numbered per process
 
     assert same(after) == same(before)
+
+
+def test_a_long_map_is_stored_as_the_cells_the_heatmap_draws(tmp_path):
+    """A map longer than a heatmap draws is stored max-pooled with its element count and its count above
+    the allowance: the drawn cells, the caption's counts and the element positions are those of the full
+    map, at a fraction of its bytes (the gate's results folder is mostly such maps)."""
+    from harness.report.results import MAX_CELLS, PooledMap, ResultStore, load_maps, map_cells, maxpool
+
+    rec, maps = synth.failing("-pooled", big=True)
+    key = next(k for k, v in maps.items() if v.size > MAX_CELLS)
+    ResultStore(tmp_path).add(rec, maps)
+    back = load_maps(tmp_path, rec.key)
+    got = back[key]
+    assert isinstance(got, PooledMap) and got.n == maps[key].size
+    cells, n, n_bad = map_cells(got)
+    assert np.array_equal(cells, maxpool(maps[key]).astype(np.float32)) and n_bad == int((maps[key] > 1).sum())
+    small = next(k for k, v in maps.items() if v.size <= MAX_CELLS)
+    assert np.array_equal(back[small], maps[small])
+    full = sum(v.nbytes for v in maps.values())
+    stored = (tmp_path / "maps" / f"{rec.key}.npz").stat().st_size
+    assert stored < full / 20, (stored, full)

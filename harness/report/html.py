@@ -14,12 +14,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
 
 from harness.case import dsconfig
 from oracles.tolerance import RATIO_SHOWN_MAX, ratio_text
 from harness.report.plots import HUGE, MAX_CELLS, _finite, heatmap_svg, steps_svg
-from harness.report.results import CaseRecord, CheckRow, strength_line, strength_summary
+from harness.report.results import CaseRecord, CheckRow, map_cells, strength_line, strength_summary
 
 DETAIL_STATUSES = ("failed", "unjudged", "xpassed", "error", "xfailed")  # statuses that get a details section
 # Statuses that make the verdict FAIL. "unjudged" (a captured quantity without a finite reference) is one: the
@@ -557,7 +556,7 @@ def case_details(r: CaseRecord, anchor: str, maps: dict, *, heatmaps_per_param: 
         out.append("<h4>Element-wise error / allowance over the flattened ZeRO layout</h4>")
         for key, (param, quantity, step) in chosen:
             lay = r.layout.get(param)
-            ratio = np.asarray(maps[key])
+            ratio = maps[key]
             try:
                 svg = heatmap_svg(ratio, lay, case=r.case_name, param=param, quantity=quantity,
                                   step=step, stage=_stage(r), world_size=_world(r))
@@ -670,17 +669,16 @@ def _checks_table(checks: list[CheckRow], max_rows: int | None = None) -> str:
 
 
 def _heat_caption(r: CaseRecord, param, quantity, step, ratio) -> str:
-    ratio = np.asarray(ratio, dtype=np.float64).reshape(-1)
-    n_bad = int((ratio > 1).sum())
+    _, size, n_bad = map_cells(ratio)
     lay = r.layout.get(param) or {}
     ranks = lay.get("ranks", [])
-    txt = f"{n_bad} of {ratio.size} elements above their allowance"
+    txt = f"{n_bad} of {size} elements above their allowance"
     if ranks:
         txt += "; rank slices " + ", ".join(f"r{rk} [{a}, {b})" for rk, a, b in ranks)
     tails = lay.get("regions", {}).get("padded_tail", [])
     if tails:
         txt += "; padded tail " + ", ".join(f"[{a}, {b})" for a, b in tails)
-    if ratio.size > MAX_CELLS:
+    if size > MAX_CELLS:
         txt += f"; max-pooled to {MAX_CELLS} cells"
     return _e(txt)
 

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harness.report.results import CheckRow
+from harness.report.results import MAX_CELLS, CheckRow, map_cells, maxpool
 import xml.etree.ElementTree as ET
 
-MAX_CELLS = 2048  # heatmap strip cells (max-pooled beyond this)
 HUGE = 1e300  # results store non-finite ratios as +-1e308
 
 _fig_counter = itertools.count()
@@ -112,17 +111,6 @@ def _rc():
         "figure.dpi": 100, "savefig.dpi": 100, "savefig.transparent": True, "font.sans-serif": ["DejaVu Sans"]})
 
 
-def maxpool(ratio: np.ndarray, max_cells: int = MAX_CELLS) -> np.ndarray:
-    """Max-pool a flat map to at most ``max_cells`` cells (bin i covers [i*n/c, (i+1)*n/c))."""
-    r = np.asarray(ratio, dtype=np.float64).reshape(-1)
-    r = np.where(np.isnan(r), np.inf, r)
-    n = r.size
-    if n <= max_cells:
-        return r
-    edges = (np.arange(max_cells) * n) // max_cells
-    return np.maximum.reduceat(r, edges)
-
-
 R0, R1, S0, S1, P0, P1 = 0.0, 0.7, 0.85, 1.85, 2.1, 4.5  # heatmap bands: ranks, strip, profile
 TOP = P1 + 0.25
 RANK_COLOURS = ("#d6eaf8", "#fdebd0", "#d5f5e3", "#ebdef0", "#fcf3cf", "#d6dbdf", "#fadbd8", "#d1f2eb")
@@ -155,8 +143,7 @@ class _Heat:
 
 
 def _heat(ratio, layout: dict | None, stage: int, world_size: int | None, max_cells: int) -> _Heat:
-    flat = np.asarray(ratio, dtype=np.float64).reshape(-1)
-    n = flat.size
+    flat, n, _ = map_cells(ratio)
     layout = layout or {}
     ranks = [tuple(int(v) for v in x) for x in layout.get("ranks", [])]
     tails = [tuple(int(v) for v in x) for x in layout.get("regions", {}).get("padded_tail", [])]

@@ -196,6 +196,53 @@ def _f(x: float) -> float:
     return float(x) if np.isfinite(x) else (1e308 if x > 0 else -1e308)
 
 
+MAX_CELLS = 2048  # the cells a heatmap strip draws (a longer map is max-pooled to this many)
+
+
+def maxpool(ratio: np.ndarray, max_cells: int = MAX_CELLS) -> np.ndarray:
+    """Max-pool a flat map to at most ``max_cells`` cells (bin i covers [i*n/c, (i+1)*n/c))."""
+    r = np.asarray(ratio, dtype=np.float64).reshape(-1)
+    r = np.where(np.isnan(r), np.inf, r)
+    n = r.size
+    if n <= max_cells:
+        return r
+    edges = (np.arange(max_cells) * n) // max_cells
+    return np.maximum.reduceat(r, edges)
+
+
+@dataclass(frozen=True)
+class PooledMap:
+    """A stored element map longer than a heatmap draws: its ``MAX_CELLS`` max-pooled cells, with the
+    element count and how many elements were above their allowance. Why: the full map of one large
+    model's matrix is megabytes and the report draws only the pooled cells; every number of every check
+    stays in the record."""
+
+    cells: np.ndarray
+    n: int
+    n_bad: int
+
+
+def map_cells(ratio) -> tuple[np.ndarray, int, int]:
+    """(the cells to draw, the element count, the elements above their allowance) of a stored map."""
+    if isinstance(ratio, PooledMap):
+        return np.asarray(ratio.cells, dtype=np.float64), ratio.n, ratio.n_bad
+    flat = np.asarray(ratio, dtype=np.float64).reshape(-1)
+    return flat, flat.size, int((flat > 1).sum())
+
+
+def _stored(maps: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in maps.items():
+        name = k.replace("/", "_")
+        flat = np.asarray(v).reshape(-1)
+        if flat.size > MAX_CELLS:
+            out[name] = maxpool(flat).astype(np.float32)
+            out[name + "#n"] = np.array([flat.size, int((flat > 1).sum())], dtype=np.int64)
+        else:
+            out[name] = v
+    return out
+
+
 class ResultStore:
     def __init__(self, root: Path, writer: str | None = None):
         self.root = Path(root)
@@ -204,8 +251,7 @@ class ResultStore:
 
     def add(self, rec: CaseRecord, maps: dict[str, np.ndarray] | None = None) -> None:
         if maps:
-            arrays = {k.replace("/", "_"): v for k, v in maps.items()}
-            np.savez_compressed(self.root / "maps" / f"{rec.key}.npz", **arrays)
+            np.savez_compressed(self.root / "maps" / f"{rec.key}.npz", **_stored(maps))
         line = json.dumps(asdict(rec), sort_keys=True)
         path = self.root / f"results-{self.writer}.jsonl"
         with open(path, "ab+") as f:
@@ -244,7 +290,8 @@ def load_maps(root: Path, key: str) -> dict[str, np.ndarray]:
     if not path.exists():
         return {}
     with np.load(path) as z:
-        return {k: z[k] for k in z.files}
+        return {k: (PooledMap(z[k], int(z[k + "#n"][0]), int(z[k + "#n"][1])) if k + "#n" in z.files else z[k])
+                for k in z.files if not k.endswith("#n")}
 
 
 # --------------------------------------------------------------------------------------------------
