@@ -302,6 +302,16 @@ def takes_group_dicts(t: Tree) -> bool:
     return t.method(ENGINE, "_muon_param_groups") is not None or checks_dict
 
 
+def muon_tag_reads_layer_shape(t: Tree) -> bool:
+    """Whether ``set_optimizer_flags`` tags Muon parameters by their layer's shape (``ds_shape``, which
+    survives ``zero.Init``) rather than by ``p.ndim``, which ``zero.Init`` has made 1-D (DSM-116)."""
+    fn = t.function("__init__.py", "set_optimizer_flags")
+    if fn is None:
+        raise Undecided("muon_tag_reads_layer_shape", "no set_optimizer_flags in deepspeed/__init__.py")
+    return "ds_shape" in _attrs(fn) or any(isinstance(n, ast.Constant) and n.value == "ds_shape"
+                                          for n in ast.walk(fn)) or _calls(fn, "_layer_shape")
+
+
 def groups_flattened(t: Tree) -> bool:
     """Whether the engine merges the user's param groups into one Muon and one Adam group: it takes
     group dicts but has no per-group split (``_muon_param_groups``)."""
@@ -354,6 +364,7 @@ PROBES = {
     "zero_config_fields": zero_config_fields,
     "takes_group_dicts": takes_group_dicts,
     "groups_flattened": groups_flattened,
+    "muon_tag_reads_layer_shape": muon_tag_reads_layer_shape,
     **{k: (lambda t, rel=rel, frag=frag: t.says(rel, frag)) for k, (rel, frag) in REFUSAL_TEXTS.items()},
 }
 

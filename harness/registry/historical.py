@@ -671,6 +671,7 @@ SPECS: tuple[dict, ...] = (
               "p.ndim, which zero.Init has made 1-D; 0.19.7 tests the layer's shape (ds_shape, its "
               "_layer_shape, :84-105)",
         reproducer="z3-none-fp32-ws2-standard-zinit (gate case) on DeepSpeed 0.18.9",
+        present=lambda c: not tree.capabilities()["muon_tag_reads_layer_shape"],
     ),
     dict(
         id="DSM-117",
