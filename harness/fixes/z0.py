@@ -27,6 +27,17 @@ overflow); otherwise the stock update runs, and the hysteresis is refilled where
 refills it (on a growth step, or every clean step with ``consecutive_hysteresis``). Not kept in the
 optimizer's state_dict, so a resume starts with full hysteresis.
 
+``z0-muon-update-norm`` (DSM-016). ``FP16_UnfusedOptimizer.step`` takes the global norm over the raw
+gradients and clips them before ``MuonWithAuxAdam.step`` runs Muon, where every ZeRO path takes it over each
+Muon matrix's update ``O`` and the Adam gradients and clips ``O`` and the Adam step (the momentum sees the
+unclipped gradient). For a ``MuonWithAuxAdam`` inner optimizer the fix unscales only, computes each Muon
+matrix's ``O`` through the same ``muon_update`` binding and arguments the inner step uses (its momentum
+buffer restored after, so the inner step recomputes exactly that ``O`` and commits the momentum once), takes
+the norm over those and the Adam gradients (skipping the step where it is not finite, momentum untouched),
+divides the Adam gradients by the clip coefficient ``k`` and, for the inner step only, steps the Muon group
+with ``lr / k`` and ``weight_decay * k`` (the decay ``lr * wd`` unchanged, the update ``lr * O / k``).
+It reports that norm in true units, as ZeRO does. Any other inner optimizer keeps the stock step.
+
 ``z0-per-head`` (DSM-020). Without ZeRO, ``MuonWithAuxAdam.step`` orthogonalises each 2-D weight itself
 and calls ``muon_update`` without ``num_heads``, so a parameter tagged per-head (``muon_num_heads``, the
 attribute ZeRO-1/2/3's call sites read) gets one whole-matrix Newton-Schulz. The stock step is kept
@@ -39,10 +50,13 @@ which carry no attributes, so each clone is linked to its model parameter when t
 """
 from __future__ import annotations
 
+import torch
+
 from harness.fixes._registry import Fix, Target, active
-from harness.fixes.muon import MODEL_PARAM_ATTR, T_MUON_UPDATE_Z0, T_Z0_STEP, Z0_HEADS
+from harness.fixes.muon import _Z0_STEP, MODEL_PARAM_ATTR, T_MUON_UPDATE_Z0, T_Z0_STEP, Z0_HEADS
 
 INIT_STEP = "z0-no-init-step"
+MUON_NORM = "z0-muon-update-norm"
 LOSS_SCALE = "z0-fp16-loss-scale"
 HYSTERESIS = "z0-fp16-hysteresis"
 _LEFT = "_dsm_hysteresis_left"  # the hysteresis still to spend, on the optimizer (None: not read yet)
@@ -119,6 +133,107 @@ def make_update_scale(orig):
     return _update_scale
 
 
+def _muon_pass(inner) -> dict:
+    """Each 2-D Muon master's update ``O``, through the ``muon_update`` binding the inner step calls and with
+    its arguments, published as the inner step publishes itself (``z0-per-head`` reads it). Returns
+    {param: (O, the momentum before)}: the momentum is committed, and restored by the caller on a skip."""
+    from deepspeed.runtime.zero.muon import muon_optimizer  # late: DeepSpeed, rank side (the patched binding)
+
+    out = {}
+    outer, _Z0_STEP[0] = _Z0_STEP[0], inner
+    try:
+        for group in inner.param_groups:
+            if not group.get("use_muon"):
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                state = inner.state[p]
+                if len(state) == 0:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                before = state["momentum_buffer"].clone()
+                O = muon_optimizer.muon_update(p.grad, state["momentum_buffer"], beta=group["momentum"],
+                                               ns_method=group.get("ns_method", "gram"),
+                                               is_expert_group=getattr(p, "is_expert_group", False))
+                out[p] = (O, before)
+    finally:
+        _Z0_STEP[0] = outer
+    return out
+
+
+def _clip_after_muon(self) -> tuple[dict, float] | None:
+    """Unscale, run Muon, take the norm over the Muon updates and the Adam gradients and clip the Adam
+    gradients: (the Muon pass, the clip coefficient), or None where the norm is not finite (the momentum
+    put back: the step is skipped)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import get_global_norm, is_invalid_grad_norm  # late: DeepSpeed
+
+    for group in self.fp32_groups:
+        for p in group:
+            if p.grad is not None:
+                p.grad.data.mul_(1.0 / self.loss_scale_config.cur_scale)
+    done = _muon_pass(self.optimizer)
+    adam = [p.grad for g in self.optimizer.param_groups if not g.get("use_muon") for p in g["params"]
+            if p.grad is not None]
+    norm = get_global_norm(norm_list=[float(torch.linalg.vector_norm(t.double()))
+                                      for t in [o for o, _ in done.values()] + adam])
+    self._global_grad_norm = norm
+    if is_invalid_grad_norm(norm):
+        for p, (_, before) in done.items():
+            self.optimizer.state[p]["momentum_buffer"].copy_(before)
+        return None
+    k = max(1.0, (norm + 1e-6) / self.clip_grad) if self.clip_grad > 0 else 1.0
+    for t in adam:
+        t.mul_(1.0 / k)
+    return done, k
+
+
+def _step_muon_then_adam(inner, done: dict, k: float) -> None:
+    """The Muon matrices stepped by ``lr O / k`` after their decoupled decay (what the inner step does with a
+    ready update, the clip applied), then the inner step for the Adam groups alone."""
+    muon = [g for g in inner.param_groups if g.get("use_muon")]
+    with torch.no_grad():
+        for g in muon:
+            for p in g["params"]:
+                O, _ = done[p]
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(O.reshape(p.shape), alpha=-g["lr"] / k)
+    saved = [g["params"] for g in muon]
+    for g in muon:
+        g["params"] = []
+    try:
+        inner.step()
+    finally:
+        for g, params in zip(muon, saved):
+            g["params"] = params
+
+
+def make_unfused_step(orig):
+    def step(self, closure=None):
+        if not (active(MUON_NORM) and _is_muon(self.optimizer)) or self.fused_lamb_legacy:
+            return orig(self, closure=closure)
+        self.overflow = self.overflow_checker.check()
+        if self.overflow:
+            return self._skip_invalid_grad_norm()
+        for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
+            for fp32_param, fp16_param in zip(fp32_group, fp16_group):
+                fp32_param.grad = (torch.zeros(fp16_param.size(), dtype=fp32_param.dtype, device=fp32_param.device)
+                                   if fp16_param.grad is None else fp16_param.grad.to(fp32_param.dtype))
+        clipped = _clip_after_muon(self)
+        if clipped is None:
+            return self._skip_invalid_grad_norm()
+        self._update_scale(False)
+        _step_muon_then_adam(self.optimizer, *clipped)
+        for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
+            for fp32_param, fp16_param in zip(fp32_group, fp16_group):
+                fp32_param.grad = None
+                fp16_param.data.copy_(fp32_param.data)
+        return self.overflow
+
+    return step
+
+
+T_UNFUSED_STEP = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer.step", "e06fd288a7cc55a2",
+                        make_unfused_step)
 T_UPDATE_SCALE = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer._update_scale",
                         "c60d63655d8a698b", make_update_scale)
 T_INIT_STATES = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer.initialize_optimizer_states",
@@ -132,6 +247,8 @@ FIXES = (
         targets=(T_BACKWARD,)),
     Fix(name=HYSTERESIS, bugs=("DSM-026",),
         targets=(T_UPDATE_SCALE,)),
+    Fix(name=MUON_NORM, bugs=("DSM-016",),
+        targets=(T_UNFUSED_STEP,)),
     Fix(name=Z0_HEADS, bugs=("DSM-020",),
         targets=(T_MUON_UPDATE_Z0, T_Z0_STEP, T_INIT_STATES)),
 )

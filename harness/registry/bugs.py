@@ -635,7 +635,8 @@ BUGS: tuple[Bug, ...] = (
                 "takes a different step. Measured (z0-none-bf16-ws2): reported norm 1.92 vs 3.65. fp32 stage 0 "
                 "clips the raw gradients too (engine clip_fp32_gradients) and reports no norm.",
         trigger=lambda c: c.stage == 0 and _has_muon(c) and (c.dtype in ("fp16", "bf16") or _clip_of(c) > 0),
-        quantities=frozenset({"global_norm"}),
+        # grad: with a clip that acts, the gradient Muon reads is the clipped one
+        quantities=frozenset({"global_norm", "grad"}),
         # The clip before Muon over the raw gradients, and their norm reported as the backward left them
         # (times the loss scale, where the backward was scaled: DSM-015 fixed). fp32 stage 0 reports no
         # norm, so the clip DeepSpeed applied to the captured gradient cannot be undone from its own
@@ -643,6 +644,9 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"clip_norm_source": "gradient", "reported_norm": "raw"} if c.dtype in ("fp16", "bf16")
         else None,
         where="fp16/unfused_optimizer.py step (:209-228); engine.py _take_model_step (:3505-3510)",
+        fix="z0-muon-update-norm",
+        # the fix is FP16_UnfusedOptimizer's; fp32 stage 0 clips in the engine (clip_fp32_gradients)
+        fix_covers=lambda c: c.dtype in ("fp16", "bf16"),
         reproducer="pipeline_case(0, 'none', 'bf16', 2, steps=3)",
     ),
     Bug(
