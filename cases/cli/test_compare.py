@@ -89,7 +89,8 @@ def test_shards_merge_into_one_summary_with_the_regression_and_its_reproducer(tm
                       "not on both": "0", "unchanged": "1"}
     assert "- **DSM-101**: fixed in 1 (passing on head in 1)" in md and "- **DSM-003**: still present in 1" in md
     reg = md[md.index("## Regressions"):]
-    assert "`case-b`: failed" in reg and "reproduce on head: `" in reg and "-m harness run --case" in reg
+    assert "`case-b`: failed" in reg and "-m harness run --case" in reg
+    assert f"reproduce on head ({labels['head']}): `" in reg  # the tree the command must run against
     assert "case-b" in (tmp_path / "merged" / "compare.html").read_text()
 
 

@@ -65,19 +65,12 @@ def bug_model(changes: dict) -> oracles.Conventions:
 def reproduce_command(case: Case) -> str:
     """The command that reruns exactly this case from any directory: this interpreter by its absolute
     path, and on ``PYTHONPATH`` the project and, for a user's ``--model package.module:factory``, the
-    folder it is imported from (the ranks of the rerun import it again). A trailing shell comment names
-    the DeepSpeed tree that interpreter imports: the case may behave otherwise on another."""
+    folder it is imported from (the ranks of the rerun import it again). The interpreter is the one that
+    imports the DeepSpeed tree judged (a case may behave otherwise on another); ``harness run`` prints
+    which tree that is before it judges."""
     paths = [str(buildenv.PROJECT_ROOT)] + ([d] if (d := _model_import_root(case.model)) else [])
     return (f"PYTHONPATH={shlex.quote(os.pathsep.join(dict.fromkeys(paths)))} {shlex.quote(sys.executable)} "
-            f"-m harness run --case {shlex.quote(case.to_json())}  # DeepSpeed {_deepspeed_label()}")
-
-
-def _deepspeed_label() -> str:
-    try:
-        inst = versions.installed()
-    except RuntimeError:
-        return "(not installed)"
-    return f"{inst.label} at {inst.location}"
+            f"-m harness run --case {shlex.quote(case.to_json())}")
 
 
 def _model_import_root(model: str | None) -> str | None:

@@ -130,10 +130,10 @@ def summary(rows: list[Row], base_label: str, head_label: str) -> str:
     for r in reg:
         out += [f"- `{r.case}`: {r.head.status}"
                 + (f" [{', '.join(r.head.bug_ids)}]" if r.head.bug_ids else "") + f": {_first_line(r.head)}",
-                f"  - reproduce on head: `{r.head.reproduce}`"]
+                f"  - reproduce on head ({head_label}): `{r.head.reproduce}`"]
     if not reg:
         out.append("- none")
-    out += _unexplained(rows)
+    out += _unexplained(rows, head_label)
     for cls in ("cannot judge", "not on both"):
         these = [r for r in rows if r.cls == cls]
         if these:
@@ -154,7 +154,7 @@ def _divergence(rec: CaseRecord) -> str:
     return (hit or _first_line(rec))[:300]
 
 
-def _unexplained(rows: list[Row]) -> list[str]:
+def _unexplained(rows: list[Row], head_label: str) -> list[str]:
     """Head failures no bug explains that are not regressions (the base failed too, or lacked the case):
     what a reviewer must still look at, since a base bug can hide what the change did."""
     these = [r for r in rows if r.head is not None and r.head.status in ("failed", "error") and not r.head.bug_ids
@@ -165,7 +165,7 @@ def _unexplained(rows: list[Row]) -> list[str]:
     for r in these:
         was = (f"{r.base.status}" + (f" [{', '.join(r.base.bug_ids)}]" if r.base.bug_ids else "")) if r.base else "-"
         out += [f"- `{r.case}` ({r.cls}; base {was}): head {r.head.status}: {_divergence(r.head)}",
-                f"  - reproduce on head: `{r.head.reproduce}`"]
+                f"  - reproduce on head ({head_label}): `{r.head.reproduce}`"]
     return out
 
 
