@@ -153,3 +153,23 @@ def test_a_jobs_shard_gets_a_dash_filter_as_one_token(tmp_path):
     a = GateArgs(report=str(tmp_path / "g.html"), only="-none-fp32-", jobs=2, results=str(tmp_path / "r"))
     for argv in shard_args(a):
         assert build_parser().parse_args(["gate", *argv]).only == "-none-fp32-"
+
+
+def test_the_progress_line_says_the_self_checks_run_once_every_case_column_is_judged(tmp_path):
+    """After a gate's last case-column the shards still run the mutation self-checks: the line says so
+    (an "ETA 0m00s" for minutes read as a hang); without self-checks it stays the plain count."""
+    import json
+
+    from harness.case.scenarios import pipeline_case
+    from harness.cli.main_job import Progress
+
+    c = pipeline_case(1, "none", "fp32", 1)
+    pairs = [(c, "stock"), (c, "patched")]
+    with open(tmp_path / "results-x.jsonl", "w") as f:
+        for col in ("stock", "patched"):
+            f.write(json.dumps({"case_name": c.name, "column": col, "status": "passed", "message": ""}) + "\n")
+    for selfchecks, want in ((True, "self-checks are running"), (False, "2/2 case-columns")):
+        p = Progress(tmp_path, pairs, selfchecks=selfchecks)
+        p()
+        assert want in p.line(65.0), p.line(65.0)
+        assert "2/2 case-columns" in p.line(65.0, final=True)

@@ -334,7 +334,8 @@ def _run_jobs(a: GateArgs, pairs: list) -> int:
     # the whole run's plan, so a shard killed before writing its own still counts as missing
     writer = _writer(a, None)
     results.write_plan(a.results_dir, writer, [results.Planned(c.name, col) for c, col in pairs], [], a.plan_args())
-    progress = Progress(a.results_dir, pairs)
+    progress = Progress(a.results_dir, pairs, selfchecks=a.mutate and not a.only and a.shuffle is None
+                        and a.column is None)
     codes, elapsed, stopped = run_shards(a.jobs, shard_args(a), progress=progress)
     progress(final=True)
     results.finish_plan(a.results_dir, writer, selfchecks_done=[], interrupted=stopped and stopped.name)
@@ -354,13 +355,14 @@ class Progress:
 
     EVERY_S = float(os.environ.get("MUON_HARNESS_PROGRESS_S", "20"))
 
-    def __init__(self, folder: Path, pairs: list[tuple[Case, str]]):
+    def __init__(self, folder: Path, pairs: list[tuple[Case, str]], selfchecks: bool = False):
         cols = Counter(c.name for c, _ in pairs)
         costs = sharding.costs_for(list({c.name: c for c, _ in pairs}.values()))
         self.cost = {(c.name, col): costs[c.name] / cols[c.name] for c, col in pairs}
         self.total = sum(self.cost.values())
         self.folder, self.offsets, self.done, self.done_cost, self.bad = folder, {}, set(), 0.0, 0
         self.t0 = self.last = time.perf_counter()
+        self.selfchecks = selfchecks
 
     def _new_records(self):
         for path in sorted(self.folder.glob("results-*.jsonl")):
@@ -389,9 +391,14 @@ class Progress:
         now = time.perf_counter()
         if final or now - self.last >= self.EVERY_S:
             self.last = now
-            print(self.line(now - self.t0), flush=True)
+            print(self.line(now - self.t0, final), flush=True)
 
-    def line(self, elapsed: float) -> str:
+    def line(self, elapsed: float, final: bool = False) -> str:
+        """The progress line. Once every case-column is judged while shards still run, what they run is
+        the mutation self-checks (after a shard's cases): said so, rather than an ETA of 0."""
+        if self.done and len(self.done) == len(self.cost) and not final and self.selfchecks:
+            return (f"gate: all {len(self.cost)} case-columns judged ({self.bad} unexpected); the mutation "
+                    f"self-checks are running, {_mmss(elapsed)} elapsed")
         share = self.done_cost / self.total if self.total else 1.0
         eta = f"ETA {_mmss(elapsed * (1 - share) / share)}" if share > 0.02 else "ETA after the first cases"
         return (f"gate: {len(self.done)}/{len(self.cost)} case-columns ({100 * share:.0f}% of the measured cost), "
