@@ -20,6 +20,9 @@ from harness.report import statuses
 ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "overflow"  # 9 CI cases, ~2 s of case time: fp16 skips and scales on every stage
 ORDER_FAMILY = "z3-none-fp16"  # 14 CI cases of the most stateful stage
+# a family that cannot finish between its first progress line and a signal: ~50 s of case time over both
+# columns (the overflow family's ~2 s finished first on an idle machine, and the folder was complete)
+LONG_FAMILY = "resume"
 START_S = 600  # imports, pool start-up and op loads on a loaded 2-core machine
 
 pytestmark = pytest.mark.pipeline
@@ -74,7 +77,8 @@ def _gate(tmp_path: Path, name: str, *args: str) -> tuple[int, str, Path]:
 
 def test_sigterm_then_sigkill_of_gate_jobs_leaves_nothing_and_an_incomplete_folder(tmp_path):
     report = tmp_path / "g.html"
-    proc, log = _start(tmp_path, "g", "gate", "--jobs", "2", "--only", FAMILY, "--no-mutate", "--report", str(report))
+    proc, log = _start(tmp_path, "g", "gate", "--jobs", "2", "--only", LONG_FAMILY, "--no-mutate", "--report",
+                       str(report))
     _wait_for(proc, log, JUDGED)
     _term_then_kill(proc, _run_ids(tmp_path, "g"))
     folder = tmp_path / "g-results"
