@@ -933,6 +933,21 @@ MUTANTS.update({m.name: m for m in (
 )})
 
 
+def _wrap_gathers(make):
+    """Wrap both Muon all-gathers (ZeRO-1/2's ``_muon_all_gather_partitions``, ZeRO-3's
+    ``_partitioned_buffers_all_gather``) with ``make(current)``; returns the undo of both."""
+    Z12, Z3, _ = _ds_classes()
+    undos = [_setattr(Z12, "_muon_all_gather_partitions", make(Z12.__dict__["_muon_all_gather_partitions"]))[1],
+             _setattr(Z3, "_partitioned_buffers_all_gather",
+                      make(Z3.__dict__["_partitioned_buffers_all_gather"]))[1]]
+
+    def undo():
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
 def _install_gather_cache_unbounded():
     """The Muon gather-buffer cache never evicts: its cap is ignored while a gather stores its buffers
     (ZeRO-1/2 ``_muon_all_gather_partitions``, ZeRO-3 ``_partitioned_buffers_all_gather``), so the
@@ -948,16 +963,7 @@ def _install_gather_cache_unbounded():
                 self._muon_allgather_max_cached_bytes = cap
         return gather
 
-    Z12, Z3, _ = _ds_classes()
-    undos = [_setattr(Z12, "_muon_all_gather_partitions", make(Z12.__dict__["_muon_all_gather_partitions"]))[1],
-             _setattr(Z3, "_partitioned_buffers_all_gather",
-                      make(Z3.__dict__["_partitioned_buffers_all_gather"]))[1]]
-
-    def undo():
-        for u in reversed(undos):
-            u()
-
-    return undo
+    return _wrap_gathers(make)
 
 
 MUTANTS.update({m.name: m for m in (
@@ -1091,16 +1097,7 @@ def _install_gather_cache_keeps_oldest():
                     self._muon_allgather_buffer_bytes = nbytes
         return gather
 
-    Z12, Z3, _ = _ds_classes()
-    undos = [_setattr(Z12, "_muon_all_gather_partitions", make(Z12.__dict__["_muon_all_gather_partitions"]))[1],
-             _setattr(Z3, "_partitioned_buffers_all_gather",
-                      make(Z3.__dict__["_partitioned_buffers_all_gather"]))[1]]
-
-    def undo():
-        for u in reversed(undos):
-            u()
-
-    return undo
+    return _wrap_gathers(make)
 
 
 MUTANTS.update({m.name: m for m in (
