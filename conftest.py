@@ -19,7 +19,7 @@ from harness.env import buildenv  # noqa: E402
 buildenv.apply_base_env()
 
 # --divergence-report, result_store, report_extra
-pytest_plugins = ["harness.report.pytest_plugin", "cases.fuzz.plugin"]
+pytest_plugins = ["harness.report.pytest_plugin", "cases.fuzz.plugin", "cases.heartbeat"]
 
 
 def pytest_addoption(parser):

@@ -123,10 +123,15 @@ def test_case_times_refreshed_from_a_gate_runs_stored_outcomes(tmp_path):
     b_stock, _ = synth.passing("-b")
     a_stock.seconds, a_patched.seconds, b_stock.seconds = 1.5, 2.0, 4.0
     synth.write(root, [(a_stock, {}), (a_patched, {}), (b_stock, {})])
+    (root / "extra-gate-shard1of2.json").write_text(json.dumps({"selfcheck_seconds": {"patched": 128.4}}))
+    (root / "extra-gate-shard2of2.json").write_text(json.dumps({"selfcheck_seconds": {"stock": 12.0}}))
     out = tmp_path / "times.json"
     assert times_from_results(root, "cmd", path=out) == 0
     data = json.loads(out.read_text())
     assert data["cases"] == {a_stock.case_name: 3.5, b_stock.case_name: 4.0} and data["measured_by"] == "cmd"
+    # the self-checks' measured seconds: what the shard that runs one is given fewer cases for
+    assert data["selfchecks"] == {"patched": 128.4, "stock": 12.0}
+    assert sharding.load_selfcheck_times(out) == {"patched": 128.4, "stock": 12.0}
     assert times_from_results(tmp_path / "empty", "cmd", path=out) == 2  # no outcomes: an error, not an empty table
 
 
@@ -155,9 +160,10 @@ def test_a_jobs_shard_gets_a_dash_filter_as_one_token(tmp_path):
         assert build_parser().parse_args(["gate", *argv]).only == "-none-fp32-"
 
 
-def test_the_progress_line_says_the_self_checks_run_once_every_case_column_is_judged(tmp_path):
-    """After a gate's last case-column the shards still run the mutation self-checks: the line says so
-    (an "ETA 0m00s" for minutes read as a hang); without self-checks it stays the plain count."""
+def test_the_progress_line_counts_the_self_checks_in_its_eta(tmp_path):
+    """After a gate's last case-column the shards still run the mutation self-checks: the line says so,
+    and its share and ETA count their planned seconds (an ETA of 0 for minutes read as a hang, and at
+    the halfway point an ETA without them was short by their whole cost)."""
     import json
 
     from harness.case.scenarios import pipeline_case
@@ -168,8 +174,35 @@ def test_the_progress_line_says_the_self_checks_run_once_every_case_column_is_ju
     with open(tmp_path / "results-x.jsonl", "w") as f:
         for col in ("stock", "patched"):
             f.write(json.dumps({"case_name": c.name, "column": col, "status": "passed", "message": ""}) + "\n")
-    for selfchecks, want in ((True, "self-checks are running"), (False, "2/2 case-columns")):
-        p = Progress(tmp_path, pairs, selfchecks=selfchecks)
-        p()
-        assert want in p.line(65.0), p.line(65.0)
-        assert "2/2 case-columns" in p.line(65.0, final=True)
+    cases_s = sharding.costs_for([c])[c.name]
+    p = Progress(tmp_path, pairs, selfcheck_s=3 * cases_s)
+    p()
+    assert "self-checks are running" in p.line(60.0) and "25% of the measured cost" in p.line(60.0), p.line(60.0)
+    assert "ETA 3m00s" in p.line(60.0), p.line(60.0)  # a quarter done in 60 s: 180 s to go
+    with open(tmp_path / "selfcheck-x.jsonl", "w") as f:
+        f.write(json.dumps({"check": "patched", "case": c.name, "mutant": None, "cost": 1.4 * cases_s}) + "\n")
+    p()
+    assert "60% of the measured cost" in p.line(60.0), p.line(60.0)
+    plain = Progress(tmp_path, pairs)
+    plain()
+    assert "2/2 case-columns (100% of the measured cost)" in plain.line(65.0), plain.line(65.0)
+    assert "self-checks" not in plain.line(65.0)
+
+
+def test_the_self_checks_cost_is_planned_from_the_runs_the_kill_matrix_makes():
+    """The estimate counts the runs ``_run_matrix`` makes (baselines, then each mutant where it runs), so
+    the shard that runs a self-check gets that many seconds fewer cases."""
+    from harness.registry.mutants import MUTANTS
+    from harness.selfcheck import kill_matrix as km
+
+    cases = km.default_kill_cases()
+    runs = km.planned_runs(cases, list(MUTANTS))
+    assert runs[:len(cases)] == [(c, None) for c in cases]
+    skipped = [(c.name, m) for m in MUTANTS for c in cases if (c, m) not in runs[len(cases):]]
+    assert skipped and all(km._skip_reason(next(x for x in cases if x.name == n), m) for n, m in skipped)
+    costs = {c.name: 2.0 for c in cases}
+    assert km.selfcheck_cost("patched", costs) == len(runs)
+    loads = [10.0, 0.0]
+    names = {f"c{i}": 1.0 for i in range(10)}
+    split = sharding.assign(names, 2, loads)
+    assert len(split[0]) == 0 and len(split[1]) == 10

@@ -24,6 +24,7 @@ case runs exactly as on the pool (``harness.rank.ds_run.run_case_on_rank``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -377,6 +378,11 @@ def times_from_results(results_dir: Path, command: str, path: Path | None = None
     print(f"  {'group':10s} {'n':>5s} {'s/case-col':>10s} {'seconds':>9s} {'share':>6s}")
     for g, (n, sec) in sorted(per_group.items(), key=lambda kv: -kv[1][1]):
         print(f"  {g:10s} {n:5d} {sec / n:10.2f} {sec:9.0f} {sec / total:6.1%}")
-    sharding.write_times(per_case, command, path or sharding.TIMES_PATH)
+    checks: dict[str, float] = {}
+    for extra in sorted(Path(results_dir).glob("extra-*.json")):
+        checks.update(json.loads(extra.read_text()).get("selfcheck_seconds", {}))
+    if checks:
+        print("  self-checks: " + ", ".join(f"{k} {v:.0f} s" for k, v in sorted(checks.items())))
+    sharding.write_times(per_case, command, path or sharding.TIMES_PATH, selfchecks=checks)
     print(f"  recorded per-case seconds for sharding in {path or sharding.TIMES_PATH}")
     return 0

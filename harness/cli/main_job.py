@@ -35,7 +35,8 @@ from harness.report import results
 from harness.report.build import prune_maps, render, save_extra
 from harness.report.html import BAD_STATUSES, MAIN_COLUMNS
 from harness.report.results import load_records, strength_line, strength_summary
-from harness.selfcheck.kill_matrix import default_kill_cases, kill_matrix, stock_kill_cases, stock_kill_matrix
+from harness.selfcheck.kill_matrix import (default_kill_cases, kill_matrix, selfcheck_cost, stock_kill_cases,
+                                           stock_kill_matrix)
 
 
 def environment() -> dict:
@@ -85,20 +86,26 @@ def _run_cases(pairs: list[tuple[Case, str]], manager, store, quiet: bool) -> No
         del o
 
 
-def _mutation_checks(manager, seed: int, patched_check: bool, stock_check: bool):
-    """The mutation self-checks: (patched kill matrix or None, stock kill matrix or None, whether one failed)."""
+def _mutation_checks(manager, seed: int, patched_check: bool, stock_check: bool, note=None):
+    """The mutation self-checks: (patched kill matrix or None, stock kill matrix or None, whether one failed).
+    ``note(kind, case, mutant)``, where given, hears of each run as it ends (the progress line's count)."""
 
     km = skm = None
     failed = False
+
+    def heard(kind):
+        return None if note is None else (lambda c, m, _text: note(kind, c, m))
+
     if patched_check:
         print("\nmutation self-check (patched runtime, every catalogued mutant):", flush=True)
-        km = kill_matrix(default_kill_cases(), manager=manager)
+        km = kill_matrix(default_kill_cases(), manager=manager, progress=heard("patched"))
         print(km.table(), flush=True)
         failed |= km.kill_rate < 1.0 or bool(km.surprises()) or not all(km.baseline.values())
     if stock_check:
         print("\nmutation self-check (STOCK DeepSpeed, gate decision: bug-affected cases must still fail):",
               flush=True)
-        skm = stock_kill_matrix([c.replace(seed=seed) for c in stock_kill_cases()], manager=manager)
+        skm = stock_kill_matrix([c.replace(seed=seed) for c in stock_kill_cases()], manager=manager,
+                                progress=heard("stock"))
         print(skm.table(), flush=True)
         failed |= skm.kill_rate < 1.0 or bool(skm.surprises()) or not all(skm.baseline.values())
     return km, skm, failed
@@ -207,6 +214,13 @@ def _selfchecks_for(a: GateArgs, part, unrun: list[str] | None) -> list[str]:
     return [s for s in mine if unrun is None or s in unrun]
 
 
+def _selfcheck_loads(a: GateArgs, count: int) -> list[float]:
+    """Each shard's expected self-check seconds (``kill_matrix.selfcheck_cost``): the shards' cases are
+    balanced around them, and the progress line's total counts them."""
+    return [sum(selfcheck_cost(kind) for kind in _selfchecks_for(a, sharding.Shard(k, count), None))
+            for k in range(1, count + 1)]
+
+
 def run_gate(**kwargs) -> int:
     """``python -m harness gate``; keyword arguments as :class:`GateArgs`. Exit 0 all as expected, 1 an
     unexpected outcome or a failed self-check, 128 + N when stopped by signal N (the folder then says
@@ -224,7 +238,8 @@ def run_gate(**kwargs) -> int:
     if a.jobs > 1 and part is None:
         return _run_jobs(a, pairs)
     if part is not None:
-        mine = {c.name for c in sharding.select(list({c.name: c for c, _ in pairs}.values()), part)}
+        start = _selfcheck_loads(a, part.count) if not a.resume else ()
+        mine = {c.name for c in sharding.select(list({c.name: c for c, _ in pairs}.values()), part, start=start)}
         pairs = [(c, col) for c, col in pairs if c.name in mine]
         print(f"gate: shard {part}: {len({c.name for c, _ in pairs})} cases", flush=True)
     print(f"gate: {versions.banner()}", flush=True)
@@ -247,7 +262,8 @@ def _gate_body(a: GateArgs, pairs: list, writer: str, selfchecks: list[str]) -> 
     mutation_failed, stopped = False, None
     try:
         _run_cases(pairs, manager, store, a.quiet)
-        km, skm, mutation_failed = _mutation_checks(manager, a.seed, "patched" in selfchecks, "stock" in selfchecks)
+        km, skm, mutation_failed = _mutation_checks(manager, a.seed, "patched" in selfchecks, "stock" in selfchecks,
+                                                    note=_selfcheck_note(a, writer))
     except Interrupted as exc:
         stopped = exc
     finally:
@@ -263,12 +279,25 @@ def _gate_body(a: GateArgs, pairs: list, writer: str, selfchecks: list[str]) -> 
     extra = {"environment": env, "elapsed_s": elapsed}
     if km is not None or skm is not None:
         extra.update(mutation_extra(km, skm))
+        extra["selfcheck_seconds"] = {k: m.seconds for k, m in (("patched", km), ("stock", skm)) if m is not None}
     save_extra(a.results_dir, extra, name=writer)  # with the results: a merge or a resume keeps it
     if not a.render_report:  # a --jobs shard: the parent reads the folder and reports
         print(f"gate: {writer}: {'stopped by ' + stopped.name if stopped else 'done'} after {elapsed:.0f}s", flush=True)
         return stopped.exit_code if stopped else (1 if mutation_failed else 0)
     return _report_run(a, f"gate: {len({c.name for c, _ in pairs})} cases in {elapsed:.0f}s", stopped,
                        "the mutation self-check failed (tables above)" if mutation_failed else None)
+
+
+def _selfcheck_note(a: GateArgs, writer: str):
+    """Each self-check run as it ends, into the results folder, for a parent's progress line."""
+    costs: dict = {}
+
+    def note(kind, case, mutant):
+        if kind not in costs:
+            costs[kind] = sharding.costs_for(default_kill_cases() if kind == "patched" else stock_kill_cases())
+        results.note_selfcheck_run(a.results_dir, writer, kind, case.name, mutant, costs[kind][case.name] / 2)
+
+    return note
 
 
 def _report_run(a: GateArgs, headline: str, stopped: Interrupted | None, failed: str | None) -> int:
@@ -334,8 +363,7 @@ def _run_jobs(a: GateArgs, pairs: list) -> int:
     # the whole run's plan, so a shard killed before writing its own still counts as missing
     writer = _writer(a, None)
     results.write_plan(a.results_dir, writer, [results.Planned(c.name, col) for c, col in pairs], [], a.plan_args())
-    progress = Progress(a.results_dir, pairs, selfchecks=a.mutate and not a.only and a.shuffle is None
-                        and a.column is None)
+    progress = Progress(a.results_dir, pairs, selfcheck_s=sum(_selfcheck_loads(a, a.jobs)))
     codes, elapsed, stopped = run_shards(a.jobs, shard_args(a), progress=progress)
     progress(final=True)
     results.finish_plan(a.results_dir, writer, selfchecks_done=[], interrupted=stopped and stopped.name)
@@ -350,22 +378,24 @@ def _run_jobs(a: GateArgs, pairs: list) -> int:
 class Progress:
     """One line for all the shards of a ``--jobs`` gate, from the results folder they write into: the
     case-columns judged of those planned, the unexpected ones so far, the elapsed time and an ETA from
-    the measured case costs (``harness/data/case_times.json``; a case-column costs half its case). Each
+    the measured case costs (``harness/data/case_times.json``; a case-column costs half its case), the
+    mutation self-checks' runs counted at the same rate (``selfcheck_s``: their planned seconds). Each
     unexpected outcome is printed as it lands, so a failure is seen without waiting for the end."""
 
     EVERY_S = float(os.environ.get("MUON_HARNESS_PROGRESS_S", "20"))
 
-    def __init__(self, folder: Path, pairs: list[tuple[Case, str]], selfchecks: bool = False):
+    def __init__(self, folder: Path, pairs: list[tuple[Case, str]], selfcheck_s: float = 0.0):
         cols = Counter(c.name for c, _ in pairs)
         costs = sharding.costs_for(list({c.name: c for c, _ in pairs}.values()))
         self.cost = {(c.name, col): costs[c.name] / cols[c.name] for c, col in pairs}
-        self.total = sum(self.cost.values())
+        self.selfcheck_s = selfcheck_s
+        self.total = sum(self.cost.values()) + selfcheck_s
         self.folder, self.offsets, self.done, self.done_cost, self.bad = folder, {}, set(), 0.0, 0
+        self.selfcheck_done = 0.0
         self.t0 = self.last = time.perf_counter()
-        self.selfchecks = selfchecks
 
-    def _new_records(self):
-        for path in sorted(self.folder.glob("results-*.jsonl")):
+    def _lines(self, pattern: str):
+        for path in sorted(self.folder.glob(pattern)):
             with open(path, "rb") as f:
                 f.seek(self.offsets.get(path, 0))
                 chunk = f.read()
@@ -378,7 +408,7 @@ class Progress:
                     continue
 
     def __call__(self, final: bool = False) -> None:
-        for d in self._new_records():
+        for d in self._lines("results-*.jsonl"):
             key = (d["case_name"], d["column"])
             if key not in self.cost or key in self.done:
                 continue
@@ -388,21 +418,25 @@ class Progress:
                 self.bad += 1
                 print(f"  {d['status'].upper()} {d['case_name']} [{d['column']}]: "
                       f"{(d['message'] or '').splitlines()[0][:160]}", flush=True)
+        for d in self._lines("selfcheck-*.jsonl"):
+            self.selfcheck_done += float(d.get("cost", 0.0))
         now = time.perf_counter()
         if final or now - self.last >= self.EVERY_S:
             self.last = now
             print(self.line(now - self.t0, final), flush=True)
 
     def line(self, elapsed: float, final: bool = False) -> str:
-        """The progress line. Once every case-column is judged while shards still run, what they run is
-        the mutation self-checks (after a shard's cases): said so, rather than an ETA of 0."""
-        if self.done and len(self.done) == len(self.cost) and not final and self.selfchecks:
-            return (f"gate: all {len(self.cost)} case-columns judged ({self.bad} unexpected); the mutation "
-                    f"self-checks are running, {_mmss(elapsed)} elapsed")
-        share = self.done_cost / self.total if self.total else 1.0
+        """The progress line; once every case-column is judged while shards still run, it says the
+        mutation self-checks are what runs."""
+        done = self.done_cost + min(self.selfcheck_done, self.selfcheck_s)
+        share = min(done / self.total, 1.0) if self.total else 1.0
         eta = f"ETA {_mmss(elapsed * (1 - share) / share)}" if share > 0.02 else "ETA after the first cases"
-        return (f"gate: {len(self.done)}/{len(self.cost)} case-columns ({100 * share:.0f}% of the measured cost), "
-                f"{self.bad} unexpected, {_mmss(elapsed)} elapsed, {eta}")
+        checks = ""
+        if self.selfcheck_s and self.done and len(self.done) == len(self.cost) and not final:
+            checks = "; the mutation self-checks are running"
+        return (f"gate: {len(self.done)}/{len(self.cost)} case-columns ({100 * share:.0f}% of the measured cost"
+                f"{' with the self-checks' if self.selfcheck_s else ''}), {self.bad} unexpected{checks}, "
+                f"{_mmss(elapsed)} elapsed, {eta}")
 
 
 def _mmss(seconds: float) -> str:

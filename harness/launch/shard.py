@@ -51,6 +51,15 @@ def load_times(path: Path = TIMES_PATH) -> dict[str, float]:
         return {}
 
 
+def load_selfcheck_times(path: Path = TIMES_PATH) -> dict[str, float]:
+    """Recorded seconds of each mutation self-check ("patched", "stock") of the gate; empty when never
+    measured."""
+    try:
+        return {str(k): float(v) for k, v in json.loads(Path(path).read_text()).get("selfchecks", {}).items()}
+    except FileNotFoundError:
+        return {}
+
+
 def estimate(case) -> float:
     """Seconds a case is expected to take (both columns), from what drives its cost: ranks, steps,
     and the expensive paths (NVMe swapping of >= 1 MiB matrices, compiled Newton-Schulz, resume)."""
@@ -70,9 +79,11 @@ def costs_for(cases: Sequence, times: dict[str, float] | None = None) -> dict[st
     return {c.name: times.get(c.name, estimate(c)) for c in cases}
 
 
-def assign(costs: dict[str, float], count: int) -> list[list[str]]:
-    """Partition names into ``count`` lists of near-equal total cost (LPT, deterministic)."""
-    loads = [0.0] * count
+def assign(costs: dict[str, float], count: int, start: Sequence[float] = ()) -> list[list[str]]:
+    """Partition names into ``count`` lists of near-equal total cost (LPT, deterministic). ``start``:
+    work each shard has besides these names (the gate's mutation self-checks run after a shard's cases),
+    so that the shards end together rather than their cases."""
+    loads = [float(x) for x in start] + [0.0] * (count - len(start))
     shards: list[list[str]] = [[] for _ in range(count)]
     for name in sorted(costs, key=lambda n: (-costs[n], n)):
         i = min(range(count), key=lambda j: (loads[j], j))
@@ -81,9 +92,9 @@ def assign(costs: dict[str, float], count: int) -> list[list[str]]:
     return shards
 
 
-def select(cases: Sequence, shard: Shard, times: dict[str, float] | None = None) -> list:
-    """The cases of one shard, in their original order."""
-    mine = set(assign(costs_for(cases, times), shard.count)[shard.index - 1])
+def select(cases: Sequence, shard: Shard, times: dict[str, float] | None = None, start: Sequence[float] = ()) -> list:
+    """The cases of one shard, in their original order (``start``: as in :func:`assign`)."""
+    mine = set(assign(costs_for(cases, times), shard.count, start)[shard.index - 1])
     return [c for c in cases if c.name in mine]
 
 
@@ -93,13 +104,19 @@ def select_names(names: Iterable[str], costs: dict[str, float], shard: Shard) ->
     return set(assign({n: costs.get(n, 0.5) for n in names}, shard.count)[shard.index - 1])
 
 
-def write_times(seconds: dict[str, float], command: str, path: Path = TIMES_PATH) -> None:
-    """Store measured seconds per case (summed over columns) for the next split. Merged into the
-    table already there: a run of a slice (``--only``, one shard's folder) refreshes the cases it
-    measured and must not erase the costs of the others, or the next split balances on guesses."""
+def write_times(seconds: dict[str, float], command: str, path: Path = TIMES_PATH,
+                selfchecks: dict[str, float] | None = None) -> None:
+    """Store measured seconds per case (summed over columns) and per self-check for the next split.
+    Merged into the table already there: a run of a slice (``--only``, one shard's folder) refreshes
+    the cases it measured and must not erase the costs of the others, or the next split balances on
+    guesses."""
     merged = load_times(path)
     merged.update(seconds)
+    checks = load_selfcheck_times(path)
+    checks.update(selfchecks or {})
     data = {"measured_by": command, "cases": {k: round(v, 3) for k, v in sorted(merged.items())}}
+    if checks:
+        data["selfchecks"] = {k: round(v, 1) for k, v in sorted(checks.items())}
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

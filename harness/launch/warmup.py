@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -22,6 +23,11 @@ from harness.rank import compiled
 OPS = buildenv.OPS
 OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
 STALE_LOCK_AGE_S = 20 * 60
+# Two build lanes of about equal cold cost (seconds cold on 2 cores: pin_memory 31 + async_io 150 against
+# cpu_adam 63 + fused_adam 69 + shm comm 23 + the compile cache 55), async_io after pin_memory, whose build
+# it loads. A lane's builds are mostly one compiler process each, so two lanes fill two cores.
+LANES = (("PinMemoryBuilder", "AsyncIOBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"))
+LANE_MEMORY_GIB = 3.0  # a compiler building a torch extension peaks near 1.5 GiB; two per lane at most
 
 
 def fill_cpuinfo_cache() -> dict:
@@ -107,11 +113,44 @@ def fill_compile_cache() -> float:
     return time.perf_counter() - t0
 
 
+def lanes_fit() -> int:
+    """How many build lanes this machine runs side by side: one per core, as memory allows, at most
+    ``len(LANES)``."""
+    try:
+        avail_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError):
+        avail_gib = 0.0
+    return max(1, min(len(LANES), os.cpu_count() or 1, int(avail_gib // LANE_MEMORY_GIB)))
+
+
+def build_in_lanes(skip_compile: bool) -> int:
+    """The default warm-up as ``LANES`` in parallel processes (each this module with ``--ops``), the
+    compile cache in the second. Each lane prints its own lines (with their heartbeat); the first
+    failure's exit status is returned after every lane has ended."""
+    t0 = time.perf_counter()
+    procs = []
+    for i, lane in enumerate(LANES):
+        cmd = [sys.executable, "-m", "harness.launch.warmup", "--ops", ",".join(lane), "--lane"]
+        cmd += ["--skip-compile"] if skip_compile or i == 0 else []
+        procs.append(subprocess.Popen(cmd))
+    try:
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = next((c for c in codes if c), 0)
+    _say(f"warmup: {len(LANES)} lanes done in {time.perf_counter() - t0:.1f}s" + (f" (exit {bad})" if bad else ""))
+    return bad
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-compile", action="store_true", help="do not fill the torch.compile cache")
     ap.add_argument("--ops", default=os.environ.get("MUON_HARNESS_OPS", ",".join(OPS)),
                     help="comma-separated op builders to build (default: MUON_HARNESS_OPS, else all)")
+    ap.add_argument("--lane", action="store_true", help=argparse.SUPPRESS)  # one lane of build_in_lanes
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     buildenv.apply_base_env({"TORCHDYNAMO_DISABLE": "0"})
@@ -122,6 +161,8 @@ def main(argv=None) -> int:
     for lock in removed:
         print(f"warmup: removed stale build lock {lock}")
     fill_cpuinfo_cache()
+    if args.ops == ",".join(OPS) and not args.lane and lanes_fit() > 1:
+        return build_in_lanes(args.skip_compile)
     ops = build_ops(tuple(o for o in args.ops.split(",") if o)) if args.ops != ",".join(OPS) else build_ops()
     if not args.skip_compile:
         _say("warmup: torch.compile cache for muon_update ...")

@@ -328,6 +328,14 @@ class Completeness:
         return ("INCOMPLETE: " + "; ".join(parts) + f" (finish with: python -m harness gate --resume {folder})")
 
 
+def note_selfcheck_run(root: Path, writer: str, kind: str, case: str, mutant: str | None, cost: float) -> None:
+    """One run of a mutation self-check ended (``selfcheck-<writer>.jsonl``): what the parent's progress
+    line counts, with the cost it was planned at, while a shard's self-checks run."""
+    line = json.dumps({"check": kind, "case": case, "mutant": mutant, "cost": cost})
+    with open(Path(root) / f"selfcheck-{writer}.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
 def _plan_path(root: Path, writer: str) -> Path:
     return Path(root) / f"run-{writer}.json"
 

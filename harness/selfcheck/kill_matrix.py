@@ -212,10 +212,46 @@ DPGROUP_MUTANTS = ("dp-average-over-world", "rank-contribution-dropped", "partit
                    "padded-tail-misslice")
 
 
+def _skip_reason(c: Case, m: str) -> str | None:
+    """Why mutant ``m`` is not run on case ``c`` (its baseline aside), or None when it is."""
+    if c.compiled and m not in COMPILED_MUTANTS:
+        # A compiled case retraces under dynamo (a few seconds): it runs only the mutants of the
+        # compiled path; the eager cases show every other mutant's reach.
+        return NOT_RUN
+    if c.model_parallel > 1 and m not in DPGROUP_MUTANTS:
+        return NOT_RUN_DPGROUP
+    return None
+
+
+def planned_runs(cases, names) -> list[tuple[Case, str | None]]:
+    """The runs a kill matrix makes, in order: each case unmutated (mutant None), then each mutant on
+    each case it runs on. One list for the matrix and for the gate's estimate of its cost
+    (``selfcheck_cost``); a case whose baseline fails skips its mutant runs, which only shortens it."""
+    runs: list[tuple[Case, str | None]] = [(c, None) for c in cases]
+    runs += [(c, m) for m in names for c in cases if _skip_reason(c, m) is None]
+    return runs
+
+
+def selfcheck_cost(kind: str, costs=None) -> float:
+    """Seconds the gate's ``kind`` ("patched" | "stock") self-check is expected to take: as last measured
+    (``data/case_times.json``), else each of its runs at one case-column of its case (half of
+    ``harness.launch.shard``'s two-column cost; that overestimates, since a mutated run is judged once)."""
+    from harness.launch import shard as sharding  # late: the recorded costs live with the sharding
+
+    recorded = sharding.load_selfcheck_times().get(kind) if costs is None else None
+    if recorded is not None:
+        return recorded
+    cases, names = (default_kill_cases(), list(MUTANTS)) if kind == "patched" else \
+        (stock_kill_cases(), list(STOCK_KILL_MUTANTS))
+    costs = sharding.costs_for(cases) if costs is None else costs
+    return sum(costs[c.name] / 2 for c, _ in planned_runs(cases, names))
+
+
 def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatrix:
     """Baselines first, then every mutant on every case whose baseline is good. ``baseline(case)``
     says whether the unmutated case is good; ``outcome(case)`` gives (killed, detail) for a mutated
-    one. ``manager``: a launcher (a ``PoolManager`` is made and closed if None)."""
+    one. ``manager``: a launcher (a ``PoolManager`` is made and closed if None). ``progress(case,
+    mutant, text)``, where given, hears of each run as it ends (mutant None: a baseline)."""
 
     own = manager is None
     manager = manager or PoolManager()
@@ -225,26 +261,19 @@ def _run_matrix(cases, names, manager, baseline, outcome, progress) -> KillMatri
         for c in cases:
             km.baseline[c.name], detail = baseline(c, manager)
             if progress:
-                progress(f"baseline {c.name}: {detail}")
+                progress(c, None, f"baseline {c.name}: {detail}")
         for m in km.mutants:
             for c in cases:
                 expected = MUTANTS[m].expected(c)
-                if not km.baseline.get(c.name):
-                    km.rows.append(KillRow(m, c.name, None, expected, "baseline fails"))
-                    continue
-                if c.compiled and m not in COMPILED_MUTANTS:
-                    # A compiled case retraces under dynamo (a few seconds): it runs only the mutants
-                    # of the compiled path; the eager cases show every other mutant's reach.
-                    km.rows.append(KillRow(m, c.name, None, expected, NOT_RUN))
-                    continue
-                if c.model_parallel > 1 and m not in DPGROUP_MUTANTS:
-                    km.rows.append(KillRow(m, c.name, None, expected, NOT_RUN_DPGROUP))
+                skipped = "baseline fails" if not km.baseline.get(c.name) else _skip_reason(c, m)
+                if skipped:
+                    km.rows.append(KillRow(m, c.name, None, expected, skipped))
                     continue
                 t0 = time.perf_counter()
                 killed, detail = outcome(c.replace(mutant=m), manager)
                 km.rows.append(KillRow(m, c.name, killed, expected, detail, time.perf_counter() - t0))
                 if progress:
-                    progress(f"{m} x {c.name}: {'killed' if killed else 'survived'} ({detail})")
+                    progress(c, m, f"{m} x {c.name}: {'killed' if killed else 'survived'} ({detail})")
     finally:
         km.seconds = time.perf_counter() - t_all
         if own:
@@ -331,7 +360,7 @@ def run(mutants: list[str] | None = None, only: str | None = None, stock: bool =
         cases = [c for c in stock_kill_cases() if not only or only in c.name]
     else:
         cases = [c for c in default_kill_cases() if not only or only in c.name]
-    progress = (lambda s: print(s, flush=True)) if verbose else None
+    progress = (lambda _c, _m, text: print(text, flush=True)) if verbose else None
     if stock:
         km = stock_kill_matrix(cases, mutants or STOCK_KILL_MUTANTS, progress=progress)
     else:
