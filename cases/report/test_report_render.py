@@ -436,13 +436,47 @@ def test_pruning_the_undrawn_maps_leaves_the_same_page(tmp_path):
     drawn = plotted_outcomes([r for r in load_records(results) if r.status in report_html.DETAIL_STATUSES])
     assert {p.stem for p in (results / "maps").glob("*.npz")} == drawn & {r.key for r in load_records(results)}
     after = render(results, tmp_path / "after.html", title="t").read_text()
+    assert _same_page(after) == _same_page(before)
 
-    def same(page: str) -> str:  # the rendering time and matplotlib's generated SVG ids may differ
-        page = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", "<time>", page)
-        page = re.sub(r"f\d+-[pm][0-9a-f]{8,}", "<svg-id>", page)
-        return re.sub(r"\bf\d+-", "f-", page)  # figures are numbered per process
 
-    assert same(after) == same(before)
+def _same_page(page: str) -> str:
+    """A page without what differs between two renderings of one folder: the rendering time, and
+    matplotlib's generated SVG ids (figures are numbered per process)."""
+    page = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", "<time>", page)
+    page = re.sub(r"f\d+-[pm][0-9a-f]{8,}", "<svg-id>", page)
+    return re.sub(r"\bf\d+-", "f-", page)
+
+
+def test_a_complete_folder_is_compacted_without_losing_a_record(tmp_path):
+    """``results.compact``: a complete folder's record files are gzip-compressed; every reader (records,
+    statuses, a merge of shards, a rebuilt page) sees the same records, and a file appended to after the
+    compaction keeps the older and the newer records, newest last."""
+    import dataclasses
+
+    import synth
+    from harness.launch.shard import merge_results
+    from harness.report import results as store
+    from harness.report import statuses
+    from harness.report.build import render
+
+    root = tmp_path / "results"
+    synth.gate_sized(root, n_cases=30, n_failing=12)
+    (root / "selfcheck-main.jsonl").write_text('{"check": "patched"}\n')
+    before = [dataclasses.asdict(r) for r in load_records(root)]
+    page = render(root, tmp_path / "before.html", title="t").read_text()
+    plain, packed = store.compact(root)
+    assert packed < plain / 4, (plain, packed)  # the records are repetitive JSON
+    assert not list(root.glob("*.jsonl")) and list(root.glob("results-*.jsonl.gz"))
+    assert [dataclasses.asdict(r) for r in load_records(root)] == before
+    assert statuses.outcomes(root)
+    assert _same_page(render(root, tmp_path / "after.html", title="t").read_text()) == _same_page(page)
+    merged = merge_results([root], tmp_path / "merged")
+    assert [dataclasses.asdict(r) for r in load_records(merged)] == before
+    newer, _ = synth.passing("-late")
+    synth.write(root, [(newer, {})])  # the plain writer file beside the compressed one of the same writer
+    store.compact(root)
+    assert [r.case_name for r in load_records(root)].count(newer.case_name) == 1
+    assert len(load_records(root)) == len(before) + 1
 
 
 def test_a_long_map_is_stored_as_the_cells_the_heatmap_draws(tmp_path):

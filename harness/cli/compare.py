@@ -21,6 +21,7 @@ from pathlib import Path
 from harness.env import buildenv
 from harness.launch.shard import Shard, merge_results
 from harness.report import compare as classify
+from harness.report.results import record_files
 
 RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
 # What a DeepSpeed install needs from a source tree (the rest of a repository is not extracted)
@@ -134,7 +135,7 @@ def run(base: str, head: str, out: Path, gate_args: list[str]) -> int:
         labels[side.role] = label(python)
         (out / "compare.json").write_text(json.dumps({"labels": labels, "gate_args": gate_args}, indent=1))
         rc = run_side(python, out / f"{side.role}-results", gate_args)
-        judged = any((out / f"{side.role}-results").glob("results-*.jsonl"))
+        judged = bool(record_files(out / f"{side.role}-results"))
         if rc not in (0, 1) or not judged:  # 1: the gate found failures, which is what is being compared
             print(f"compare: the {side.role} gate ended with exit {rc}"
                   + ("" if judged else ", judging nothing"), file=sys.stderr)

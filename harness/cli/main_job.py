@@ -306,6 +306,7 @@ def _report_run(a: GateArgs, headline: str, stopped: Interrupted | None, failed:
     state = results.completeness(a.results_dir)
     if state.complete:
         prune_maps(a.results_dir)  # after rendering: the page drew these maps, the rest go
+        results.compact(a.results_dir)  # every record kept, compressed; a plain file is a run still writing
     if stopped:
         headline = f"gate STOPPED by {stopped.name} ({headline})"
     bad = summary(a.results_dir, headline, brief=stopped is not None)

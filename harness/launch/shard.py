@@ -132,7 +132,7 @@ def merge_results(sources: Sequence[Path], dest: Path) -> Path:
     (dest / "maps").mkdir(parents=True)
     for i, src in enumerate(Path(s) for s in sources):
         tag = f"s{i + 1}"
-        for path in sorted(src.glob("results-*.jsonl")):
+        for path in sorted(src.glob("results-*.jsonl")) + sorted(src.glob("results-*.jsonl.gz")):  # plain or compacted
             shutil.copyfile(path, dest / f"results-{tag}-{path.name[len('results-'):]}")
         for prefix in ("extra-", "run-"):  # stored extras, and the plans that say what the runs meant to judge
             for path in sorted(src.glob(prefix + "*.json")):

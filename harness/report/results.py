@@ -8,6 +8,7 @@ merge all of them).
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -267,11 +268,26 @@ class ResultStore:
         return load_records(self.root)
 
 
+RECORD_GLOBS = ("results-*.jsonl", "results-*.jsonl.gz")  # a complete folder's are compressed (``compact``)
+
+
+def record_files(root: Path) -> list[Path]:
+    """Every writer's record file under ``root``, plain (a run still writing) or compressed."""
+    return sorted(p for g in RECORD_GLOBS for p in Path(root).glob(g))
+
+
+def _record_lines(path: Path) -> list[str]:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return f.read().splitlines()
+    return path.read_text().splitlines()
+
+
 def load_records(root: Path) -> list[CaseRecord]:
     """All records under ``root`` (every writer's file), last record per key wins."""
     recs: dict[str, CaseRecord] = {}
-    for path in sorted(Path(root).glob("results-*.jsonl")):
-        for line in path.read_text().splitlines():
+    for path in record_files(root):
+        for line in _record_lines(path):
             if not line.strip():
                 continue
             try:
@@ -283,6 +299,28 @@ def load_records(root: Path) -> list[CaseRecord]:
             rec = CaseRecord(**d)
             recs[rec.key] = rec
     return sorted(recs.values(), key=lambda r: (r.column, r.case_name))
+
+
+def compact(root: Path) -> tuple[int, int]:
+    """Compress a complete folder's record files (``results-<writer>.jsonl.gz``) and drop the self-checks'
+    progress notes. Why: the records of a ``--full`` gate are tens of MB of repetitive JSON (every check's
+    divergence record, each case's JSON twice) and gzip keeps every byte of them at about a fifteenth;
+    a folder still being written (or resumed: a resume writes files of its own) stays plain, for the
+    progress line's reading by offset. Returns (bytes before, bytes after)."""
+    root = Path(root)
+    before = after = 0
+    for path in sorted(root.glob("results-*.jsonl")):
+        gz = path.with_name(path.name + ".gz")
+        data = (gzip.decompress(gz.read_bytes()) if gz.exists() else b"") + path.read_bytes()  # appended to since
+        tmp = gz.with_name(gz.name + ".tmp")
+        with gzip.open(tmp, "wb", compresslevel=6) as f:
+            f.write(data)
+        tmp.replace(gz)
+        path.unlink()
+        before, after = before + len(data), after + gz.stat().st_size
+    for path in root.glob("selfcheck-*.jsonl"):
+        path.unlink()
+    return before, after
 
 
 def load_maps(root: Path, key: str) -> dict[str, np.ndarray]:
