@@ -41,17 +41,46 @@ def test_warmup_says_each_op_before_building_it_then_its_time(monkeypatch):
         def load(self, verbose=False):
             events.append(("load", self.NAME))
 
+        def cxx_args(self):
+            return ["-O3", "-g", "-march=native"]
+
     accel = types.SimpleNamespace(create_op_builder=Builder)
     import deepspeed.accelerator
 
+    flags = []
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accel)
-    monkeypatch.setattr(warmup.buildenv, "builder_key", lambda b, deps=(): "k")
+    monkeypatch.setattr(warmup.buildenv, "builder_key", lambda b, deps=(): flags.append(b.cxx_args()) or "k")
     monkeypatch.setattr(warmup.buildenv, "ensure_op", lambda name, key, build: build() or "built")
     secs = warmup.build_ops(("CPUAdamBuilder", "AsyncIOBuilder"), say=lambda m: events.append(("say", m)))
     assert set(secs) == {"cpuadam", "asyncio"}
     kinds = [k if k == "load" else ("start" if m.endswith("...") else "ready") for k, m in events]
     assert kinds == ["start", "load", "ready", "start", "load", "ready"], events
     assert "CPUAdamBuilder" in events[0][1] and "ready in" in events[2][1]
+    assert flags == [["-O3", "-march=native"]] * 2  # keyed, and so built, without debug info
+
+
+def test_warmup_builds_in_lanes_that_cover_every_op_once(monkeypatch):
+    """Where the machine has the cores, the default warm-up is ``LANES`` side by side: every op in
+    exactly one lane, async_io after pin_memory (it loads that build), the compile cache in one lane."""
+    cmds = []
+
+    class Proc:
+        def __init__(self, cmd):
+            cmds.append(cmd)
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(warmup.subprocess, "Popen", Proc)
+    assert warmup.build_in_lanes(skip_compile=False) == 0
+    lanes = [c[c.index("--ops") + 1].split(",") for c in cmds]
+    assert sorted(op for lane in lanes for op in lane) == sorted(warmup.OPS)
+    pin = next(lane for lane in lanes if "AsyncIOBuilder" in lane)
+    assert pin.index("PinMemoryBuilder") < pin.index("AsyncIOBuilder")
+    assert sum("--skip-compile" not in c for c in cmds) == 1 and all("--lane" in c for c in cmds)
 
 
 def test_warmup_prints_a_total(monkeypatch, capsys):
@@ -59,6 +88,7 @@ def test_warmup_prints_a_total(monkeypatch, capsys):
     monkeypatch.setattr(warmup.buildenv, "apply_base_env", lambda extra=None: None)
     monkeypatch.setattr(warmup, "fill_cpuinfo_cache", lambda: {})
     monkeypatch.setattr(warmup, "build_ops", lambda: {"a": 1.0, "b": 2.0})
+    monkeypatch.setattr(warmup, "lanes_fit", lambda: 1)  # one process: the lanes have their own test
     assert warmup.main(["--skip-compile"]) == 0
     out = capsys.readouterr().out
     assert "warmup: done in" in out and "2 ops: 3.0s" in out

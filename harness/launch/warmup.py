@@ -75,16 +75,13 @@ def build_ops(names=OPS, say=_say) -> dict[str, float]:
     and flags match another's links to that build instead of rebuilding it. Ranks import the ``.so``
     directly (``harness.rank.runtime_state.preload_built_ops``): a JIT load would rebuild it whenever the
     build file names other absolute paths than the ones that built it."""
-    from deepspeed.accelerator import get_accelerator  # late: DeepSpeed, rank side
-
-
     seconds = {}
     keys: dict[str, str] = {}
     for name in names:
         say(f"warmup: op {name} ...")
         t0 = time.perf_counter()
-        builder = get_accelerator().create_op_builder(name)
-        if name in OPTIONAL and (builder is None or type(builder).__name__ == "NotImplementedBuilder"):
+        builder = buildenv.create_builder(name)
+        if builder is None and name in OPTIONAL:
             say(f"warmup: op {name}: not in this DeepSpeed release (skipped)")
             continue
         if builder is None:
