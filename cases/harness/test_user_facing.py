@@ -83,6 +83,24 @@ def test_warmup_builds_in_lanes_that_cover_every_op_once(monkeypatch):
     assert sum("--skip-compile" not in c for c in cmds) == 1 and all("--lane" in c for c in cmds)
 
 
+def test_warmup_counts_torchs_own_future_warnings_and_shows_the_rest(monkeypatch):
+    """The compile cache's fill raised a dozen identical ``FutureWarning`` blocks from inside torch's
+    inductor: one line counts and names them; a warning from anywhere else is still shown."""
+    import warnings
+
+    def fill():
+        for _ in range(3):
+            warnings.warn_explicit("deprecated", FutureWarning, "/x/site-packages/torch/_inductor/lowering.py", 2352)
+        warnings.warn_explicit("yours", UserWarning, "/work/model.py", 7)
+
+    said, shown = [], []
+    monkeypatch.setattr(warmup.compiled, "warm_compiled_muon_update", fill)
+    monkeypatch.setattr(warmup.warnings, "showwarning", lambda msg, cat, f, n, *a: shown.append((str(msg), cat)))
+    warmup.fill_compile_cache(say=said.append)
+    assert said == ["warmup: 3 FutureWarning(s) raised inside torch itself filtered (lowering.py:2352)"]
+    assert shown == [("yours", UserWarning)]
+
+
 def test_warmup_prints_a_total(monkeypatch, capsys):
     monkeypatch.setattr(warmup.buildenv, "clear_stale_locks", lambda max_age_s: [])
     monkeypatch.setattr(warmup.buildenv, "apply_base_env", lambda extra=None: None)
