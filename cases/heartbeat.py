@@ -3,7 +3,8 @@
 Why: pytest's progress is a row of dots that ends its line only every ~80 tests, and a pipeline
 test can take a minute; a set-up log with minutes between lines reads as a hang. The line says how
 many tests ended, the elapsed time and the tests running now (pytest-xdist forwards each worker's
-``logstart`` / ``logreport`` to the controller, where this runs). Set the variable to 0 to turn it off.
+``logstart`` / ``logreport`` to the controller, where this runs; ``pytest -n N`` only, as the test
+command runs). Set the variable to 0 to turn it off.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self.stop.wait(self.every_s):
-            self.reporter.write("\n")
+            self.reporter.write("\n")  # end the row of dots (xdist writes them past the writer's line count)
             self.reporter.write_line(self.line(time.perf_counter()))
 
     @pytest.hookimpl
@@ -57,10 +58,13 @@ class Heartbeat:
         self.stop.set()
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered (it is None before)
 def pytest_configure(config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if EVERY_S > 0 and reporter is not None and worker is None and not config.option.collectonly:
+    # Only in a pytest-xdist controller: it runs no test itself, so nothing captures what the thread
+    # writes (in a single process a line written mid-test would land in that test's captured output).
+    controller = bool(getattr(config.option, "numprocesses", None)) and "PYTEST_XDIST_WORKER" not in os.environ
+    if EVERY_S > 0 and reporter is not None and controller and not config.option.collectonly:
         beat = Heartbeat(reporter, EVERY_S)
         config.pluginmanager.register(beat, "muon-heartbeat")
         beat.thread.start()
