@@ -211,3 +211,21 @@ def test_the_self_checks_cost_is_planned_from_the_runs_the_kill_matrix_makes():
     names = {f"c{i}": 1.0 for i in range(10)}
     split = sharding.assign(names, 2, loads)
     assert len(split[0]) == 0 and len(split[1]) == 10
+
+
+def test_the_self_check_runs_noted_add_up_to_the_seconds_the_progress_line_planned(tmp_path):
+    """Each self-check run is noted at its case's share of the planned seconds (measured, where
+    recorded), so the progress line reaches its total when the last run ends, not before or after."""
+    import json
+
+    from harness.cli.main_job import GateArgs, _selfcheck_note
+    from harness.selfcheck import kill_matrix as km
+
+    a = GateArgs(report=str(tmp_path / "g.html"), results=str(tmp_path / "r"))
+    a.results_dir.mkdir(parents=True)
+    note = _selfcheck_note(a, "w")
+    for c, m in km.planned_runs(km.stock_kill_cases(), list(km.STOCK_KILL_MUTANTS)):
+        note("stock", c, m)
+    rows = [json.loads(x) for x in (a.results_dir / "selfcheck-w.jsonl").read_text().splitlines()]
+    assert len(rows) == len(km.planned_runs(km.stock_kill_cases(), list(km.STOCK_KILL_MUTANTS)))
+    assert abs(sum(r["cost"] for r in rows) - km.selfcheck_cost("stock")) < 1e-6 * km.selfcheck_cost("stock")

@@ -289,13 +289,17 @@ def _gate_body(a: GateArgs, pairs: list, writer: str, selfchecks: list[str]) -> 
 
 
 def _selfcheck_note(a: GateArgs, writer: str):
-    """Each self-check run as it ends, into the results folder, for a parent's progress line."""
-    costs: dict = {}
+    """Each self-check run as it ends, into the results folder, for a parent's progress line: at its case's
+    share of the self-check's planned seconds (``selfcheck_cost``), so that the runs add up to the total
+    the line planned with, measured or estimated."""
+    rate: dict = {}
 
     def note(kind, case, mutant):
-        if kind not in costs:
-            costs[kind] = sharding.costs_for(default_kill_cases() if kind == "patched" else stock_kill_cases())
-        results.note_selfcheck_run(a.results_dir, writer, kind, case.name, mutant, costs[kind][case.name] / 2)
+        if kind not in rate:
+            costs = sharding.costs_for(default_kill_cases() if kind == "patched" else stock_kill_cases())
+            rate[kind] = (costs, selfcheck_cost(kind) / max(selfcheck_cost(kind, costs), 1e-9))
+        costs, scale = rate[kind]
+        results.note_selfcheck_run(a.results_dir, writer, kind, case.name, mutant, costs[case.name] / 2 * scale)
 
     return note
 
