@@ -3,8 +3,8 @@
 Why real trees: a probe (``harness.env.tree``) is only as good as its reading of the code it was written
 for; a test on a hand-made tree would check the probe against our idea of the code. The installed
 0.19.8 is the installed package itself; an older release comes from PyPI (its sdist, 1-2 MB, from the
-simple index with its sha256 checked; ``pip download`` where that fails, which costs ~11 s a release in
-metadata preparation) and the test is skipped, saying so, where PyPI cannot be reached.
+simple index with its sha256 checked; ``pip download`` where that fails, which is much slower: it prepares
+the sdist's metadata, docs/measurements.md) and the test is skipped, saying so, where PyPI cannot be reached.
 """
 from __future__ import annotations
 

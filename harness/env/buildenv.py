@@ -194,9 +194,9 @@ def op_build_root(name: str, key: str) -> Path:
 
 
 def without_debug_info(builder):
-    """The builder, compiling without ``-g``. Why: debug info is ~40% of each file's compile time here
-    (``deepspeed_py_copy.cpp``: 57 s with it, 34 s without, on one core) and nothing in a run reads it;
-    GCC's code generation does not depend on ``-g``. Every build and every key goes through this, so the
+    """The builder, compiling without ``-g``. Why: debug info is a large share of each file's compile
+    time (docs/measurements.md, "debug info in an op build") and nothing in a run reads it; GCC's code
+    generation does not depend on ``-g``. Every build and every key goes through this, so the
     key names the flags the build used."""
     if getattr(builder, "_muon_no_debug_info", False):
         return builder

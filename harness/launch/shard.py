@@ -43,21 +43,23 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
-def load_times(path: Path = TIMES_PATH) -> dict[str, float]:
-    """Recorded seconds per case name (both columns together); empty when never measured."""
+def _table(path: Path) -> dict:
     try:
-        return {str(k): float(v) for k, v in json.loads(Path(path).read_text())["cases"].items()}
+        return json.loads(Path(path).read_text())
     except FileNotFoundError:
         return {}
+
+
+def load_times(path: Path = TIMES_PATH) -> dict[str, float]:
+    """Recorded seconds per case name (both columns together); empty when never measured."""
+    table = _table(path)
+    return {str(k): float(v) for k, v in table["cases"].items()} if table else {}
 
 
 def load_selfcheck_times(path: Path = TIMES_PATH) -> dict[str, float]:
     """Recorded seconds of each mutation self-check ("patched", "stock") of the gate; empty when never
     measured."""
-    try:
-        return {str(k): float(v) for k, v in json.loads(Path(path).read_text()).get("selfchecks", {}).items()}
-    except FileNotFoundError:
-        return {}
+    return {str(k): float(v) for k, v in _table(path).get("selfchecks", {}).items()}
 
 
 def estimate(case) -> float:

@@ -25,11 +25,11 @@ from harness.rank import compiled
 OPS = buildenv.OPS
 OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
 STALE_LOCK_AGE_S = 20 * 60
-# Two build lanes of about equal cold cost (seconds cold on 2 cores: pin_memory 31 + async_io 150 against
-# cpu_adam 63 + fused_adam 69 + shm comm 23 + the compile cache 55), async_io after pin_memory, whose build
-# it loads. A lane's builds are mostly one compiler process each, so two lanes fill two cores.
+# Two build lanes of about equal cold cost (the per-op seconds of the fresh-container row of
+# docs/measurements.md), async_io after pin_memory, whose build it loads; the compile cache goes with
+# the second lane.
 LANES = (("PinMemoryBuilder", "AsyncIOBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"))
-LANE_MEMORY_GIB = 3.0  # a compiler building a torch extension peaks near 1.5 GiB; two per lane at most
+LANE_MEMORY_GIB = 3.0  # memory a lane may need: ninja runs a few compilers, each holding torch's headers
 
 
 def fill_cpuinfo_cache() -> dict:

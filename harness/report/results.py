@@ -303,8 +303,9 @@ def load_records(root: Path) -> list[CaseRecord]:
 
 def compact(root: Path) -> tuple[int, int]:
     """Compress a complete folder's record files (``results-<writer>.jsonl.gz``) and drop the self-checks'
-    progress notes. Why: the records of a ``--full`` gate are tens of MB of repetitive JSON (every check's
-    divergence record, each case's JSON twice) and gzip keeps every byte of them at about a fifteenth;
+    progress notes. Why: the records of a ``--full`` gate are most of its folder and repetitive JSON (every
+    check's divergence record, each case's JSON twice), which gzip keeps whole at a fraction of the size
+    (docs/measurements.md);
     a folder still being written (or resumed: a resume writes files of its own) stays plain, for the
     progress line's reading by offset. Returns (bytes before, bytes after)."""
     root = Path(root)

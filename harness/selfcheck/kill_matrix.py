@@ -225,8 +225,8 @@ def _skip_reason(c: Case, m: str) -> str | None:
 
 def planned_runs(cases, names) -> list[tuple[Case, str | None]]:
     """The runs a kill matrix makes, in order: each case unmutated (mutant None), then each mutant on
-    each case it runs on. One list for the matrix and for the gate's estimate of its cost
-    (``selfcheck_cost``); a case whose baseline fails skips its mutant runs, which only shortens it."""
+    each case it runs on (``_skip_reason``, as ``_run_matrix`` decides), for the gate's estimate of its
+    cost (``selfcheck_cost``); a case whose baseline fails skips its mutant runs, which only shortens it."""
     runs: list[tuple[Case, str | None]] = [(c, None) for c in cases]
     runs += [(c, m) for m in names for c in cases if _skip_reason(c, m) is None]
     return runs
