@@ -3,8 +3,10 @@ build, and any change to what goes into a build (a source, a header it includes,
 key. Pure and fast: temporary trees and a stand-in build, no compiler, no DeepSpeed build."""
 from __future__ import annotations
 
+import ctypes
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,39 @@ def test_ranks_import_the_recorded_store_build_not_the_release_folder(tmp_path, 
                         lambda name, path, py: imported.append((name, (Path(path) / f"{name}.so").read_text())))
     assert runtime_state.preload_built_ops() == ["fused_adam"]
     assert imported == [("fused_adam", "the warm-up's build")]
+
+
+def test_the_warm_up_builds_async_io_for_its_key_when_an_older_async_io_is_recorded(tmp_path, monkeypatch):
+    """A cache from before a key change records an async_io build: preloading it before the new key's
+    build put it in DeepSpeed's op cache, load() returned it, and the new key's store was left empty
+    (CI, exit 1 in the warm-up). Only pin_memory may be loaded when async_io builds."""
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from harness.launch import warmup
+
+    ext = tmp_path / "ext"
+    for name in ("pin_memory", "async_io"):
+        (ext / name).mkdir(parents=True)
+        (ext / name / f"{name}.so").write_text(f"{name} under an older key")
+    (ext / "built-ops.json").write_text(json.dumps({n: {"key": "older", "folder": str(ext / n)}
+                                                    for n in ("pin_memory", "async_io")}))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    def imported(name, path, py):
+        module = type(sys)(name)
+        module.__file__ = str(Path(path) / f"{name}.so")
+        return module
+
+    monkeypatch.setattr(cpp, "_import_module_from_library", imported)
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: None)
+    monkeypatch.setattr(sys, "_deepspeed_pin_memory_op_module", None, raising=False)
+    in_cache_at_build = {}
+
+    def ensure_op(name, key, build):
+        in_cache_at_build[name] = sorted(OpBuilder._loaded_ops)
+        return "built"
+
+    monkeypatch.setattr(buildenv, "ensure_op", ensure_op)
+    warmup.build_ops(("PinMemoryBuilder", "AsyncIOBuilder"), say=lambda msg: None)
+    assert in_cache_at_build == {"pin_memory": [], "async_io": ["pin_memory"]}

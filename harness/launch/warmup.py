@@ -94,8 +94,10 @@ def build_ops(names=OPS, say=_say) -> dict[str, float]:
         deps = (keys["pin_memory"],) if builder.NAME == "async_io" and "pin_memory" in keys else ()
         keys[builder.NAME] = key = buildenv.builder_key(builder, deps)
         if deps:
-            # async_io's load() loads pin_memory first; have it in memory so the build does not rebuild it
-            runtime_state.preload_built_ops()
+            # async_io's load() loads pin_memory first; have it in memory so the build does not rebuild it.
+            # pin_memory alone: an async_io recorded under an older key (a cache from before a key change)
+            # would sit in DeepSpeed's op cache, and load() would return it without building this key.
+            runtime_state.preload_built_ops(only=("PinMemoryBuilder",))
         with heartbeat(f"op {builder.NAME}", say):
             how = buildenv.ensure_op(builder.NAME, key, lambda b=builder: b.load(verbose=False))
         seconds[builder.NAME] = time.perf_counter() - t0

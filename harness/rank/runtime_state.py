@@ -77,7 +77,7 @@ PRELOAD_BUILDERS = ("PinMemoryBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "A
                     "ShareMemCommBuilder")
 
 
-def preload_built_ops() -> list[str]:
+def preload_built_ops(only: tuple[str, ...] = PRELOAD_BUILDERS) -> list[str]:
     """Import every op the warm-up built straight from its ``.so``, into DeepSpeed's per-process op
     cache (``OpBuilder._loaded_ops``), so no case ever goes through torch's JIT ``load``.
 
@@ -90,6 +90,9 @@ def preload_built_ops() -> list[str]:
     not from the release's extensions folder: a process that JIT-loads the op there (a user's script run
     from another checkout) relinks that folder's ``.so`` in place, and a rank importing it meanwhile gets
     ``invalid ELF header``. The release folder is the fallback for a cache from before the record.
+
+    ``only`` narrows the builders: the warm-up preloads pin_memory alone before it builds async_io, since
+    an async_io recorded under an older key, once in DeepSpeed's op cache, would make the build a no-op.
     """
 
     from deepspeed.accelerator import get_accelerator  # late: DeepSpeed, rank side
@@ -101,7 +104,7 @@ def preload_built_ops() -> list[str]:
         return []
     loaded = []
     recorded = buildenv.read_built_ops(Path(ext))
-    for name in PRELOAD_BUILDERS:
+    for name in (n for n in PRELOAD_BUILDERS if n in only):
         builder = get_accelerator().create_op_builder(name)
         if builder is None or builder.NAME in OpBuilder._loaded_ops or builder.NAME in builder._loaded_ops:
             continue
