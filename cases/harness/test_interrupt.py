@@ -117,15 +117,14 @@ def test_ctrl_c_prints_a_summary_and_resume_gives_the_uninterrupted_statuses(tmp
 
 
 def test_statuses_do_not_depend_on_order_or_the_other_column(tmp_path):
+    """Three gates, not four: each column alone *and* shuffled against both columns in order. A verdict
+    that leaked from the other column or from the order differs from the first run's either way."""
     rc, out, normal = _gate(tmp_path, "normal", "--only", ORDER_FAMILY, "-q")
     assert rc in (0, 1), out[-3000:]
     base = statuses.outcomes(normal)
     assert {col for _, col in base} == {"stock", "patched"}
-    rc, out, shuffled = _gate(tmp_path, "shuffled", "--only", ORDER_FAMILY, "-q", "--shuffle", "1")
-    assert rc in (0, 1), out[-3000:]
-    assert statuses.differences(base, statuses.outcomes(shuffled)) == []
     for col in ("stock", "patched"):
-        rc, out, alone = _gate(tmp_path, col, "--only", ORDER_FAMILY, "-q", "--column", col)
+        rc, out, alone = _gate(tmp_path, col, "--only", ORDER_FAMILY, "-q", "--column", col, "--shuffle", "1")
         assert rc in (0, 1), out[-3000:]
         mine = statuses.outcomes(alone)
         assert {c for _, c in mine} == {col} and len(mine) == len(base) // 2

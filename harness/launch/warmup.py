@@ -26,9 +26,9 @@ OPS = buildenv.OPS
 OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
 STALE_LOCK_AGE_S = 20 * 60
 # Two build lanes of about equal cold cost (the per-op seconds of the fresh-container row of
-# docs/measurements.md), async_io after pin_memory, whose build it loads; the compile cache goes with
-# the second lane.
-LANES = (("PinMemoryBuilder", "AsyncIOBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"))
+# docs/measurements.md; async_io with its precompiled header), async_io after pin_memory, whose build
+# it loads; the compile cache goes with the second lane.
+LANES = (("PinMemoryBuilder", "AsyncIOBuilder", "ShareMemCommBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder"))
 LANE_MEMORY_GIB = 3.0  # memory a lane may need: ninja runs a few compilers, each holding torch's headers
 
 
@@ -99,10 +99,16 @@ def build_ops(names=OPS, say=_say) -> dict[str, float]:
             # would sit in DeepSpeed's op cache, and load() would return it without building this key.
             runtime_state.preload_built_ops(only=("PinMemoryBuilder",))
         with heartbeat(f"op {builder.NAME}", say):
-            how = buildenv.ensure_op(builder.NAME, key, lambda b=builder: b.load(verbose=False))
+            how = buildenv.ensure_op(builder.NAME, key, lambda b=builder, k=key: _build(b, k))
         seconds[builder.NAME] = time.perf_counter() - t0
         say(f"warmup: op {builder.NAME} ready in {seconds[builder.NAME]:.1f}s ({how}, key {key})")
     return seconds
+
+
+def _build(builder, key: str):
+    """DeepSpeed's own JIT build of the op, torch's header precompiled where the op has many units."""
+    with buildenv.precompiled_header(builder, buildenv.op_build_root(builder.NAME, key)):
+        return builder.load(verbose=False)
 
 
 def fill_compile_cache(say=_say) -> float:
