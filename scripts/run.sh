@@ -42,18 +42,34 @@ if [ ! -f "$stamp" ]; then
 fi
 # Cosmic Ray (source mutation, harness/selfcheck/source_mutation) in a venv of its own: the harness runs its
 # cosmic-ray executable; nothing of it is imported by the harness or the ranks.
+# Installed beside the warm-up (pip waits on the network and the disk, the warm-up on the cores), its
+# output in .venv-mutation/install.log, shown only if it fails.
+mut_pid=""
+trap '[ -z "$mut_pid" ] || kill "$mut_pid" 2>/dev/null || true' EXIT
 if [ ! -f .venv-mutation/.installed-cosmic-ray-8.7.0 ]; then
   "$PY" -m venv .venv-mutation
-  echo "setup: installing cosmic-ray 8.7.0 into .venv-mutation ($(date -u +%T))"
-  .venv-mutation/bin/pip install --progress-bar off --disable-pip-version-check "cosmic-ray==8.7.0"
-  touch .venv-mutation/.installed-cosmic-ray-8.7.0
+  echo "setup: installing cosmic-ray 8.7.0 into .venv-mutation beside the warm-up ($(date -u +%T))"
+  .venv-mutation/bin/pip install --progress-bar off --disable-pip-version-check "cosmic-ray==8.7.0" \
+    > .venv-mutation/install.log 2>&1 &
+  mut_pid=$!
 fi
+mutation_ready() {  # wait for the install started above, if any; its log and exit 1 if it failed
+  [ -n "$mut_pid" ] || return 0
+  if wait "$mut_pid"; then
+    mut_pid=""; touch .venv-mutation/.installed-cosmic-ray-8.7.0
+    echo "setup: cosmic-ray 8.7.0 ready ($(date -u +%T))"
+  else
+    mut_pid=""; tail -n 30 .venv-mutation/install.log >&2
+    echo "setup: installing cosmic-ray failed (the whole log: .venv-mutation/install.log)" >&2; exit 1
+  fi
+}
 
 if [ -n "$ds_other" ]; then
   # Another DeepSpeed: its own venv, its ops built once, the stock column only where the patched runtime
   # does not apply (harness/env/versions.py), no mutation self-check (the mutants patch 0.19.8's functions).
   venv="$(bash scripts/deepspeed_venv.sh "$ds_other" | tail -1)"
   "$venv/bin/python" -m harness.launch.warmup --skip-compile
+  mutation_ready
   tag="$("$venv/bin/python" -c 'from harness.env import versions; print(versions.installed().version.replace("+", "-"))')"
   case "$what" in
     main) exec "$venv/bin/python" -m harness gate --no-mutate --report "reports/gate-$tag.html" "$@" ;;
@@ -64,6 +80,7 @@ fi
 
 # Op builds and the torch.compile cache, once, outside any test timeout.
 .venv/bin/python -m harness.launch.warmup
+mutation_ready
 
 case "$what" in
   main)
