@@ -86,22 +86,26 @@ def test_warmup_builds_in_lanes_that_cover_every_op_once(monkeypatch):
     assert sum("--skip-compile" not in c for c in cmds) == 1 and all("--lane" in c for c in cmds)
 
 
-def test_warmup_counts_torchs_own_future_warnings_and_shows_the_rest(monkeypatch):
+def test_warmup_counts_torchs_own_deprecation_warnings_and_shows_the_rest(monkeypatch):
     """The compile cache's fill raised a dozen identical ``FutureWarning`` blocks from inside torch's
-    inductor: one line counts and names them; a warning from anywhere else is still shown."""
+    inductor and ``DeprecationWarning`` blocks from torch's jit: one line counts and names them; a
+    warning from anywhere else, a deprecation included, is still shown."""
     import warnings
 
     def fill():
         for _ in range(3):
             warnings.warn_explicit("deprecated", FutureWarning, "/x/site-packages/torch/_inductor/lowering.py", 2352)
+        warnings.warn_explicit("script_method", DeprecationWarning, "/x/site-packages/torch/jit/_script.py", 365)
         warnings.warn_explicit("yours", UserWarning, "/work/model.py", 7)
+        warnings.warn_explicit("old api", DeprecationWarning, "/work/model.py", 9)
 
     said, shown = [], []
     monkeypatch.setattr(warmup.compiled, "warm_compiled_muon_update", fill)
     monkeypatch.setattr(warmup.warnings, "showwarning", lambda msg, cat, f, n, *a: shown.append((str(msg), cat)))
     warmup.fill_compile_cache(say=said.append)
-    assert said == ["warmup: 3 FutureWarning(s) raised inside torch itself filtered (lowering.py:2352)"]
-    assert shown == [("yours", UserWarning)]
+    assert said == ["warmup: 4 deprecation warning(s) raised inside torch itself filtered "
+                    "(DeprecationWarning _script.py:365, FutureWarning lowering.py:2352)"]
+    assert shown == [("yours", UserWarning), ("old api", DeprecationWarning)]
 
 
 def test_warmup_prints_a_total(monkeypatch, capsys):

@@ -26,9 +26,10 @@ OPS = buildenv.OPS
 OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
 STALE_LOCK_AGE_S = 20 * 60
 # Two build lanes of about equal cold cost (the per-op seconds of the fresh-container row of
-# docs/measurements.md; async_io with its precompiled header), async_io after pin_memory, whose build
-# it loads; the compile cache goes with the second lane.
-LANES = (("PinMemoryBuilder", "AsyncIOBuilder", "ShareMemCommBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder"))
+# docs/measurements.md), async_io after pin_memory, whose build it loads; the compile cache goes with
+# the second lane. With shm comm in the first lane instead, that lane ran ~440 s against the second's
+# ~300 s: async_io's precompiled header saves CPU, which the other lane gets, more than wall time.
+LANES = (("PinMemoryBuilder", "AsyncIOBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"))
 LANE_MEMORY_GIB = 3.0  # memory a lane may need: ninja runs a few compilers, each holding torch's headers
 
 
@@ -111,22 +112,26 @@ def _build(builder, key: str):
         return builder.load(verbose=False)
 
 
+TORCH_OWN = (FutureWarning, DeprecationWarning)  # torch deprecating its own helpers to itself
+
+
 def fill_compile_cache(say=_say) -> float:
     """Compile muon_update once so the compiled subset of cases reads inductor's on-disk cache. torch's
-    own deprecation warnings (``FutureWarning`` from inside torch: inductor's lowering calls a deprecated
-    torch helper, a dozen identical blocks per fill) are not the user's business: counted and named in
-    one line; any other warning is shown as it is."""
+    own deprecation warnings (``TORCH_OWN`` raised from a file inside torch: inductor's lowering calls a
+    deprecated torch helper, a dozen identical blocks per fill, and ``torch.jit.script_method`` warns
+    from torch's own jit module) are not the user's business: counted and named in one line; any other
+    warning is shown as it is."""
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled.warm_compiled_muon_update()
-    torch_own = [w for w in caught if issubclass(w.category, FutureWarning) and "/torch/" in w.filename]
+    torch_own = [w for w in caught if issubclass(w.category, TORCH_OWN) and "/torch/" in w.filename]
     for w in caught:
         if w not in torch_own:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if torch_own:
-        where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in torch_own})
-        say(f"warmup: {len(torch_own)} FutureWarning(s) raised inside torch itself filtered ({', '.join(where)})")
+        where = sorted({f"{w.category.__name__} {Path(w.filename).name}:{w.lineno}" for w in torch_own})
+        say(f"warmup: {len(torch_own)} deprecation warning(s) raised inside torch itself filtered ({', '.join(where)})")
     return time.perf_counter() - t0
 
 
