@@ -25,11 +25,10 @@ from harness.rank import compiled
 OPS = buildenv.OPS
 OPTIONAL = ("PinMemoryBuilder",)  # a cpu builder only from 0.19.5 (async_io resolves symbols from it there)
 STALE_LOCK_AGE_S = 20 * 60
-# Two build lanes of about equal cold cost (the per-op seconds of the fresh-container row of
-# docs/measurements.md), async_io after pin_memory, whose build it loads; the compile cache goes with
-# the second lane. With shm comm in the first lane instead, that lane ran ~440 s against the second's
-# ~300 s: async_io's precompiled header saves CPU, which the other lane gets, more than wall time.
-LANES = (("PinMemoryBuilder", "AsyncIOBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"))
+# Two build lanes of about equal cold cost, async_io after pin_memory, whose build it loads; the compile
+# cache goes with the second lane. With async_io's precompiled header, shm comm belongs in the first:
+# on a fresh container the lanes then ended 12 s apart (docs/measurements.md, the fresh-container row).
+LANES = (("PinMemoryBuilder", "AsyncIOBuilder", "ShareMemCommBuilder"), ("CPUAdamBuilder", "FusedAdamBuilder"))
 LANE_MEMORY_GIB = 3.0  # memory a lane may need: ninja runs a few compilers, each holding torch's headers
 
 
