@@ -306,3 +306,10 @@ def test_on_an_unmeasured_tree_bugs_are_tried_by_model_and_named_by_source(monke
         tried = {b.id for b in registry.candidates_for(plain)}
         assert "DSM-108" in tried and not tried & {b.id for b in registry.bugs_for(plain)}  # tried, not assumed
         assert all(b.model is not None or b.crash is not None for b in registry.candidates_for(plain))
+
+
+def test_a_frames_file_name_gives_its_package_path_once_and_an_unknown_name_says_where_to_add_it():
+    assert tree.package_path("stage3.py") == tree.STAGE3[0]
+    assert tree.package_path("original_muon.py") == tree.MUON_FN
+    with pytest.raises(KeyError, match="tree._KNOWN_FILES"):
+        tree.package_path("stage_2.py")

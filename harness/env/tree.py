@@ -31,6 +31,17 @@ BF16_OPT = ("runtime/bf16_optimizer.py", "BF16_Optimizer")
 ENGINE = ("runtime/engine.py", "DeepSpeedEngine")
 MUON_FN = "runtime/zero/muon/original_muon.py"
 ZERO_CONFIG = ("runtime/zero/config.py", "DeepSpeedZeroConfig")
+PACKAGE_INIT = "__init__.py"
+_KNOWN_FILES = (STAGE3[0], STAGE12[0], MUON_OPT[0], BF16_OPT[0], ENGINE[0], MUON_FN, ZERO_CONFIG[0], PACKAGE_INIT)
+
+
+def package_path(file_name: str) -> str:
+    """The path in the ``deepspeed`` package of a file the harness reads, from its base name (as a
+    traceback's frame names it). The base names of those files are unique."""
+    found = [rel for rel in _KNOWN_FILES if Path(rel).name == file_name]
+    if len(found) != 1:
+        raise KeyError(f"{file_name!r} is not one file the harness reads in DeepSpeed; add it to tree._KNOWN_FILES")
+    return found[0]
 
 
 class Undecided(Exception):

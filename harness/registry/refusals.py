@@ -32,9 +32,7 @@ class DsRefusal:
     @property
     def said_by(self) -> str:
         """The file of the ``deepspeed`` package whose string constants must hold ``fragment``."""
-        file = self.frame.partition(":")[0]
-        return {"stage3.py": "runtime/zero/stage3.py", "original_muon.py": "runtime/zero/muon/original_muon.py",
-                "__init__.py": "__init__.py"}[file]
+        return tree.package_path(self.frame.partition(":")[0])
 
     def matches(self, traceback: str) -> bool:
         from harness.registry.bugs import raised_in  # late: keeps this module torch-free at import
