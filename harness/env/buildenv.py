@@ -194,8 +194,23 @@ def op_build_root(name: str, key: str) -> Path:
     return op_store() / f"{name}-{key}"
 
 
+@contextlib.contextmanager
+def environ(extra: dict[str, str]):
+    """``extra`` set in this process's environment while the block runs; each variable as it was after
+    (unset again where it was unset). Not thread-safe: a caller with threads holds its own lock."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 PCH_MIN_UNITS = 4  # a .gch costs about two units' parse of torch's headers (docs/measurements.md): worth it from here
-PCH_ENV = ("CXX", pch.CXX_ENV, pch.DIR_ENV)
 
 
 @contextlib.contextmanager
@@ -215,16 +230,10 @@ def precompiled_header(builder, root: Path):
     front = folder / "g++-pch"
     front.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(pch.__file__).resolve()}" "$@"\n')
     front.chmod(0o755)
-    saved = {k: os.environ.get(k) for k in PCH_ENV}
-    os.environ.update({"CXX": str(front), pch.CXX_ENV: saved["CXX"] or "c++", pch.DIR_ENV: str(folder)})
     try:
-        yield
+        with environ({"CXX": str(front), pch.CXX_ENV: os.environ.get("CXX") or "c++", pch.DIR_ENV: str(folder)}):
+            yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -341,15 +350,8 @@ def ensure_op(name: str, key: str, build) -> str:
         how = "present"
     elif not stored.exists():
         root.mkdir(parents=True, exist_ok=True)
-        old = os.environ.get("TORCH_EXTENSIONS_DIR")
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
-        try:
+        with environ({"TORCH_EXTENSIONS_DIR": str(root)}):
             build()
-        finally:
-            if old is None:
-                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-            else:
-                os.environ["TORCH_EXTENSIONS_DIR"] = old
         if not stored.exists():
             raise RuntimeError(f"op {name}: DeepSpeed's build left no {stored}")
         how = "built"

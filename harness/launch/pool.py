@@ -129,17 +129,8 @@ _ENV_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def _environ(extra: dict):
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in extra}
-        os.environ.update(extra)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with _ENV_LOCK, buildenv.environ(extra):
+        yield
 
 
 def _fork_is_safe(compiled: bool) -> bool:
