@@ -33,6 +33,8 @@ import time
 import uuid
 from pathlib import Path
 
+from harness.env import buildenv
+
 RUN_MARKER = "MUON_HARNESS_RUN"
 SCRATCH_PREFIX = "muon-run-"
 TERM_GRACE_S = 2.0
@@ -241,26 +243,20 @@ def command_scope():
         scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{run_id}-", dir=base))
     (scratch / "owner").write_text(json.dumps({"pid": os.getpid(), "start": start_time(os.getpid())}))
     (scratch / "before").write_text(json.dumps(_identities(descendants(os.getpid()))))
-    saved_env = {k: os.environ.get(k) for k in (RUN_MARKER, "TMPDIR")}
     saved_tmp, saved_handlers = tempfile.tempdir, {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     read_end, write_end = os.pipe()
     reaper = _start_reaper(run_id, scratch, read_end)
     os.close(read_end)
-    os.environ.update({RUN_MARKER: marker, "TMPDIR": str(scratch)})
     tempfile.tempdir = str(scratch)
     for s in saved_handlers:
         signal.signal(s, _raise_interrupted)
     try:
-        yield scratch
+        with buildenv.environ({RUN_MARKER: marker, "TMPDIR": str(scratch)}):
+            yield scratch
     finally:
         for s, h in saved_handlers.items():
             signal.signal(s, h)
         tempfile.tempdir = saved_tmp
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         os.close(write_end)  # the reaper's signal: end what is left, remove the scratch folder
         with contextlib.suppress(subprocess.TimeoutExpired):
             reaper.wait(timeout=TERM_GRACE_S + 5)
