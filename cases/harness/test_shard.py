@@ -110,6 +110,61 @@ def test_two_shards_in_separate_processes_merge_into_the_unsharded_statuses(tmp_
     assert "gate (all 2 shards)" in out[0] and (tmp_path / "jobs.html").exists()
     assert sorted(p.name for p in (tmp_path / "jobs-results").glob("run-*.json")) == [
         "run-gate-shard1of2.json", "run-gate-shard2of2.json", "run-gate.json"]  # one folder, each writer its plan
+    assert _recorded_once(tmp_path / "jobs-results") and not (tmp_path / "jobs-results" / sharding.CLAIMS).exists()
+    # a --jobs shard whose partner never ran: its own cases, then every one of the other's, so the folder
+    # holds the whole gate, each case-column judged once, all by this shard
+    alone = _gate(tmp_path, "alone", "--shard", "2/2", "--steal")
+    assert _statuses(alone) == whole and _recorded_once(alone)
+    assert [p.name for p in alone.glob("results-*")] == ["results-gate-shard2of2.jsonl.gz"]
+
+
+def _recorded_once(folder: Path) -> bool:
+    """No case-column has two records in the folder (``load_records`` keeps the last of two)."""
+    import gzip
+    import json
+
+    keys = []
+    for path in folder.glob("results-*.jsonl*"):
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+            keys += [(r["case_name"], r["column"]) for r in map(json.loads, f.read().splitlines())]
+    return bool(keys) and len(keys) == len(set(keys))
+
+
+def test_a_shard_takes_the_others_cases_from_their_ends_in_turn():
+    """A --jobs shard out of work takes what the others would reach last, one shard after another, and
+    never one of its own."""
+    cases = gate_cases(False)
+    for k in (1, 2, 3):
+        part = sharding.Shard(k, 3)
+        parts = sharding.assign(sharding.costs_for(cases), 3)
+        mine = {c.name for c in sharding.select(cases, part)}
+        taken = [c.name for c in sharding.taken_from_the_end(cases, part)]
+        assert len(taken) == len(set(taken)) and set(taken) == {c.name for c in cases} - mine
+        order = [c.name for c in cases]
+        others = [sorted(parts[j], key=order.index) for j in range(3) if j != k - 1]
+        assert taken[:2] == [others[0][-1], others[1][-1]]  # each other shard's last case first, in turn
+        assert [n for n in taken if n in set(others[0])] == others[0][::-1]
+
+
+def _claim_all(root: str, keys: list[str], out) -> None:
+    out.put([k for k in keys if sharding.claim(Path(root), k)])
+
+
+def test_each_case_column_is_claimed_by_exactly_one_of_several_processes(tmp_path):
+    import multiprocessing as mp
+
+    keys = [f"case-{i}\tstock" for i in range(200)]
+    q = mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=_claim_all, args=(str(tmp_path), keys, q)) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    got = [q.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    claimed = [k for part in got for k in part]
+    assert sorted(claimed) == sorted(keys)  # every key once, whoever got there first
+    sharding.clear_claims(tmp_path)
+    assert sharding.claim(tmp_path, keys[0])  # a stopped run's claims are cleared before the next
 
 
 def test_case_times_refreshed_from_a_gate_runs_stored_outcomes(tmp_path):

@@ -37,7 +37,8 @@ def _gate(args: argparse.Namespace) -> int:
         return run_gate(report=args.report, full=args.full, seed=args.seed, only=args.only, quiet=args.quiet,
                         mutate=not args.no_mutate, shard=args.shard, jobs=args.jobs,
                         render_report=not args.no_report, results=args.resume or args.results,
-                        resume=bool(args.resume), append=args.append, shuffle=args.shuffle, column=args.column)
+                        resume=bool(args.resume), append=args.append, shuffle=args.shuffle, column=args.column,
+                        steal=args.steal)
     except GateInputError as exc:
         return _error(str(exc))
 

@@ -70,13 +70,16 @@ def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
     return str(report)
 
 
-def _run_cases(pairs: list[tuple[Case, str]], manager, store, quiet: bool) -> None:
+def _run_cases(pairs: list[tuple[Case, str]], manager, store, quiet: bool, claim=None) -> None:
     """Every case-column in order, each outcome to the store on disk and dropped before the next, so
     the parent stays flat however many cases fail (the summary is read back: ``summary``). In the
     normal order a case's columns run back to back: where the patched run is bit-identical to the
-    stock one, the patched column takes the stock verdict instead of judging again (``gate.judged``)."""
+    stock one, the patched column takes the stock verdict instead of judging again (``gate.judged``).
+    ``claim(key)``: whether this shard may run that case-column (``shard.claim``); a claimed one is skipped."""
     total = len(pairs)
     for n, (case, col) in enumerate(pairs, start=1):
+        if claim is not None and not claim(f"{case.name}\t{col}"):
+            continue
         o = evaluate(case, col, manager)
         record(store, o)
         if not quiet:
@@ -132,6 +135,7 @@ class GateArgs:
     append: bool = False
     shuffle: int | None = None
     column: str | None = None
+    steal: bool = False  # a --jobs shard: self-checks first, then its cases, then the others' untouched ones
 
     @property
     def results_dir(self) -> Path:
@@ -237,10 +241,9 @@ def run_gate(**kwargs) -> int:
     part = sharding.Shard.parse(a.shard) if a.shard else None
     if a.jobs > 1 and part is None:
         return _run_jobs(a, pairs)
+    others = []
     if part is not None:
-        start = _selfcheck_loads(a, part.count) if not a.resume else ()
-        mine = {c.name for c in sharding.select(list({c.name: c for c, _ in pairs}.values()), part, start=start)}
-        pairs = [(c, col) for c, col in pairs if c.name in mine]
+        pairs, others = _shard_pairs(a, part, pairs)
         print(f"gate: shard {part}: {len({c.name for c, _ in pairs})} cases", flush=True)
     print(f"gate: {versions.banner()}", flush=True)
     if not a.append:
@@ -251,19 +254,45 @@ def run_gate(**kwargs) -> int:
     selfchecks = _selfchecks_for(a, part, unrun)
     results.write_plan(a.results_dir, writer, [results.Planned(c.name, col)
                                                for c, col in pairs], selfchecks, a.plan_args())
-    return _gate_body(a, pairs, writer, selfchecks)
+    return _gate_body(a, pairs, writer, selfchecks, others)
 
 
-def _gate_body(a: GateArgs, pairs: list, writer: str, selfchecks: list[str]) -> int:
+def _shard_pairs(a: GateArgs, part, pairs: list) -> tuple[list, list]:
+    """This shard's case-columns and, for a ``--jobs`` shard (``steal``), the other shards' in the order it
+    would take them once its own are done (``shard.taken_from_the_end``), each case's columns together."""
+    start = _selfcheck_loads(a, part.count) if not a.resume else ()
+    cases = list({c.name: c for c, _ in pairs}.values())
+    mine = {c.name for c in sharding.select(cases, part, start=start)}
+    columns_of: dict = {}
+    for c, col in pairs:
+        columns_of.setdefault(c.name, []).append((c, col))
+    others = [p for c in sharding.taken_from_the_end(cases, part, start=start) for p in columns_of[c.name]] \
+        if a.steal else []
+    return [(c, col) for c, col in pairs if c.name in mine], others
+
+
+def _gate_body(a: GateArgs, pairs: list, writer: str, selfchecks: list[str], others: list = ()) -> int:
+    """A ``--jobs`` shard (``a.steal``) runs its self-checks first, while the other shards can still take
+    its cases, then its own cases and whatever the others have not started: the static split is balanced
+    on recorded seconds, which another machine runs in other proportions (a self-check left alone at the
+    end kept one core idle for a third of the CI gate, docs/measurements.md)."""
     store = results.ResultStore(a.results_dir, writer=writer)
     manager = PoolManager()
     t0 = time.perf_counter()
     km = skm = None
     mutation_failed, stopped = False, None
+    claim = (lambda key: sharding.claim(a.results_dir, key)) if a.steal else None
+
+    def selfchecks_now():
+        return _mutation_checks(manager, a.seed, "patched" in selfchecks, "stock" in selfchecks,
+                                note=_selfcheck_note(a, writer))
     try:
-        _run_cases(pairs, manager, store, a.quiet)
-        km, skm, mutation_failed = _mutation_checks(manager, a.seed, "patched" in selfchecks, "stock" in selfchecks,
-                                                    note=_selfcheck_note(a, writer))
+        if a.steal:
+            km, skm, mutation_failed = selfchecks_now()
+        _run_cases(pairs, manager, store, a.quiet, claim)
+        _run_cases(list(others), manager, store, a.quiet, claim)
+        if not a.steal:
+            km, skm, mutation_failed = selfchecks_now()
     except Interrupted as exc:
         stopped = exc
     finally:
@@ -369,7 +398,11 @@ def _run_jobs(a: GateArgs, pairs: list) -> int:
     writer = _writer(a, None)
     results.write_plan(a.results_dir, writer, [results.Planned(c.name, col) for c, col in pairs], [], a.plan_args())
     progress = Progress(a.results_dir, pairs, selfcheck_s=sum(_selfcheck_loads(a, a.jobs)))
-    codes, elapsed, stopped = run_shards(a.jobs, shard_args(a), progress=progress)
+    sharding.clear_claims(a.results_dir)  # a stopped run's claims: what it never judged is to be run now
+    try:
+        codes, elapsed, stopped = run_shards(a.jobs, shard_args(a), progress=progress)
+    finally:
+        sharding.clear_claims(a.results_dir)
     progress(final=True)
     results.finish_plan(a.results_dir, writer, selfchecks_done=[], interrupted=stopped and stopped.name)
     failed = [f"shard {k}/{a.jobs} exited with {c}" for k, c in enumerate(codes, start=1) if c not in (0, 1)]
@@ -452,7 +485,8 @@ def shard_args(a: GateArgs) -> list[list[str]]:
     """Each shard's ``gate`` arguments: the same selection, one folder, appended to."""
     out = []
     for k in range(1, a.jobs + 1):
-        cmd = ["--shard", f"{k}/{a.jobs}", "--report", a.report, "--seed", str(a.seed), "--no-report", "--append"]
+        cmd = ["--shard", f"{k}/{a.jobs}", "--report", a.report, "--seed", str(a.seed), "--no-report", "--append",
+               "--steal"]
         cmd += ["--resume" if a.resume else "--results", str(a.results_dir)]
         cmd += ["--full"] if a.full else []
         cmd += [f"--only={a.only}"] if a.only else []  # one token: a filter may start with "-"

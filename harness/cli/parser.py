@@ -94,6 +94,7 @@ def _gate(sub) -> None:
                    help="run this column alone; skips the mutation self-checks")
     g.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: the parent renders
     g.add_argument("--append", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: the parent made DIR
+    g.add_argument("--steal", action="store_true", help=argparse.SUPPRESS)  # a --jobs shard: takes untouched cases
 
 
 def _compare(sub) -> None:

@@ -14,7 +14,9 @@ with the least work so far (lowest index as tie-break). Its makespan is within 4
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +100,42 @@ def select(cases: Sequence, shard: Shard, times: dict[str, float] | None = None,
     """The cases of one shard, in their original order (``start``: as in :func:`assign`)."""
     mine = set(assign(costs_for(cases, times), shard.count, start)[shard.index - 1])
     return [c for c in cases if c.name in mine]
+
+
+def taken_from_the_end(cases: Sequence, shard: Shard, times: dict[str, float] | None = None,
+                       start: Sequence[float] = ()) -> list:
+    """The other shards' cases in the order a shard that has run out of its own work takes them: each
+    other shard's from the end of its list (what its owner would reach last), the shards in turn."""
+    parts = assign(costs_for(cases, times), shard.count, start)
+    order = {c.name: i for i, c in enumerate(cases)}
+    queues = [sorted(parts[k], key=order.__getitem__, reverse=True) for k in range(shard.count) if k != shard.index - 1]
+    by_name = {c.name: c for c in cases}
+    out = []
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(by_name[q.pop(0)])
+    return out
+
+
+CLAIMS = ".claims"  # in the results folder of a --jobs run, while its shards run
+
+
+def claim(root: Path, key: str) -> bool:
+    """Whether this process may run ``key`` (a case-column): the first of the local shards to ask gets it.
+    An O_EXCL file in the results folder, so two shards never judge the same case-column while a shard
+    with time left takes the others' untouched work."""
+    folder = Path(root) / CLAIMS
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / hashlib.sha1(key.encode()).hexdigest(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def clear_claims(root: Path) -> None:
+    shutil.rmtree(Path(root) / CLAIMS, ignore_errors=True)
 
 
 def select_names(names: Iterable[str], costs: dict[str, float], shard: Shard) -> set[str]:
