@@ -138,7 +138,7 @@ def test_a_shard_takes_the_others_cases_from_their_ends_in_turn():
         part = sharding.Shard(k, 3)
         parts = sharding.assign(sharding.costs_for(cases), 3)
         mine = {c.name for c in sharding.select(cases, part)}
-        taken = [c.name for c in sharding.taken_from_the_end(cases, part)]
+        taken = [c.name for c in sharding.taken_from_the_end(cases, part, parts)]
         assert len(taken) == len(set(taken)) and set(taken) == {c.name for c in cases} - mine
         order = [c.name for c in cases]
         others = [sorted(parts[j], key=order.index) for j in range(3) if j != k - 1]

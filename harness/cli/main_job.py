@@ -262,11 +262,12 @@ def _shard_pairs(a: GateArgs, part, pairs: list) -> tuple[list, list]:
     would take them once its own are done (``shard.taken_from_the_end``), each case's columns together."""
     start = _selfcheck_loads(a, part.count) if not a.resume else ()
     cases = list({c.name: c for c, _ in pairs}.values())
-    mine = {c.name for c in sharding.select(cases, part, start=start)}
+    parts = sharding.assign(sharding.costs_for(cases), part.count, start)  # once: ``select``'s split
+    mine = set(parts[part.index - 1])
     columns_of: dict = {}
     for c, col in pairs:
         columns_of.setdefault(c.name, []).append((c, col))
-    others = [p for c in sharding.taken_from_the_end(cases, part, start=start) for p in columns_of[c.name]] \
+    others = [p for c in sharding.taken_from_the_end(cases, part, parts) for p in columns_of[c.name]] \
         if a.steal else []
     return [(c, col) for c, col in pairs if c.name in mine], others
 

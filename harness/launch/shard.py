@@ -102,11 +102,10 @@ def select(cases: Sequence, shard: Shard, times: dict[str, float] | None = None,
     return [c for c in cases if c.name in mine]
 
 
-def taken_from_the_end(cases: Sequence, shard: Shard, times: dict[str, float] | None = None,
-                       start: Sequence[float] = ()) -> list:
+def taken_from_the_end(cases: Sequence, shard: Shard, parts: list[list[str]]) -> list:
     """The other shards' cases in the order a shard that has run out of its own work takes them: each
-    other shard's from the end of its list (what its owner would reach last), the shards in turn."""
-    parts = assign(costs_for(cases, times), shard.count, start)
+    other shard's from the end of its list (what its owner would reach last), the shards in turn.
+    ``parts``: the split the shards were given (:func:`assign`)."""
     order = {c.name: i for i, c in enumerate(cases)}
     queues = [sorted(parts[k], key=order.__getitem__, reverse=True) for k in range(shard.count) if k != shard.index - 1]
     by_name = {c.name: c for c in cases}
