@@ -120,13 +120,12 @@ def test_two_shards_in_separate_processes_merge_into_the_unsharded_statuses(tmp_
 
 def _recorded_once(folder: Path) -> bool:
     """No case-column has two records in the folder (``load_records`` keeps the last of two)."""
-    import gzip
     import json
 
-    keys = []
-    for path in folder.glob("results-*.jsonl*"):
-        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
-            keys += [(r["case_name"], r["column"]) for r in map(json.loads, f.read().splitlines())]
+    from harness.report.results import record_files, record_lines
+
+    keys = [(r["case_name"], r["column"]) for path in record_files(folder)
+            for r in map(json.loads, record_lines(path))]
     return bool(keys) and len(keys) == len(set(keys))
 
 

@@ -276,7 +276,8 @@ def record_files(root: Path) -> list[Path]:
     return sorted(p for g in RECORD_GLOBS for p in Path(root).glob(g))
 
 
-def _record_lines(path: Path) -> list[str]:
+def record_lines(path: Path) -> list[str]:
+    """The lines of one writer's record file, plain or compressed."""
     if path.suffix == ".gz":
         with gzip.open(path, "rt") as f:
             return f.read().splitlines()
@@ -287,7 +288,7 @@ def load_records(root: Path) -> list[CaseRecord]:
     """All records under ``root`` (every writer's file), last record per key wins."""
     recs: dict[str, CaseRecord] = {}
     for path in record_files(root):
-        for line in _record_lines(path):
+        for line in record_lines(path):
             if not line.strip():
                 continue
             try:
