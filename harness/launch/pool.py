@@ -14,6 +14,8 @@ Why it looks the way it does:
   collective that will never complete. A case that outlives its timeout gets every rank's Python
   stack dumped through faulthandler (SIGUSR1) before the ranks are killed.
 * After any failure the pool is discarded; the next case gets a fresh one.
+* A rank's messages carry their arrays out of band (``harness.launch.wire``): a trajectory is tens of
+  megabytes, and pickling it in band copied it several times on each side.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from harness.env import buildenv
 from harness.rank import runtime_state
 from harness.rank.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case.spec import Case
+from harness.launch import wire
 from harness.launch.launcher import DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed
 import torch._dynamo
 from multiprocessing import resource_tracker
@@ -92,9 +95,9 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
     try:
         bootstrap_rank(rank, world_size, init_method=f"file://{pool / 'rendezvous'}")
-        conn.send(("ready", os.getpid()))
+        wire.send(conn, ("ready", os.getpid()))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        wire.send(conn, ("error", traceback.format_exc()))
         return
     while True:
         try:
@@ -115,9 +118,9 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
             module_name, _, func_name = entry.partition(":")
             func = getattr(importlib.import_module(module_name), func_name)
             result = func(case, rank, world_size, Path(workdir))
-            conn.send(("done", result if rank == 0 else None, time.perf_counter() - t0))
+            wire.send(conn, ("done", result if rank == 0 else None, time.perf_counter() - t0))
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
+            wire.send(conn, ("error", traceback.format_exc()))
             return  # a failed rank never runs another case: its process state is suspect
 
 
@@ -291,7 +294,7 @@ class RankPool:
             if obj in conn_rank:
                 r = conn_rank[obj]
                 try:
-                    msgs[r] = obj.recv()
+                    msgs[r] = wire.recv(obj)
                 except EOFError:
                     pass
         for obj in ready:
@@ -312,7 +315,7 @@ class RankPool:
             for r in list(waiting):
                 try:
                     if self.conns[r].poll():
-                        msg = self.conns[r].recv()
+                        msg = wire.recv(self.conns[r])
                         waiting.discard(r)
                         if msg[0] == "error":
                             out[r] = msg[1]
@@ -339,7 +342,7 @@ class RankPool:
                     continue
                 try:
                     if self.conns[r].poll():
-                        self.conns[r].recv()
+                        wire.recv(self.conns[r])
                         others.remove(r)  # it said something before exiting: not a silent death
                         continue
                 except (EOFError, OSError):
