@@ -87,7 +87,8 @@ def _write_then_close(conn, data: bytes) -> None:
 def test_a_sender_gone_mid_frame_is_an_eof(cut):
     frame = _frame(_message())
     here, there = mp.Pipe()
-    writer = threading.Thread(target=_write_then_close, args=(there, frame[:cut if isinstance(cut, int) else int(len(frame) * cut)]))
+    end = cut if isinstance(cut, int) else int(len(frame) * cut)
+    writer = threading.Thread(target=_write_then_close, args=(there, frame[:end]))
     writer.start()
     with pytest.raises(EOFError):
         wire.recv(here)
