@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # cases it ended first, and the stopped run was complete (no INCOMPLETE line to check, nothing to resume)
 FAMILY = ORDER_FAMILY = "z3-none-fp16"
 # a family that cannot finish between its first progress line and a signal: ~50 s of case time over both
-# columns (the overflow family's ~2 s finished first on an idle machine, and the folder was complete)
+# columns (the SIGTERM test needs no uninterrupted run to compare with, so the long family costs it little)
 LONG_FAMILY = "resume"
 START_S = 600  # imports, pool start-up and op loads on a loaded 2-core machine
 
