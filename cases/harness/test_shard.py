@@ -2,6 +2,8 @@
 and N shards run in separate processes merge into the statuses of the unsharded gate."""
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ import pytest
 
 from harness.launch import shard as sharding
 from harness.catalog.matrix import gate_cases
-from harness.report.results import load_records
+from harness.report.results import load_records, record_files, record_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,10 +122,6 @@ def test_two_shards_in_separate_processes_merge_into_the_unsharded_statuses(tmp_
 
 def _recorded_once(folder: Path) -> bool:
     """No case-column has two records in the folder (``load_records`` keeps the last of two)."""
-    import json
-
-    from harness.report.results import record_files, record_lines
-
     keys = [(r["case_name"], r["column"]) for path in record_files(folder)
             for r in map(json.loads, record_lines(path))]
     return bool(keys) and len(keys) == len(set(keys))
@@ -150,8 +148,6 @@ def _claim_all(root: str, keys: list[str], out) -> None:
 
 
 def test_each_case_column_is_claimed_by_exactly_one_of_several_processes(tmp_path):
-    import multiprocessing as mp
-
     keys = [f"case-{i}\tstock" for i in range(200)]
     q = mp.get_context("spawn").Queue()
     procs = [mp.get_context("spawn").Process(target=_claim_all, args=(str(tmp_path), keys, q)) for _ in range(3)]
