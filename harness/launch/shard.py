@@ -107,13 +107,13 @@ def taken_from_the_end(cases: Sequence, shard: Shard, parts: list[list[str]]) ->
     other shard's from the end of its list (what its owner would reach last), the shards in turn.
     ``parts``: the split the shards were given (:func:`assign`)."""
     order = {c.name: i for i, c in enumerate(cases)}
-    queues = [sorted(parts[k], key=order.__getitem__, reverse=True) for k in range(shard.count) if k != shard.index - 1]
+    queues = [sorted(parts[k], key=order.__getitem__) for k in range(shard.count) if k != shard.index - 1]
     by_name = {c.name: c for c in cases}
     out = []
     while any(queues):
         for q in queues:
             if q:
-                out.append(by_name[q.pop(0)])
+                out.append(by_name[q.pop()])
     return out
 
 
