@@ -6,7 +6,10 @@ misses grandchildren, a traceback that loses the rank number.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +232,41 @@ def test_the_cause_is_the_rank_that_did_not_just_lose_a_peer():
     assert _root_error({0: lost, 2: own, 1: lost}) == 2
     assert _root_error({1: own, 0: own}) == 0
     assert _root_error({2: lost, 1: lost}) == 1  # nothing but lost peers: the lowest (a silent death is checked apart)
+
+
+# A signal that lands while a rank is forked: os.register_at_fork puts it exactly there, in the parent's
+# callbacks after the fork or in the child's, where Python would print the command's Interrupted as
+# "Exception ignored" and drop it.
+_SIGNAL_IN_FORK = """
+import os, signal, sys
+from harness.launch import lifecycle
+from harness.launch.pool import RankPool
+
+RankPool.START_METHOD = "fork"  # at-fork callbacks run for os.fork only
+with lifecycle.command_scope():
+    side = sys.argv[1]
+    hook = lambda: os.kill(os.getpid(), signal.SIGINT)
+    os.register_at_fork(**{"after_in_parent" if side == "parent" else "after_in_child": hook})
+    try:
+        pool = RankPool(1)
+    except lifecycle.Interrupted:
+        print("interrupted", flush=True)
+        sys.exit(130)
+    print("ready", flush=True)
+    pool.close(kill=True)
+"""
+
+
+@pytest.mark.parametrize("side", ["parent", "child"])
+def test_a_signal_during_a_ranks_fork_is_neither_dropped_nor_a_traceback(side):
+    """The parent's Ctrl-C stops the command once the rank is started (and the rank is ended with the
+    pool); the child's copy of the handler never prints the parent's exception."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_IN_FORK, side], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert "Exception ignored" not in out and "Traceback" not in out, out[-3000:]
+    if side == "parent":
+        assert proc.returncode == 130 and "interrupted" in proc.stdout, out[-3000:]
+    else:
+        assert proc.returncode == 0 and "ready" in proc.stdout, out[-3000:]

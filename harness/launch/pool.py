@@ -47,6 +47,7 @@ from multiprocessing import resource_tracker
 POOL_MARKER = "MUON_HARNESS_POOL"
 STARTUP_TIMEOUT_S = float(os.environ.get("MUON_HARNESS_STARTUP_TIMEOUT", "600"))
 STACK_DUMP_GRACE_S = 3.0
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def _name_process(name: str) -> None:
 def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env: dict) -> None:
     os.setsid()
     set_parent_death_signal()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a forked rank must not raise the parent's Interrupted
+    for sig in _STOP_SIGNALS:  # a forked rank must not raise the parent's Interrupted
         signal.signal(sig, signal.SIG_DFL)
     os.environ.update(env)
     _name_process(_process_name(env.get(POOL_MARKER, "")))
@@ -128,6 +129,32 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
 # parent side
 
 _ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """SIGINT and SIGTERM are noted while a rank is started, and acted on after. The command's handler
+    (``lifecycle``: raise ``Interrupted``) would otherwise run inside ``os.fork``'s at-fork callbacks,
+    where Python prints the exception as ignored and drops it: in the parent a Ctrl-C lost, in the child
+    (until ``_rank_main`` sets the default action) a traceback in the command's output. A signal noted
+    here goes to the handler it was held from; the child, whose copy notes and drops it, is ended by its
+    parent's stop. Only the main thread handles signals (and may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    saved = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    for s in saved:
+        signal.signal(s, lambda signum, _frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        if noted and callable(saved[noted[0]]):
+            saved[noted[0]](noted[0], None)
+        elif noted and saved[noted[0]] == signal.SIG_DFL:
+            os.kill(os.getpid(), noted[0])
 
 
 @contextlib.contextmanager
@@ -228,11 +255,11 @@ class RankPool:
                                 name=f"muon-rank{r}", daemon=True)
                 # The environment must be in place at exec time: /proc/PID/environ (which the orphan
                 # check reads) shows only what the process was started with.
-                with _environ(env_r):
+                with _environ(env_r), _stop_signals_held():
                     p.start()
-                child_end.close()
-                self.procs.append(p)
-                self.conns.append(parent_end)
+                    child_end.close()
+                    self.procs.append(p)  # before a held signal is raised: ``close`` must see this rank
+                    self.conns.append(parent_end)
             self._await_ready()
         except BaseException:
             self.close(kill=True)
