@@ -108,6 +108,68 @@ def test_warmup_counts_torchs_own_deprecation_warnings_and_shows_the_rest(monkey
     assert shown == [("yours", UserWarning), ("old api", DeprecationWarning)]
 
 
+def test_warmup_probes_the_cpu_once_and_serves_the_answer_to_its_op_keys(monkeypatch, tmp_path):
+    """DeepSpeed's ``cxx_args`` asks py-cpuinfo twice per op (a subprocess each time); after the
+    warm-up's one probe, those asks, and the ranks' (the file), get the stored answer."""
+    import cpuinfo
+    import cpuinfo.cpuinfo as inner
+
+    probes = []
+
+    def probe():
+        probes.append(1)
+        return {"arch": "X86_64", "flags": ["avx512f"]}
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", probe)
+    monkeypatch.setattr(inner, "get_cpu_info", probe)
+    monkeypatch.setattr(warmup.buildenv, "cpuinfo_cache", lambda: tmp_path / "cpuinfo.json")
+    info = warmup.fill_cpuinfo_cache()
+    assert cpuinfo.get_cpu_info() == inner.get_cpu_info() == info
+    assert len(probes) == 1 and json.loads((tmp_path / "cpuinfo.json").read_text()) == info
+
+
+def test_warmup_fills_the_compile_cache_once_per_key(monkeypatch, tmp_path):
+    """A second warm-up of the same key leaves a filled cache alone; a new key (another torch, another
+    DeepSpeed muon_update, other warm shapes) fills it again; a fill that raises leaves no stamp."""
+    fills, said = [], []
+    key = ["k1"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(warmup.compiled, "warm_key", lambda: key[0])
+    monkeypatch.setattr(warmup.compiled, "warm_compiled_muon_update", lambda: fills.append(key[0]))
+    assert warmup.ensure_compile_cache(say=said.append) == "filled"
+    assert warmup.ensure_compile_cache(say=said.append) == "present"
+    assert fills == ["k1"] and said[-1] == "warmup: torch.compile cache for muon_update present (key k1)"
+    key[0] = "k2"
+    assert warmup.ensure_compile_cache(say=said.append) == "filled" and fills == ["k1", "k2"]
+
+    def broken():
+        raise RuntimeError("inductor failed")
+
+    key[0] = "k3"
+    monkeypatch.setattr(warmup.compiled, "warm_compiled_muon_update", broken)
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        warmup.ensure_compile_cache(say=said.append)
+    assert not warmup.compiled.warm_stamp("k3").exists() and warmup.compiled.warm_stamp("k2").exists()
+
+
+def test_warmup_compile_key_names_torch_and_deepspeeds_muon_source(monkeypatch):
+    """The key changes with the torch version and with DeepSpeed's ``original_muon`` source."""
+    import inspect
+
+    import torch
+
+    base = warmup.compiled.warm_key()
+    assert warmup.compiled.warm_key() == base
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert warmup.compiled.warm_key() != base
+    monkeypatch.undo()
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource",
+                        lambda obj: real(obj) + ("#changed" if getattr(obj, "__name__", "").endswith("original_muon")
+                                                 else ""))
+    assert warmup.compiled.warm_key() != base
+
+
 def test_warmup_prints_a_total(monkeypatch, capsys):
     monkeypatch.setattr(warmup.buildenv, "clear_stale_locks", lambda max_age_s: [])
     monkeypatch.setattr(warmup.buildenv, "apply_base_env", lambda extra=None: None)

@@ -10,6 +10,13 @@ cache for the shapes, input dtypes and Newton-Schulz dtypes those cases use, in 
 tracing, not inductor's code generation.
 """
 from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import sys
+from pathlib import Path
+
 from harness.env import versions
 
 # Shapes the compiled subset uses (harness.case.scenarios.TINY_PARAMS); dtype per precision path.
@@ -41,3 +48,23 @@ def warm_compiled_muon_update() -> None:
                     grad = torch.randn(shape).to(dtype)
                     momentum = torch.zeros(shape, dtype=mom_dtype)
                     original_muon.muon_update(grad, momentum, 0.95, **ns)
+
+
+def warm_key() -> str:
+    """What a filled cache was filled from: torch, Python, DeepSpeed's ``original_muon`` source, this
+    module (the shapes, dtypes and call orders) and the Newton-Schulz dtype hook. inductor keys its own
+    entries on the graph; this key only says whether warming again could add one."""
+    import torch  # late: keeps this module torch-free at import
+    from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
+
+    from harness.rank.ds_run import force_ns_dtype  # late: keeps this module numpy-free at import
+
+    parts = (torch.__version__, sys.version, inspect.getsource(original_muon), inspect.getsource(sys.modules[__name__]),
+             inspect.getsource(force_ns_dtype))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def warm_stamp(key: str) -> Path:
+    """Written into inductor's cache folder once a warm-up of ``key`` has filled it, so removing the
+    cache removes the stamp with it. The warm-up sets ``TORCHINDUCTOR_CACHE_DIR`` (``buildenv.base_env``)."""
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / f"muon-harness-warm-{key}"
