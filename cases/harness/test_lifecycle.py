@@ -109,6 +109,36 @@ def test_a_folder_missing_planned_case_columns_is_incomplete_never_pass(tmp_path
     assert report_verdict(root) == (True, [])
 
 
+def test_a_gates_end_reads_its_folder_once_and_the_report_verdict_never_compares_records(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The end of a gate (the report, the completeness, the map pruning, the summary) reads the records
+    once: a ``--full`` folder takes ~2 s per read. ``harness report``'s verdict sorts the records by
+    kind, never by comparing them pairwise (4856 records: 18 s)."""
+    from harness.cli import main as cli_main
+    from harness.cli import main_job
+    from harness.report import build
+
+    root = tmp_path / "gate-results"
+    planned = [results.Planned(n, col) for n in ("a", "b") for col in ("stock", "patched")]
+    results.write_plan(root, "gate", planned, [], {"report": "x"})
+    store = results.ResultStore(root, writer="gate")
+    for p in planned:
+        store.add(_record(p.case_name, p.column))
+    reads = []
+    real = results.load_records
+    counted = lambda folder: reads.append(folder) or real(folder)  # noqa: E731
+    for module in (results, build, main_job):
+        monkeypatch.setattr(module, "load_records", counted)
+    args = main_job.GateArgs(report=str(tmp_path / "gate.html"), results=str(root))
+    assert main_job._report_run(args, "gate: 2 cases", None, None) == 0
+    assert len(reads) == 1 and (tmp_path / "gate.html").exists()
+    assert "gate: 2 cases: 4 passed" in capsys.readouterr().out
+    monkeypatch.setattr(results.CaseRecord, "__eq__", lambda self, other: pytest.fail("records compared"))
+    reads.clear()
+    assert cli_main.main(["report", str(root), "-o", str(tmp_path / "again.html")]) == 0
+    assert len(reads) == 1 and capsys.readouterr().out.endswith("verdict: PASS\n")
+
+
 def test_a_command_run_inside_a_process_spares_the_children_it_already_had(tmp_path, monkeypatch):
     """``main`` called in a process that already has children (a pytest worker's rank pools): the scope's
     reaper ends only what the command started."""

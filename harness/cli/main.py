@@ -68,6 +68,7 @@ def _report(args: argparse.Namespace) -> int:
     from harness.report.build import render
     from harness.report.build import incomplete as report_incomplete
     from harness.report.build import verdict as report_verdict
+    from harness.report.results import load_records
 
     folders = [Path(p) for p in args.results]
     missing = [str(p) for p in folders if not p.is_dir()]
@@ -77,11 +78,12 @@ def _report(args: argparse.Namespace) -> int:
     if len(folders) > 1:
         out_html = Path(args.out or "reports/merged.html")
         results = merge_results(folders, out_html.parent / (out_html.stem + "-results"))
+    records = load_records(results)  # once: a --full folder takes ~2 s to read
     out = render(results, args.out or results.resolve().parent / "divergence.html", title=args.title,
-                 only=args.only, all_plots=args.all_plots)
-    ok, reasons = report_verdict(results, only=args.only)
+                 only=args.only, all_plots=args.all_plots, records=records)
+    ok, reasons = report_verdict(results, only=args.only, records=records)
     print(out)
-    if report_incomplete(results):
+    if report_incomplete(results, records):
         print("verdict: " + "; ".join(reasons))
         return 4
     print("verdict: " + ("PASS" if ok else "FAIL: " + "; ".join(reasons)))

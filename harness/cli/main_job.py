@@ -64,9 +64,9 @@ def mutation_extra(km, stock_km=None) -> dict:
     return {"mutations": rows, "mutation_cases": cases}
 
 
-def _render(results_dir: Path, report: Path, extra: dict) -> str | None:
+def _render(results_dir: Path, report: Path, extra: dict, records: list | None = None) -> str | None:
 
-    render(results_dir, report, extra=extra)
+    render(results_dir, report, extra=extra, records=records)
     return str(report)
 
 
@@ -335,15 +335,17 @@ def _selfcheck_note(a: GateArgs, writer: str):
 
 
 def _report_run(a: GateArgs, headline: str, stopped: Interrupted | None, failed: str | None) -> int:
-    """The end of a gate, whole or stopped: the report, the summary (brief when stopped), the exit code."""
-    rendered = _render(a.results_dir, Path(a.report), {})
-    state = results.completeness(a.results_dir)
+    """The end of a gate, whole or stopped: the report, the summary (brief when stopped), the exit code.
+    The records are read once for all four (a ``--full`` folder's take ~2 s each time)."""
+    records = load_records(a.results_dir) if a.results_dir.exists() else []
+    rendered = _render(a.results_dir, Path(a.report), {}, records)
+    state = results.completeness(a.results_dir, records)
     if state.complete:
-        prune_maps(a.results_dir)  # after rendering: the page drew these maps, the rest go
+        prune_maps(a.results_dir, records)  # after rendering: the page drew these maps, the rest go
         results.compact(a.results_dir)  # every record kept, compressed; a plain file is a run still writing
     if stopped:
         headline = f"gate STOPPED by {stopped.name} ({headline})"
-    bad = summary(a.results_dir, headline, brief=stopped is not None)
+    bad = summary(a.results_dir, headline, brief=stopped is not None, records=records)
     if not state.complete:
         print(state.headline(a.results_dir))
     if failed:
@@ -354,13 +356,13 @@ def _report_run(a: GateArgs, headline: str, stopped: Interrupted | None, failed:
     return 1 if bad or failed else 4 if not state.complete else 0
 
 
-def summary(results_dir: Path, headline: str, brief: bool = False) -> int:
+def summary(results_dir: Path, headline: str, brief: bool = False, records: list | None = None) -> int:
     """Print the gate's summary from its stored outcomes: the layout sweep tables, the counts, the
     full-strength share, the time per path group and every unexpected outcome's message. One reading
     for a gate run in one process and for its shards merged; returns how many outcomes were bad."""
 
 
-    records = [r for r in load_records(results_dir) if r.column in MAIN_COLUMNS]
+    records = [r for r in (load_records(results_dir) if records is None else records) if r.column in MAIN_COLUMNS]
     by_col: dict[str, dict] = {}
     group_time: dict[str, list] = {}
     for r in records:

@@ -63,16 +63,20 @@ from harness.report.results import completeness, load_records
 
 
 def render(records_root, out_html, *, title: str | None = None, extra: dict | None = None,
-           heatmaps_per_param: int = 1, only: str | None = None, all_plots: bool = False) -> Path:
+           heatmaps_per_param: int = 1, only: str | None = None, all_plots: bool = False,
+           records: list | None = None) -> Path:
     """Render the report of the results stored under ``records_root`` into ``out_html``.
 
     ``extra`` is merged over what is stored in ``records_root/extra-*.json`` (see the module doc).
     ``only``: keep the outcomes whose case name contains it (the page then says so: its verdict is
     the subset's). ``all_plots``: lift the plot budget (``report_html.plotted_outcomes``), for a
-    page of a few cases. Returns the path written. Works on an empty or missing results folder.
+    page of a few cases. ``records``: the folder's records where the caller has read them already
+    (``load_records``; a ``--full`` folder takes ~2 s to read). Returns the path written. Works on an
+    empty or missing results folder.
     """
     root = Path(records_root)
-    records = load_records(root) if root.exists() else []
+    if records is None:
+        records = load_records(root) if root.exists() else []
     merged = merge_extra(_with_completeness(root, records), extra or {})
     if only:
         records = [r for r in records if only in r.case_name]
@@ -90,11 +94,13 @@ def render(records_root, out_html, *, title: str | None = None, extra: dict | No
     return out
 
 
-def verdict(records_root, only: str | None = None) -> tuple[bool, list[str]]:
+def verdict(records_root, only: str | None = None, records: list | None = None) -> tuple[bool, list[str]]:
     """The report's PASS/FAIL and its reasons, without rendering: the exit code of ``python -m
-    harness report`` (a CI job that merges shards fails exactly when the merged report says FAIL)."""
+    harness report`` (a CI job that merges shards fails exactly when the merged report says FAIL).
+    ``records``: the folder's, where the caller has read them (as for ``render``)."""
     root = Path(records_root)
-    records = load_records(root) if root.exists() else []
+    if records is None:
+        records = load_records(root) if root.exists() else []
     extra = _with_completeness(root, records)
     if only:
         records = [r for r in records if only in r.case_name]
@@ -102,14 +108,14 @@ def verdict(records_root, only: str | None = None) -> tuple[bool, list[str]]:
     return page_verdict(records, extra)
 
 
-def prune_maps(records_root) -> tuple[int, int]:
+def prune_maps(records_root, records: list | None = None) -> tuple[int, int]:
     """Drop the element maps the report does not draw (``html.plotted_outcomes``: the worst few per kind
     of failure): they are most of a gate's results folder (a 6 MB map of one large model's strict xfail),
     and the record keeps every number of every check. Only for a complete folder: a resumed run's new
     failures may push another outcome into the drawn set. Returns (maps kept, maps removed); an
     outcome's full maps come back with ``python -m harness run --case ... --report``."""
     root = Path(records_root)
-    bad = [r for r in load_records(root) if r.status in DETAIL_STATUSES]
+    bad = [r for r in (load_records(root) if records is None else records) if r.status in DETAIL_STATUSES]
     keep = plotted_outcomes(bad)
     kept = removed = 0
     for path in sorted((root / "maps").glob("*.npz")):
@@ -121,9 +127,9 @@ def prune_maps(records_root) -> tuple[int, int]:
     return kept, removed
 
 
-def incomplete(records_root) -> str | None:
+def incomplete(records_root, records: list | None = None) -> str | None:
     """The INCOMPLETE headline of a folder whose runs did not judge all they planned, else None."""
-    return _with_completeness(Path(records_root), None).get("incomplete")
+    return _with_completeness(Path(records_root), records).get("incomplete")
 
 
 def _with_completeness(root: Path, records) -> dict:

@@ -153,7 +153,7 @@ def _head(title: str) -> str:
 def page_verdict(records: list[CaseRecord], extra: dict) -> tuple[bool, list[str]]:
     """PASS/FAIL and its reasons for stored records, as the page's verdict block states them."""
     main = [r for r in records if not _is_mutant(r)]
-    return _verdict(main, _mutation_rows(extra, [r for r in records if r not in main]), extra)
+    return _verdict(main, _mutation_rows(extra, [r for r in records if _is_mutant(r)]), extra)
 
 
 def _verdict_block(title, ok, reasons, main, source, incomplete: bool = False) -> str:
