@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from oracles import (Allowance, Conventions, ParamSpec, StepConfig, allowances, emulated_direction, initial_state,
-                     muon_direction, normalised_sigma_lo, run)
+from oracles import (Allowance, Conventions, ParamSpec, StepConfig, allowances, compare, emulated_direction,
+                     initial_state, muon_direction, normalised_sigma_lo, run)
 
 U64 = 2.0 ** -53
 
@@ -338,3 +338,14 @@ def test_a_ratio_against_a_floor_allowance_is_kept_in_float64_and_shown_as_beyon
 
     said = describe(compare_arrays("c", "p", "grad", 2, actual, expected, floor), "rerun")
     assert "(> 1e30x)" in said and "e+44" not in said
+
+
+def test_the_element_map_is_made_only_for_a_comparison_that_fails():
+    """A passing check's map was made for every comparison and never stored (the report keeps failing
+    checks' maps only): the map exists exactly when an element is past its allowance."""
+    allow = Allowance(atol=1.0, rtol=0.0, derivation="unit")
+    rec, emap = compare(np.array([0.0, 0.9, -1.0]), np.zeros(3), allow, keep_map=True)
+    assert rec.ok and emap is None
+    rec, emap = compare(np.array([0.0, 2.0, 0.5]), np.zeros(3), allow, keep_map=True)
+    assert not rec.ok and emap.dtype == np.float32 and emap.tolist() == [0.0, 2.0, 0.5]
+

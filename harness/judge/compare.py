@@ -101,7 +101,7 @@ def compare_arrays(case: str, param: str, quantity: str, step: int, actual, expe
                 if n:
                     counts[reg] = n
     return Check(case=case, param=param, quantity=quantity, step=step, record=rec, rank=rank, region=region,
-                 region_counts=counts, error_map=ratio.reshape(-1) if keep_map else None)
+                 region_counts=counts, error_map=ratio.reshape(-1) if keep_map and ratio is not None else None)
 
 
 def missing(case: str, param: str, quantity: str, step: int, why: str) -> Check:
