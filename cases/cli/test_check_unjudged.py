@@ -64,13 +64,13 @@ class _Traj:
     steps = [SimpleNamespace(step=s, skipped=False, losses=[1.0], loss_scale=SCALE, global_norm=1.0,
                              swap_bytes_written=0, swap_bytes_read=0) for s in (1, 2, 3)]
 
-    def judged_digest(self):
-        return "d"
+    def judged_bits(self):
+        return None
 
 
 def _decide(monkeypatch, verdicts: dict, bugs=()):
     """The gate's decision on a run whose verdicts (by conventions: None is the intended oracle) are given."""
-    monkeypatch.setattr(decide, "judged", lambda c, traj, conventions=None, digest=None: verdicts[
+    monkeypatch.setattr(decide, "judged", lambda c, traj, conventions=None, bits=None: verdicts[
         None if conventions is None else "model"])
     return decide._judge_trajectory(CASE, "stock", list(bugs), _Traj(), 0.0)
 

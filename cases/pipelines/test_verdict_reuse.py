@@ -1,7 +1,7 @@
 """One verdict per run: the patched column takes the stock verdict only when its run is bit-identical.
 
 ``gate.judged`` keys a verdict on the case without its column, every bit the judge reads
-(``Trajectory.judged_digest``) and the oracle's conventions. Reusing a verdict for a run that differs in
+(``Trajectory.judged_bits``) and the oracle's conventions. Reusing a verdict for a run that differs in
 any one bit would let a patched-runtime divergence pass as the stock run's verdict, so these tests
 move one bit (or one step field) and require a fresh judge, and require the reused verdict to be the
 one a fresh judge gives, under the patched column's own name.

@@ -23,13 +23,13 @@ the two can never disagree about what passed:
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from harness.registry import refusals as ds_refusals
 from harness.registry.bugs import NUMERIC, bugs_for, candidates_for, refusals_for
 from harness.case import nvme
 from harness.case.spec import Case
+from harness.case.trajectory import RunBits
 from harness.launch.launcher import CaseFailure, Launcher, RankDied, RankFailed
 from harness.judge.verdict import ORACLE_HOOKS, Verdict, bug_model, judge, reproduce_command
 from harness.env import tree, versions
@@ -102,26 +102,28 @@ def model_changes(case: Case, bugs) -> dict:
 
 
 # The last few verdicts, by what decided them: the case without its column, every bit of the run the
-# judge reads (``Trajectory.judged_digest``) and the oracle's conventions. The gate runs a case's columns
+# judge reads (``Trajectory.judged_bits``) and the oracle's conventions. The gate runs a case's columns
 # back to back (``harness.cli.main_job``), and wherever the patched runtime leaves a case's run bit-identical
 # to stock (most passing cases) its verdict is the stock one: the judge is a pure function of those
 # three, so judging it again would only repeat the float64 replay. A handful of entries keeps the
-# parent's memory flat (one case's verdicts, intended and bug-model).
-_VERDICTS: OrderedDict = OrderedDict()
+# parent's memory flat (one case's verdicts, intended and bug-model, and the runs they were judged on).
+_VERDICTS: list = []  # (case and conventions key, RunBits, Verdict), oldest first
 _VERDICTS_KEPT = 4
 
 
-def judged(c: Case, traj, conventions=None, *, digest: str | None = None) -> Verdict:
-    """``verdict.judge``, once per (case without its column, run bits, conventions). ``digest``: the
-    run's ``judged_digest()`` where the caller already took it (a bug-model judge follows the intended one)."""
-    key = (c.replace(patched=False).to_json(), digest or traj.judged_digest(), repr(conventions),
+def judged(c: Case, traj, conventions=None, *, bits: RunBits | None = None) -> Verdict:
+    """``verdict.judge``, once per (case without its column, run bits, conventions). ``bits``: the
+    run's ``judged_bits()`` where the caller already took them (a bug-model judge follows the intended
+    one). The bits are compared only where the rest of the key matches: a patched run against the stock
+    run of its case."""
+    bits = bits if bits is not None else traj.judged_bits()
+    key = (c.replace(patched=False).to_json(), repr(conventions),
            tuple((k, id(f)) for k, f in ORACLE_HOOKS.items()))  # a test's deliberately wrong oracle
-    hit = _VERDICTS.get(key)
+    hit = next((v for k, b, v in _VERDICTS if k == key and b.same(bits)), None)
     if hit is None:
         hit = judge(c, traj) if conventions is None else judge(c, traj, conventions=conventions)
-        _VERDICTS[key] = hit
-        while len(_VERDICTS) > _VERDICTS_KEPT:
-            _VERDICTS.popitem(last=False)
+        _VERDICTS.append((key, bits, hit))
+        del _VERDICTS[:-_VERDICTS_KEPT]
     # the verdict names its case (record key, reproducer): this column's
     return replace(hit, case=c, checks=list(hit.checks), notes=list(hit.notes))
 
@@ -266,8 +268,8 @@ def _judge_trajectory(c: Case, column: str, bugs, traj, t0: float) -> Outcome:
     there and (b) the run must match their models (``_judge_models``)."""
     ids = [b.id for b in bugs]
     crashes = [b for b in bugs if b.crash is not None]
-    digest = traj.judged_digest()  # once: the bug model's judge of the same run keys on it too
-    verdict = judged(c, traj, digest=digest)
+    bits = traj.judged_bits()  # once: the bug model's judge of the same run keys on them too
+    verdict = judged(c, traj, bits=bits)
     problems, extra_msgs = _problems(c, verdict, traj)
     seconds = time.perf_counter() - t0
     swapped = traj.swapped_bytes if c.offload == "nvme" else None
@@ -279,7 +281,7 @@ def _judge_trajectory(c: Case, column: str, bugs, traj, t0: float) -> Outcome:
     if not bugs:
         status = "failed" if problems else ("unjudged" if verdict.unjudged else "passed")
         message = "\n".join(([] if verdict.passed else [verdict.message()]) + extra_msgs) or verdict.message()
-        tried = _try_candidates(c, column, [], traj, digest, verdict, extra_msgs, swapped, t0, problems)
+        tried = _try_candidates(c, column, [], traj, bits, verdict, extra_msgs, swapped, t0, problems)
         return tried or Outcome(c, column, status, ids, message, seconds, verdict, problems, swapped, traj,
                                 strength="unjudged" if status == "unjudged" else "full")
     named = set().union(*(b.quantities for b in bugs))
@@ -289,17 +291,17 @@ def _judge_trajectory(c: Case, column: str, bugs, traj, t0: float) -> Outcome:
         if not problems:
             return Outcome(c, column, "xpassed", ids, stale, seconds, verdict, problems, swapped, traj)
         # something else diverged: that is a failure, whatever the registry expected (an xpass would hide it)
-        tried = _try_candidates(c, column, [], traj, digest, verdict, extra_msgs, swapped, t0, problems)
+        tried = _try_candidates(c, column, [], traj, bits, verdict, extra_msgs, swapped, t0, problems)
         return tried or Outcome(c, column, "failed", ids, f"{c.name}: diverges where no expected bug predicts "
                                 f"({stale})\n" + "\n".join([verdict.message()] + extra_msgs), seconds, verdict,
                                 problems, swapped, traj)
-    o = _judge_models(c, column, bugs, traj, digest, verdict, extra_msgs, swapped, t0)
+    o = _judge_models(c, column, bugs, traj, bits, verdict, extra_msgs, swapped, t0)
     if o.status == "failed":
-        return _try_candidates(c, column, bugs, traj, digest, verdict, extra_msgs, swapped, t0, problems) or o
+        return _try_candidates(c, column, bugs, traj, bits, verdict, extra_msgs, swapped, t0, problems) or o
     return o
 
 
-def _try_candidates(c: Case, column: str, bugs, traj, digest: str, verdict: Verdict, extra_msgs: list, swapped,
+def _try_candidates(c: Case, column: str, bugs, traj, bits: RunBits, verdict: Verdict, extra_msgs: list, swapped,
                     t0: float, problems) -> Outcome | None:
     """On a tree where they were not measured, try the bugs whose model (or crash) could explain the
     divergence (``bugs.candidates_for``): each alone, then all together, beside the expected ``bugs``. The
@@ -312,7 +314,7 @@ def _try_candidates(c: Case, column: str, bugs, traj, digest: str, verdict: Verd
              for v in b.with_variants() if v.model(c) is not None]
     for extra in [[b] for b in cands] + ([cands] if len(cands) > 1 else []):
         try:
-            o = _judge_models(c, column, bugs + extra, traj, digest, verdict, extra_msgs, swapped, t0)
+            o = _judge_models(c, column, bugs + extra, traj, bits, verdict, extra_msgs, swapped, t0)
         except ValueError:  # two models that disagree on a convention cannot both hold
             continue
         if o.status in ("xfailed", "unjudged"):
@@ -322,7 +324,7 @@ def _try_candidates(c: Case, column: str, bugs, traj, digest: str, verdict: Verd
     return None
 
 
-def _judge_models(c: Case, column: str, bugs, traj, digest: str, verdict: Verdict, extra_msgs: list, swapped,
+def _judge_models(c: Case, column: str, bugs, traj, bits: RunBits, verdict: Verdict, extra_msgs: list, swapped,
                   t0: float) -> Outcome:
     """(b) DeepSpeed must match the bug models at full strength: any divergence the models leave, in a
     quantity no bug excuses by name, fails the case."""
@@ -330,7 +332,7 @@ def _judge_models(c: Case, column: str, bugs, traj, digest: str, verdict: Verdic
     modelled = [b for b in bugs if b.model is not None and b.model(c) is not None]
     unmodelled = [b for b in bugs if b not in modelled]
     changes = model_changes(c, modelled)
-    mverdict = verdict if not changes else judged(c, traj, bug_model(changes), digest=digest)
+    mverdict = verdict if not changes else judged(c, traj, bug_model(changes), bits=bits)
     seconds = time.perf_counter() - t0
     mproblems, mmsgs = _problems(c, mverdict, traj)
     excused = set().union(*(b.quantities - NUMERIC for b in modelled), *(b.quantities for b in unmodelled))
