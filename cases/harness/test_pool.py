@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch.pool import CaseTimeout, RankDied, RankFailed, marked_processes
+from harness.fixes._registry import Refusal
+from harness.launch.pool import CaseTimeout, RankDied, RankFailed, RankPool, RankRefused, marked_processes
 from harness.case.scenarios import pipeline_case
 
 pytestmark = pytest.mark.pipeline
@@ -75,6 +76,43 @@ def test_raising_rank_names_itself_and_pool_recovers(pool_manager):
     after = pool_manager.run(pipeline_case(1, world_size=2, steps=1))
     assert after.result is not None and len(after.result.steps) == 1
     assert set(_pool_pids(pool_manager, 2)).isdisjoint(old), "the broken pool must have been replaced"
+
+
+def test_a_case_every_rank_refuses_keeps_the_ranks_and_the_next_case_runs_as_in_fresh_ranks(pool_manager):
+    """The patched runtime refuses ZeRO-1 with NVMe offload on every rank inside ``deepspeed.initialize``
+    (``harness.fixes.z12``): a case failure naming the refusal, and the same ranks run the next case to
+    the bits fresh ranks give (a restart per refusal was 99 in ``--full``)."""
+    pool_manager.run(pipeline_case(1, world_size=2, steps=1))
+    pids = _pool_pids(pool_manager, 2)
+    with pytest.raises(RankRefused) as err:
+        pool_manager.run(pipeline_case(1, "nvme", "fp32", 2, steps=1).replace(patched=True))
+    assert "do not implement NVMe optimizer offload" in err.value.details and "Traceback" in err.value.details
+    after = pool_manager.run(pipeline_case(2, "none", "fp16", 2, steps=2, seed=3))
+    assert _pool_pids(pool_manager, 2) == pids, "ranks that all refused must be kept"
+    fresh = RankPool(2)
+    try:
+        alone = fresh.run(pipeline_case(2, "none", "fp16", 2, steps=2, seed=3))
+    finally:
+        fresh.close()
+    assert after.result.fingerprint() == alone.result.fingerprint()
+
+
+def refuse_on_rank_1(case, rank, world_size, workdir):
+    """Rank entry for the test below: one rank refuses, the other completes."""
+    if rank == 1:
+        raise Refusal("declined on rank 1 only")
+    return None
+
+
+def test_a_refusal_on_some_ranks_only_is_a_failure_and_the_pool_is_replaced(pool_manager):
+    pool_manager.run(pipeline_case(1, world_size=2, steps=1))
+    pids = _pool_pids(pool_manager, 2)
+    with pytest.raises(RankFailed) as err:
+        pool_manager.run(pipeline_case(1, world_size=2, steps=1), f"{__name__}:refuse_on_rank_1")
+    assert not isinstance(err.value, RankRefused) and "only ranks [1] refused" in err.value.details
+    assert _wait_gone(pids) == []
+    pool_manager.run(pipeline_case(1, world_size=2, steps=1))
+    assert set(_pool_pids(pool_manager, 2)).isdisjoint(pids)
 
 
 def test_dying_rank_is_reported_with_exit_code(pool_manager):

@@ -10,11 +10,13 @@ quantity not recorded, a capture note) fails the judgement with its own message.
 from __future__ import annotations
 
 import copy
+import traceback
 from dataclasses import replace
 
 import pytest
 
-from harness.registry.bugs import BUGS, BY_ID, NUMERIC, bugs_for
+from harness.fixes._registry import Refusal
+from harness.registry.bugs import BUGS, BY_ID, NUMERIC, REFUSAL_LINE, bugs_for
 from harness.case.spec import Overflow, ParamShape
 from harness.gate.decide import evaluate, model_changes
 from harness.catalog.matrix import _case
@@ -146,12 +148,17 @@ def test_capture_holes_fail_with_their_own_message(pool_manager):
     assert "not fully covered" in v.message(limit=20)
 
 
-def test_refusal_is_accepted_only_as_a_value_error_carrying_the_fix_text():
+def test_refusal_is_accepted_only_as_the_patched_runtimes_refusal_carrying_the_fix_text():
     bug = BY_ID["DSM-002"]
-    line = f"ValueError: {bug.refused_when_patched}: DeepSpeed 0.19.8 would ..."
-    assert bug.refusal_matches("Traceback ...\n" + line)
-    assert not bug.refusal_matches("Traceback ...\n" + line.replace("ValueError", "RuntimeError"))
-    assert not bug.refusal_matches("Traceback ...\nValueError: something else")
+    try:
+        raise Refusal(f"{bug.refused_when_patched}: DeepSpeed 0.19.8 would ...")
+    except Refusal:
+        tb = traceback.format_exc()
+    assert bug.refusal_matches(tb)
+    line = tb.strip().splitlines()[-1]
+    assert not bug.refusal_matches("Traceback ...\n" + line.replace(REFUSAL_LINE, "ValueError:"))
+    assert not bug.refusal_matches("Traceback ...\n" + line.replace(REFUSAL_LINE, "RuntimeError:"))
+    assert not bug.refusal_matches(f"Traceback ...\n{REFUSAL_LINE} something else")
 
 
 def test_dsm020_stage0_orthogonalises_a_per_head_matrix_whole(pool_manager):

@@ -37,6 +37,12 @@ class PatchedRuntimeError(RuntimeError):
     """The patched runtime refuses to install (wrong DeepSpeed version, unexpected source)."""
 
 
+class Refusal(ValueError):
+    """A config a fix declines to run (its bug has no correct behaviour there), raised from the config
+    alone, so on every rank at the same point and before the optimizer's first collective: the ranks
+    stay fit for the next case (``harness.launch.pool`` keeps them instead of starting new ones)."""
+
+
 def active(name: str) -> bool:
     return name in ACTIVE
 

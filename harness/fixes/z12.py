@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.fixes._registry import Fix, Target, active, muon_input_scale
+from harness.fixes._registry import Fix, Refusal, Target, active, muon_input_scale
 from harness.fixes.units import UNITS, sync_z12_group
 
 FP32 = "z12-fp32-muon-state"
@@ -138,7 +138,7 @@ def make_init(orig):
             cfg = kwargs.get("offload_optimizer_config")
             device = getattr(getattr(cfg, "device", None), "value", getattr(cfg, "device", None))
             if device == "nvme":
-                raise ValueError(NVME_REFUSAL)
+                raise Refusal(NVME_REFUSAL)
         return orig(self, *args, **kwargs)
 
     __init__.__wrapped__ = orig

@@ -39,6 +39,11 @@ class RankFailed(CaseFailure):
         super().__init__(case_name, f"rank {rank} raised", tb)
 
 
+class RankRefused(RankFailed):
+    """Every rank raised the patched runtime's ``Refusal`` for the case: a failure to the judge like any
+    ``RankFailed``, but the pool keeps its ranks."""
+
+
 class RankDied(CaseFailure):
     def __init__(self, case_name: str, rank: int, exitcode, log_tail: str):
         self.rank = rank

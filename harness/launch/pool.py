@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -40,7 +41,9 @@ from harness.rank import runtime_state
 from harness.rank.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
 from harness.case.spec import Case
 from harness.launch import wire
-from harness.launch.launcher import DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed
+from harness.launch.launcher import (DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed,
+                                     RankRefused)
+from harness.fixes._registry import Refusal
 import torch._dynamo
 from multiprocessing import resource_tracker
 
@@ -120,9 +123,14 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
             func = getattr(importlib.import_module(module_name), func_name)
             result = func(case, rank, world_size, Path(workdir))
             wire.send(conn, ("done", result if rank == 0 else None, time.perf_counter() - t0))
+        except Refusal:
+            wire.send(conn, ("refused", traceback.format_exc()))
         except BaseException:
             wire.send(conn, ("error", traceback.format_exc()))
             return  # a failed rank never runs another case: its process state is suspect
+        # A refused case's half-built engine is garbage once its traceback is gone: collected now, or the
+        # next case's gc.freeze() (harness.rank.ds_run) would keep it.
+        gc.collect()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -416,6 +424,18 @@ class RankPool:
                 stacks[r] = ""
         return stacks
 
+    def _raise_refusal(self, case_name: str, results: dict[int, tuple]) -> None:
+        """The patched runtime's refusal (``Refusal``) is a case failure; the ranks are kept only when
+        every one of them refused (they stopped at the same point, with no collective half done)."""
+        refused = sorted(r for r, msg in results.items() if msg[0] == "refused")
+        if not refused:
+            return
+        if len(refused) < self.world_size:
+            raise RankFailed(case_name, refused[0], results[refused[0]][1] + "\n(only ranks "
+                             f"{refused} refused the case; the others ran it)")
+        self.cases_run += 1
+        raise RankRefused(case_name, 0, results[0][1])
+
     def run(self, case: Case, entry: str = DEFAULT_ENTRY) -> CaseOutcome:
         """Run ``entry(case, rank, world_size, workdir)`` on every rank; rank 0's value is the result."""
         if self.broken:
@@ -453,9 +473,12 @@ class RankPool:
                 for r, msg in msgs.items():
                     results[r] = msg
                     pending.discard(r)
+            self._raise_refusal(case.name, results)
             self.cases_run += 1
             return CaseOutcome(result=results[0][1], seconds=time.perf_counter() - t0,
                                rank_seconds=[results[r][2] for r in range(self.world_size)])
+        except RankRefused:
+            raise  # every rank refused and is ready for the next case
         except CaseFailure:
             self.close(kill=True)
             raise

@@ -33,11 +33,14 @@ from harness.registry import historical
 from harness.registry.releases import measured
 from harness.case import nvme
 from harness.case.spec import Case
+from harness.fixes._registry import Refusal
 from oracles.layout import zero3_padded_tail
 import oracles
 import torch
 from harness.case.nvme import predict_swapped_subgroups
 from harness import fixes
+
+REFUSAL_LINE = f"{Refusal.__module__}.{Refusal.__qualname__}:"  # how a rank's traceback ends in one
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,11 @@ class Bug:
         return "no"
 
     def refusal_matches(self, traceback: str) -> bool:
-        """Is a rank's traceback the patched runtime's refusal for this bug: a ``ValueError`` whose
-        message carries ``refused_when_patched``?"""
+        """Is a rank's traceback the patched runtime's refusal for this bug: a ``Refusal`` (the patched
+        runtime's ``ValueError``) whose message carries ``refused_when_patched``?"""
         if self.refused_when_patched is None:
             return False
-        return any(line.startswith("ValueError:") and self.refused_when_patched in line
+        return any(line.startswith(REFUSAL_LINE) and self.refused_when_patched in line
                    for line in traceback.splitlines())
 
     def crash_matches(self, traceback: str) -> bool:
