@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.judge.verdict import judge
 from harness.selfcheck import kill_matrix
 from harness.registry import mutants
 from harness import fixes
@@ -70,3 +71,27 @@ def test_kill_matrix_kills_every_mutant_where_predicted(pool_manager):
     assert all(km.baseline.values()), km.table()
     assert km.kill_rate == 1.0, km.table()
     assert not km.surprises(), km.table()
+
+
+def _first(v):
+    return None if v.first is None else (v.first.param, v.first.quantity, v.first.step, v.first.worst_ratio)
+
+
+@pytest.mark.pipeline
+def test_a_mutants_verdict_stopped_at_its_first_divergent_step_says_what_the_whole_verdict_says(pool_manager):
+    """The kill matrix judges a mutant's run ``until_failure``: whether the mutant was caught and where
+    first must be the whole verdict's, and a run caught in an early step is judged over fewer steps."""
+    cases = {c.name: c for c in kill_matrix.default_kill_cases()}
+    shorter = 0
+    for name in ("z2-none-fp32-ws2", "z3-cpu-bf16-ws2"):
+        for mutant in ("nesterov-dropped", "momentum-beta-offset-1e-3", None):
+            case = cases[name].replace(patched=True, mutant=mutant)
+            traj = pool_manager.run(case).result
+            whole, early = judge(case, traj), judge(case, traj, until_failure=True)
+            assert (whole.passed, _first(whole)) == (early.passed, _first(early)), (name, mutant)
+            assert whole.passed == (mutant is None)
+            if early.passed:
+                assert len(early.checks) == len(whole.checks)
+            shorter += max(c.step for c in early.checks) < max(c.step for c in whole.checks)
+    assert shorter == 4
+

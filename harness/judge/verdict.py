@@ -371,13 +371,17 @@ class Verdict:
 
 
 def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | None = None,
-          mode: str | None = None, keep_maps: bool = True) -> Verdict:
+          mode: str | None = None, keep_maps: bool = True, until_failure: bool = False) -> Verdict:
     """The verdict of the case's run(s): with ``case.model_parallel`` > 1 every model-parallel replica
     (``traj`` and ``traj.replicas``) is its own data-parallel run of ``case.dp_size`` ranks on its own
-    data, judged against its own oracle; their checks are merged, each labelled with its replica."""
+    data, judged against its own oracle; their checks are merged, each labelled with its replica.
+
+    ``until_failure``: stop each run after its first step with a failing check. Every check a step adds
+    is labelled with that step, so ``passed`` and ``first`` are those of the whole verdict: all the
+    mutation kill matrix reads of a mutant's run (most are caught in their first step)."""
     mode = mode or comparison_mode(case)
     try:
-        return _judge(case, traj, conventions, mode, keep_maps)
+        return _judge(case, traj, conventions, mode, keep_maps, until_failure)
     except Uncaptured as exc:
         verdict = Verdict(case, mode)
         bad = sorted(n for n, a in traj.initial.items() if np.asarray(a).dtype == object)
@@ -386,10 +390,11 @@ def judge(case: Case, traj: Trajectory, *, conventions: oracles.Conventions | No
         return verdict
 
 
-def _judge(case: Case, traj: Trajectory, conventions, mode: str, keep_maps: bool) -> Verdict:
+def _judge(case: Case, traj: Trajectory, conventions, mode: str, keep_maps: bool, until_failure: bool = False
+           ) -> Verdict:
     if case.model_parallel == 1:
-        return _judge_run(case, traj, conventions, mode, keep_maps)[0]
-    verdict, norms = _judge_run(case, traj, conventions, mode, keep_maps, mp_rank=0)
+        return _judge_run(case, traj, conventions, mode, keep_maps, until_failure=until_failure)[0]
+    verdict, norms = _judge_run(case, traj, conventions, mode, keep_maps, mp_rank=0, until_failure=until_failure)
     runs = [traj] + list(traj.replicas)
     if len(runs) != case.model_parallel:
         verdict.checks.append(missing(case.name, "<step>", "capture", 0, f"{len(runs)} replica runs captured, "
@@ -398,7 +403,8 @@ def _judge(case: Case, traj: Trajectory, conventions, mode: str, keep_maps: bool
         # DeepSpeed counts a parameter without model-parallel attributes only on model-parallel rank
         # 0 and sums the norm over the model-parallel group (docs/deepspeed-0.19.8.md, "Data-parallel
         # group smaller than the world"): every replica clips with and reports replica 0's norm.
-        v, _ = _judge_run(case, run, conventions, mode, keep_maps, mp_rank=k, norm_of=norms)
+        v, _ = _judge_run(case, run, conventions, mode, keep_maps, mp_rank=k, norm_of=norms,
+                          until_failure=until_failure)
         verdict.checks.extend(v.checks)
         verdict.notes.extend(f"model-parallel rank {k}: {n}" for n in v.notes)
     return verdict
@@ -434,7 +440,8 @@ def _shared(entries: dict | None, key: tuple, fn, *args):
 
 
 def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | None, mode: str,
-               keep_maps: bool, *, mp_rank: int = 0, norm_of: dict | None = None) -> tuple[Verdict, dict]:
+               keep_maps: bool, *, mp_rank: int = 0, norm_of: dict | None = None,
+               until_failure: bool = False) -> tuple[Verdict, dict]:
     """One data-parallel run: model-parallel replica ``mp_rank`` of the case (its data from the global
     ranks ``case.data_rank(r, mp_rank)``). ``norm_of``: step -> the global norm this replica clips with
     and reports (replica 0's oracle norm), instead of its own. Returns the verdict and this run's
@@ -460,6 +467,8 @@ def _judge_run(case: Case, traj: Trajectory, conventions: oracles.Conventions | 
         state, orec = _judge_step(run, traj, rec, prev, state, data_rank, mp_rank, norm_of)
         oracle_norms[rec.step] = None if orec.skipped else orec.global_norm
         prev = rec
+        if until_failure and verdict.failures:
+            break
     non_muon = non_muon_optimizer(case)
     if non_muon:
         checks.check_no_muon_tags(run, traj, non_muon[0])

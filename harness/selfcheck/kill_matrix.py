@@ -288,9 +288,9 @@ def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched
     patched runtime so the baseline is clean."""
     from harness.judge.verdict import judge  # late: keeps this module numpy-free at import
 
-    def judged(case, manager):
+    def judged(case, manager, until_failure: bool = False):
         try:
-            v = judge(case, manager.run(case).result)
+            v = judge(case, manager.run(case).result, until_failure=until_failure)
         except CaseFailure as e:
             return False, "crashed: " + str(e).splitlines()[0][:160]
         first = v.first
@@ -300,8 +300,8 @@ def kill_matrix(cases, mutants=None, manager: Launcher | None = None, *, patched
     def baseline(c, manager):
         return judged(c.replace(patched=patched, mutant=None), manager)
 
-    def outcome(c, manager):
-        passed, detail = judged(c.replace(patched=patched), manager)
+    def outcome(c, manager):  # whether and where first: a verdict that stops at its first divergent step
+        passed, detail = judged(c.replace(patched=patched), manager, until_failure=True)
         return not passed, detail
 
     names = list(mutants) if mutants is not None else list(MUTANTS)
