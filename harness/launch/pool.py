@@ -115,6 +115,7 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
             os._exit(0)
         _, case, workdir, entry = msg
         t0 = time.perf_counter()
+        refused = False
         try:
             if os.environ.get("TORCHDYNAMO_DISABLE") == "0":
                 _fresh_dynamo()
@@ -125,12 +126,14 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
             wire.send(conn, ("done", result if rank == 0 else None, time.perf_counter() - t0))
         except Refusal:
             wire.send(conn, ("refused", traceback.format_exc()))
+            refused = True
         except BaseException:
             wire.send(conn, ("error", traceback.format_exc()))
             return  # a failed rank never runs another case: its process state is suspect
-        # A refused case's half-built engine is garbage once its traceback is gone: collected now, or the
-        # next case's gc.freeze() (harness.rank.ds_run) would keep it.
-        gc.collect()
+        if refused:
+            # The half-built engine is garbage once its traceback is gone: collected now, or the next
+            # case's gc.freeze() (harness.rank.ds_run) would keep it. A case that ran collected its own.
+            gc.collect()
 
 
 # --------------------------------------------------------------------------------------------------
