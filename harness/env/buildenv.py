@@ -15,6 +15,7 @@ build costs 8-18 minutes per op on two cores, and most releases do not touch mos
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -23,10 +24,10 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-from harness.env import pch, versions
 import time
-import argparse
+from pathlib import Path
+
+from harness.env import pch, versions
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +68,11 @@ def base_env() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor" / f"torch{TORCH_VERSION}"),
+        # inductor keeps its precompiled header under tempfile.gettempdir(), which in a rank is the
+        # run's scratch folder: every run built it again (cc1plus, ~10 s of the first compiled case),
+        # though every kernel it serves was already in the cache above. The header only adds includes
+        # (the kernels' code and bits are the same: docs/measurements.md, "precompiled header").
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
         "PYTHONHASHSEED": "0",
     }
 

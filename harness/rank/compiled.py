@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness.env import versions
+from harness.env import buildenv, versions
 
 # Shapes the compiled subset uses (harness.case.scenarios.TINY_PARAMS); dtype per precision path.
 WARM_SHAPES = ((6, 5), (7, 3))
@@ -52,15 +52,18 @@ def warm_compiled_muon_update() -> None:
 
 def warm_key() -> str:
     """What a filled cache was filled from: torch, Python, DeepSpeed's ``original_muon`` source, this
-    module (the shapes, dtypes and call orders) and the Newton-Schulz dtype hook. inductor keys its own
+    module (the shapes, dtypes and call orders), the Newton-Schulz dtype hook and the inductor settings
+    of ``buildenv.base_env`` (they shape the compile command, so its cache keys). inductor keys its own
     entries on the graph; this key only says whether warming again could add one."""
     import torch  # late: keeps this module torch-free at import
     from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
 
     from harness.rank.ds_run import force_ns_dtype  # late: keeps this module numpy-free at import
 
+    inductor = sorted(f"{k}={v}" for k, v in buildenv.base_env().items()
+                      if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")
     parts = (torch.__version__, sys.version, inspect.getsource(original_muon), inspect.getsource(sys.modules[__name__]),
-             inspect.getsource(force_ns_dtype))
+             inspect.getsource(force_ns_dtype), *inductor)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
