@@ -260,6 +260,36 @@ def test_fork_only_where_nothing_else_runs(monkeypatch):
     assert pool_mod._fork_is_safe(compiled=False) is False
 
 
+_RANK_START = """
+import subprocess, sys
+from harness.env import buildenv
+buildenv.apply_base_env()
+from harness.rank import runtime_state
+runtime_state.import_case_modules()  # what a forking parent does before its first pool
+started = []
+real_init = subprocess.Popen.__init__
+def record(self, args, *a, **k):
+    started.append(args)
+    real_init(self, args, *a, **k)
+subprocess.Popen.__init__ = record
+before = set(sys.modules)
+import deepspeed.ops
+deepspeed.ops.__compatible_ops__  # what DeepSpeed's comm backend reads when a rank joins
+import torch.utils.cpp_extension  # what preload_built_ops loads the ops with
+new = sorted(m for m in set(sys.modules) - before if m.split(".")[0] == "setuptools")
+assert not started, f"a forked rank would start: {started}"
+assert not new, f"a forked rank would import: {new[:5]}"
+"""
+
+
+def test_a_forked_rank_starts_without_a_compiler_or_setuptools():
+    """What a rank needs at start-up is computed once in the parent that forks it: DeepSpeed's table
+    of compatible ops (its probe compiles and links a test program) and torch's extension loader
+    (it imports setuptools). Every rank of every pool used to pay both."""
+    done = subprocess.run([sys.executable, "-c", _RANK_START], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_the_cause_is_the_rank_that_did_not_just_lose_a_peer():
     """Which rank's error reaches the parent first is a race once ranks start fast (a raise on rank 1
     makes rank 0's collective fail at once): the verdict names the rank whose error is its own."""

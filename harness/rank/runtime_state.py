@@ -5,15 +5,14 @@ machine); the warm-up stores its answer and every rank serves it from memory.
 """
 from __future__ import annotations
 
-import json
-
-from harness.env import buildenv
-from harness.env import device
-import importlib
 import ctypes
+import importlib
+import json
 import os
 import sys
 from pathlib import Path
+
+from harness.env import buildenv, device
 
 
 def install_process_caches() -> None:
@@ -46,6 +45,7 @@ CASE_MODULES = (
     "deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper", "deepspeed.module_inject.auto_ep_layer",
     "deepspeed.ops.op_builder.all_ops", "deepspeed.utils.pin_memory",
     "torch._dynamo", "torch.distributed.fsdp", "torch.onnx",
+    "torch.utils.cpp_extension",  # preload_built_ops loads the ops through it; it imports setuptools
 )
 
 
@@ -59,7 +59,8 @@ def import_case_modules() -> None:
     a pool the gate starts afresh (after a crashing case, whose ranks are never reused: 75 stock crash
     cases in ``--full``) no longer pays them per rank (pool start and first case on a 3-rank pool: ~11
     -> ~6 s, loaded machine). Spawned ranks call it at start-up (``bootstrap_rank``), so a case's time
-    is its own. Only imports: no op is loaded, no DeepSpeed class patched, no thread started here."""
+    is its own. Only imports and DeepSpeed's op-compatibility table (``probe_compatible_ops``): no op is
+    loaded, no DeepSpeed class patched, no thread started here."""
 
     global _case_modules_imported
     if _case_modules_imported:  # every pool a parent forks calls it, and a forked rank again at start-up
@@ -71,6 +72,16 @@ def import_case_modules() -> None:
             importlib.import_module(name)
         except ImportError:
             continue
+    probe_compatible_ops()
+
+
+def probe_compatible_ops() -> dict | None:
+    """DeepSpeed's table of the ops this machine can build, computed here once for every rank a parent
+    forks. Its comm backend reads it when a rank joins (``build_shm_op``), and computing it compiles and
+    links a test program per op that needs a library (async_io's ``io_submit``): ~0.1 s of compiler per
+    rank start, which every rank of every pool paid. Releases that compute it at import need nothing."""
+    ops = sys.modules.get("deepspeed.ops")
+    return getattr(ops, "__compatible_ops__", None) if ops is not None else None
 
 
 PRELOAD_BUILDERS = ("PinMemoryBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder",
