@@ -3,8 +3,11 @@ default kill set kills all of them where predicted (the kill matrix, ~2 min on 2
 ``mutate``)."""
 from __future__ import annotations
 
+import types
+
 import pytest
 
+from harness.judge import verdict as verdict_module
 from harness.judge.verdict import judge
 from harness.selfcheck import kill_matrix
 from harness.registry import mutants
@@ -71,6 +74,46 @@ def test_kill_matrix_kills_every_mutant_where_predicted(pool_manager):
     assert all(km.baseline.values()), km.table()
     assert km.kill_rate == 1.0, km.table()
     assert not km.surprises(), km.table()
+
+
+def test_a_mutant_that_leaves_the_baselines_bits_is_not_judged_again(monkeypatch):
+    """A mutated run with every bit the judge reads equal to its passing baseline's has the baseline's
+    verdict without a second replay; a run whose bits differ is judged, and a kill is still a kill."""
+    class Bits:
+        def __init__(self, reached):
+            self.reached = reached
+
+        def same(self, other):
+            return self.reached == other.reached
+
+    class Run:  # a run shows the mutant only where it reaches this case
+        def __init__(self, reached):
+            self.reached = reached
+
+        def judged_bits(self):
+            return Bits(self.reached)
+
+    class Launcher:
+        def run(self, case):
+            return types.SimpleNamespace(result=Run(case.mutant == "nesterov-dropped"))
+
+        def close(self, kill=False):
+            pass
+
+    judged = []
+
+    def fake_judge(case, traj, until_failure=False, **_):
+        judged.append(case.mutant)
+        first = types.SimpleNamespace(param="w", quantity="param", step=1, worst_ratio=9.0) if traj.reached else None
+        return types.SimpleNamespace(passed=not traj.reached, first=first)
+
+    monkeypatch.setattr(verdict_module, "judge", fake_judge)
+    case = next(c for c in kill_matrix.default_kill_cases() if c.name == "z2-none-fp32-ws2")
+    km = kill_matrix.kill_matrix([case], ["nesterov-dropped", "momentum-beta-offset-1e-3"], manager=Launcher())
+    assert judged == [None, "nesterov-dropped"]
+    rows = {r.mutant: r for r in km.rows}
+    assert rows["nesterov-dropped"].killed is True and rows["momentum-beta-offset-1e-3"].killed is False
+    assert rows["momentum-beta-offset-1e-3"].detail == kill_matrix.SAME_AS_BASELINE
 
 
 def _first(v):
