@@ -279,13 +279,24 @@ import torch.utils.cpp_extension  # what preload_built_ops loads the ops with
 new = sorted(m for m in set(sys.modules) - before if m.split(".")[0] == "setuptools")
 assert not started, f"a forked rank would start: {started}"
 assert not new, f"a forked rank would import: {new[:5]}"
+import inspect
+from harness import fixes
+from harness.env import tree
+def again(*a, **k):
+    raise AssertionError("computed again in a forked rank")
+inspect.getsource = tree.probe_all = again  # DeepSpeed's sources read back: the guard's hashes, the probes
+tree.capabilities()  # what the capture's adapter reads
+if deepspeed.__version__ == fixes.EXPECTED_DEEPSPEED:
+    fixes.apply()  # the guard hashes every function it replaces
+    fixes.remove()
 """
 
 
-def test_a_forked_rank_starts_without_a_compiler_or_setuptools():
+def test_a_forked_rank_starts_without_a_compiler_setuptools_or_reading_deepspeeds_sources():
     """What a rank needs at start-up is computed once in the parent that forks it: DeepSpeed's table
-    of compatible ops (its probe compiles and links a test program) and torch's extension loader
-    (it imports setuptools). Every rank of every pool used to pay both."""
+    of compatible ops (its probe compiles and links a test program), torch's extension loader (it
+    imports setuptools), the installed tree's capabilities and the patched runtime's source hashes
+    (both read DeepSpeed's sources back). Every rank of every pool used to pay them."""
     done = subprocess.run([sys.executable, "-c", _RANK_START], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 

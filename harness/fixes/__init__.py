@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from harness.fixes import bf16opt, ckpt, muon, overflow, scaler, swapin, z0, z3, z12
 from harness.fixes._registry import (ACTIVE, EXPECTED_DEEPSPEED, Fix, PatchedRuntimeError, Target, _LOCK, check_version,
-                                     install_target, installed_keys, source_hash, uninstall_target, verify)
+                                     install_target, installed_keys, prime_source_hashes, source_hash,
+                                     uninstall_target, verify)
 
 __all__ = ["apply", "remove", "applied", "fix_names", "fixes_for", "FIXES", "Fix", "PatchedRuntimeError", "describe",
            "EXPECTED_DEEPSPEED", "source_hash"]
@@ -63,6 +64,11 @@ def _needed_targets(names) -> dict[str, Target]:
         for t in FIXES[n].targets:
             out[t.key] = t
     return out
+
+
+def prime() -> int:
+    """Hash every function the fixes guard, in the process that forks the ranks (``prime_source_hashes``)."""
+    return prime_source_hashes(_needed_targets(FIXES).values())
 
 
 def apply(names=None) -> list[str]:

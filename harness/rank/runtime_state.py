@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness.env import buildenv, device
+from harness.env import buildenv, device, tree
 
 
 def install_process_caches() -> None:
@@ -73,6 +73,18 @@ def import_case_modules() -> None:
         except ImportError:
             continue
     probe_compatible_ops()
+    prime_rank_caches()
+
+
+def prime_rank_caches() -> None:
+    """What each rank would otherwise compute once, on its first case: the installed tree's capabilities
+    (``tree.capabilities``: DeepSpeed's sources parsed, ~0.7 s, read by the capture's adapter) and the
+    source hashes the patched runtime's guard checks (``fixes.prime``). In a forking parent, once for
+    every rank of every pool; the gate starts a pool afresh after each crashing case."""
+    from harness import fixes  # late: the fixes import torch; keeps this module torch-free at import
+
+    tree.capabilities()
+    fixes.prime()
 
 
 def probe_compatible_ops() -> dict | None:
