@@ -217,3 +217,26 @@ def test_a_failure_beyond_its_bug_model_shows_the_model_ratio_and_one_without_nu
     assert "2&times; <i>model</i>" in _cell(page, beyond.name)
     cell = _cell(page, ran.name)
     assert ">no check</span>" in cell and "0&times;" not in cell
+
+
+def test_a_stored_record_is_its_fields_as_json_and_loads_back_equal(tmp_path):
+    """A record is written as the JSON of every field, nested rows and divergence included, in the
+    format ``dataclasses.asdict`` gives (the format the results folders of earlier runs have), and
+    reads back field for field: a writer that dropped or renamed a nested field fails here."""
+    import dataclasses
+    import json
+
+    from harness.gate.decide import Outcome
+
+    case = _case("-stored")
+    checks = [compare_arrays(case.name, "layer0.weight", "param", 2, np.array([2e-3, 5e-3]), np.zeros(2), UNIT,
+                             keep_map=False)]
+    store = ResultStore(tmp_path)
+    verdict = Verdict(case, "emulated", checks)
+    decide.record(store, Outcome(case, "stock", "failed", [], "diverged", 0.5, verdict=verdict))
+    line = next(tmp_path.glob("results-*.jsonl")).read_text().splitlines()[0]
+    (back,) = load_records(tmp_path)
+    assert line == json.dumps(dataclasses.asdict(back), sort_keys=True)
+    row = back.checks[0]
+    assert (row.param, row.quantity, row.step) == ("layer0.weight", "param", 2)
+    assert row.record["abs_error"] == 5e-3 and row.record["index"] == [1] and row.record["n_bad"] == 2

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,7 @@ class CheckRow:
     rank: int | None
     region: str | None
     region_counts: dict
-    record: dict | None  # dataclasses.asdict(oracles.Divergence)
+    record: dict | None  # the fields of an oracles.Divergence
     problem: str | None = None
     unjudged: str | None = None  # why the quantity could not be judged (``harness.judge.compare.cannot_judge``)
 
@@ -82,7 +82,16 @@ class CheckRow:
 def _record_dict(rec) -> dict | None:
     if rec is None:
         return None
-    return {k: (_f(v) if isinstance(v, float) else v) for k, v in asdict(rec).items()}
+    return {k: (_f(v) if isinstance(v, float) else v) for k, v in _fields_of(rec).items()}
+
+
+def _fields_of(obj) -> dict:
+    """A dataclass's fields, one level deep, for ``json.dumps`` to walk (its ``default`` for the nested
+    ones). ``asdict`` deep-copies every list and dict of the ~140 checks of a record first: most of
+    writing a record, which the gate's parent does once per case-column. The JSON is the same."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
 @dataclass
@@ -253,7 +262,7 @@ class ResultStore:
     def add(self, rec: CaseRecord, maps: dict[str, np.ndarray] | None = None) -> None:
         if maps:
             np.savez_compressed(self.root / "maps" / f"{rec.key}.npz", **_stored(maps))
-        line = json.dumps(asdict(rec), sort_keys=True)
+        line = json.dumps(_fields_of(rec), sort_keys=True, default=_fields_of)
         path = self.root / f"results-{self.writer}.jsonl"
         with open(path, "ab+") as f:
             f.seek(0, os.SEEK_END)
