@@ -209,6 +209,49 @@ def test_a_compiled_case_in_reused_ranks_gives_the_bits_of_fresh_ranks():
     assert reused.fingerprint() == fresh.fingerprint()
 
 
+def run_and_name_the_precompiled_headers(case, rank, world_size, workdir):
+    """Rank entry for the test below: the case, and the precompiled headers its compiles used."""
+    import torch._inductor.codecache as codecache
+
+    from harness.rank.ds_run import run_case_on_rank
+
+    used, real = [], codecache._precompile_header
+
+    def recorded(*args, **kwargs):
+        used.append(real(*args, **kwargs))
+        return used[-1]
+
+    codecache._precompile_header = recorded
+    try:
+        run_case_on_rank(case, rank, world_size, workdir)
+    finally:
+        codecache._precompile_header = real
+    return used
+
+
+def test_a_compiled_rank_keeps_inductors_precompiled_header_beside_the_compile_cache(tmp_path, monkeypatch):
+    """inductor puts its precompiled header under ``tempfile.gettempdir()``, which in a rank is the
+    run's scratch folder: every run compiled the header again before its first compiled case. A
+    compiled rank's compiles use one kept beside the compile cache (``compiled.keep_precompiled_headers``)."""
+    from harness.catalog.matrix import gate_cases
+    from harness.env import buildenv
+    from harness.launch.pool import RankPool
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # what a spawned rank reads its temporary folder from
+    case = next(c for c in gate_cases(False) if c.compiled)
+    pool = RankPool(case.world_size, compiled=True, root=tmp_path / "pools")
+    try:
+        used = pool.run(case, f"{__name__}:run_and_name_the_precompiled_headers").result
+    finally:
+        pool.close()
+    kept = Path(buildenv.base_env()["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers"
+    assert used, "the compiles used no precompiled header (torch's default is to use one)"
+    assert all(Path(h).parent == kept for h in used), f"precompiled headers outside {kept}: {used}"
+    assert not list(scratch.rglob("precompiled_headers")), "a precompiled header was built in the scratch folder"
+
+
 def test_forked_ranks_give_the_same_bits_and_leave_nothing(tmp_path, monkeypatch):
     """Forked ranks (torch inherited; what a single-threaded gate process uses) run a case to the same
     bits as spawned ones, are found by their pool's name although their environ is the parent's, and

@@ -180,25 +180,6 @@ def test_warmup_compile_key_names_the_inductor_settings_of_the_base_env(monkeypa
     assert warmup.compiled.warm_key() != base
 
 
-def test_a_compiled_kernel_builds_no_precompiled_header_in_the_runs_scratch_folder(tmp_path):
-    """inductor puts its precompiled header under ``tempfile.gettempdir()``, a rank's scratch folder:
-    with it on, every run compiled the header again before its first compiled case. A process with the
-    base environment (dynamo on, as in a compiled pool) compiles and runs a kernel and leaves no
-    ``precompiled_headers`` folder in its temporary folder."""
-    from harness.env import buildenv
-
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    env = {**os.environ, **buildenv.base_env(), "TORCHDYNAMO_DISABLE": "0", "TMPDIR": str(scratch)}
-    code = ("import torch\n"
-            "f = torch.compile(lambda x: x * 3.0 + 1.0)\n"
-            "assert torch.equal(f(torch.arange(5.0)), torch.arange(5.0) * 3.0 + 1.0)\n")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    built = [str(p.relative_to(scratch)) for p in scratch.rglob("precompiled_headers")]
-    assert built == [], f"a precompiled header was built in the scratch folder: {built}"
-
-
 def test_warmup_prints_a_total(monkeypatch, capsys):
     monkeypatch.setattr(warmup.buildenv, "clear_stale_locks", lambda max_age_s: [])
     monkeypatch.setattr(warmup.buildenv, "apply_base_env", lambda extra=None: None)

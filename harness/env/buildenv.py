@@ -68,11 +68,6 @@ def base_env() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TORCHINDUCTOR_CACHE_DIR": str(cache_root() / "inductor" / f"torch{TORCH_VERSION}"),
-        # inductor keeps its precompiled header under tempfile.gettempdir(), which in a rank is the
-        # run's scratch folder: every run built it again (cc1plus, ~10 s of the first compiled case),
-        # though every kernel it serves was already in the cache above. The header only adds includes
-        # (the kernels' code and bits are the same: docs/measurements.md, "precompiled header").
-        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
         "PYTHONHASHSEED": "0",
     }
 

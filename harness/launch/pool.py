@@ -39,6 +39,7 @@ from pathlib import Path
 from harness.env import buildenv
 from harness.rank import runtime_state
 from harness.rank.bootstrap import apply_fault, bootstrap_rank, redirect_output, set_parent_death_signal
+from harness.rank.compiled import keep_precompiled_headers
 from harness.case.spec import Case
 from harness.launch import wire
 from harness.launch.launcher import (DEFAULT_ENTRY, CaseFailure, CaseOutcome, CaseTimeout, RankDied, RankFailed,
@@ -118,6 +119,7 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
         refused = False
         try:
             if os.environ.get("TORCHDYNAMO_DISABLE") == "0":
+                keep_precompiled_headers()
                 _fresh_dynamo()
             apply_fault(case, rank)
             module_name, _, func_name = entry.partition(":")

@@ -23,6 +23,22 @@ from harness.env import buildenv, versions
 WARM_SHAPES = ((6, 5), (7, 3))
 
 
+def keep_precompiled_headers() -> None:
+    """Put inductor's precompiled header beside the compile cache, where the next run finds it.
+
+    inductor keeps it under ``tempfile.gettempdir()`` (``codecache._HEADER_DIR``, computed at import),
+    which in a rank is the run's scratch folder: every run compiled the header again (cc1plus, ~5 s of
+    the first compiled case per process tree) though every kernel it serves was already cached. Turning
+    the header off instead made a cold fill of the cache 1.6x slower (docs/measurements.md, "precompiled
+    header"). The header only adds includes; its file name is a hash of its preprocessed text, flags and
+    compiler, so a stale one is never used. A torch without the attribute keeps its own place."""
+    import torch._inductor.codecache as codecache  # late: torch, and only where a case compiles
+
+    if hasattr(codecache, "_HEADER_DIR"):
+        codecache._HEADER_DIR = str(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
+
+
 def warm_compiled_muon_update() -> None:
     """One fresh dynamo per (Newton-Schulz dtype, gradient dtype): dynamo's recompile limit would
     otherwise silently fall back to eager part way through, leaving those graphs uncached. The
@@ -33,7 +49,7 @@ def warm_compiled_muon_update() -> None:
 
     from harness.rank.ds_run import force_ns_dtype  # late: keeps this module numpy-free at import
 
-
+    keep_precompiled_headers()
     combos = [(d, d) for d in (torch.float32, torch.float16, torch.bfloat16)]  # lerp needs equal dtypes
     # float64 Newton-Schulz only where the release has the hook that forces it (its cases are deselected
     # elsewhere: on 0.19.6 this warm-up raised AttributeError on ``ns_compute_dtype``)
