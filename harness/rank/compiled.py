@@ -27,7 +27,7 @@ def keep_precompiled_headers() -> None:
     """Put inductor's precompiled header beside the compile cache, where the next run finds it.
 
     inductor keeps it under ``tempfile.gettempdir()`` (``codecache._HEADER_DIR``, computed at import),
-    which in a rank is the run's scratch folder: every run compiled the header again (cc1plus, ~5 s of
+    which in a rank is the run's scratch folder: every run compiled the header again (cc1plus, ~6 s of
     the first compiled case per process tree) though every kernel it serves was already cached. Turning
     the header off instead made a cold fill of the cache 1.6x slower (docs/measurements.md, "precompiled
     header"). The header only adds includes; its file name is a hash of its preprocessed text, flags and

@@ -59,8 +59,8 @@ def import_case_modules() -> None:
     a pool the gate starts afresh (after a crashing case, whose ranks are never reused: 75 stock crash
     cases in ``--full``) no longer pays them per rank (pool start and first case on a 3-rank pool: ~11
     -> ~6 s, loaded machine). Spawned ranks call it at start-up (``bootstrap_rank``), so a case's time
-    is its own. Only imports and DeepSpeed's op-compatibility table (``probe_compatible_ops``): no op is
-    loaded, no DeepSpeed class patched, no thread started here."""
+    is its own. Only imports and read-only caches (``probe_compatible_ops``, ``prime_rank_caches``): no
+    op is loaded, no DeepSpeed class patched, no thread started here."""
 
     global _case_modules_imported
     if _case_modules_imported:  # every pool a parent forks calls it, and a forked rank again at start-up
