@@ -98,8 +98,11 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
     stack_file = open(pool / f"rank{rank}.stack", "w")
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    compiled = os.environ.get("TORCHDYNAMO_DISABLE") == "0"
     try:
         bootstrap_rank(rank, world_size, init_method=f"file://{pool / 'rendezvous'}")
+        if compiled:
+            keep_precompiled_headers()  # once per rank: inductor reads the folder at each header build
         wire.send(conn, ("ready", os.getpid()))
     except BaseException:
         wire.send(conn, ("error", traceback.format_exc()))
@@ -118,8 +121,7 @@ def _rank_main(rank: int, world_size: int, pool_dir: str, conn: Connection, env:
         t0 = time.perf_counter()
         refused = False
         try:
-            if os.environ.get("TORCHDYNAMO_DISABLE") == "0":
-                keep_precompiled_headers()
+            if compiled:
                 _fresh_dynamo()
             apply_fault(case, rank)
             module_name, _, func_name = entry.partition(":")
