@@ -23,8 +23,19 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> None:
-    patched = "--patched" in sys.argv
+def config(stage: int, dtype: str | None = None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}},
+           "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    if stage == 3:
+        cfg["zero_optimization"]["reduce_scatter"] = False
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def start(patched: bool) -> None:
+    """One rank's process group, then what a user of the fixes does before ``deepspeed.initialize``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(29500 + os.getpid() % 1000))
@@ -49,40 +60,24 @@ def main() -> None:
 
         apply()
 
+
+def train(model, params, cfg: dict, x, steps: int = 2) -> None:
     import deepspeed
-    from deepspeed.runtime.zero.muon import original_muon
 
-    seen = []
-    inner = original_muon.muon_update
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+    dt = next(engine.module.parameters()).dtype
+    for _ in range(steps):
+        loss = engine(x.to(dt)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    engine.destroy()
 
-    def spy(grad, momentum, *args, **kwargs):
-        seen.append({"shape": list(grad.shape), "ns_method": kwargs.get("ns_method"),
-                     "momentum_dtype": str(momentum.dtype).replace("torch.", "")})
-        return inner(grad, momentum, *args, **kwargs)
 
-    original_muon.muon_update = spy
+def observe(seen: list) -> dict:
+    """The three trainings, each read through what ``muon_update`` was called with (``seen``)."""
+    import torch
 
-    def config(stage, dtype=None):
-        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-               "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}},
-               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
-        if stage == 3:
-            cfg["zero_optimization"]["reduce_scatter"] = False
-        if dtype == "bf16":
-            cfg["bf16"] = {"enabled": True}
-        return cfg
-
-    def train(model, params, cfg, x, steps=2):
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
-        dt = next(engine.module.parameters()).dtype
-        for _ in range(steps):
-            loss = engine(x.to(dt)).float().pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-        engine.destroy()
-
-    out = {"patched": patched}
-
+    out = {}
     # DSM-006: two Muon groups with different ns_method under ZeRO-3
     a, b = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(6, 5, bias=False)
     model = torch.nn.Sequential(a, torch.nn.Tanh(), b)
@@ -104,7 +99,25 @@ def main() -> None:
         out["conv"] = "trained"
     except RuntimeError as e:
         out["conv"] = "RuntimeError: " + str(e).splitlines()[0]
+    return out
 
+
+def main() -> None:
+    patched = "--patched" in sys.argv
+    start(patched)
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.muon import original_muon
+
+    seen = []
+    inner = original_muon.muon_update
+
+    def spy(grad, momentum, *args, **kwargs):
+        seen.append({"shape": list(grad.shape), "ns_method": kwargs.get("ns_method"),
+                     "momentum_dtype": str(momentum.dtype).replace("torch.", "")})
+        return inner(grad, momentum, *args, **kwargs)
+
+    original_muon.muon_update = spy
+    out = {"patched": patched, **observe(seen)}
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
