@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.catalog.matrix import gate_cases
+from harness.env import buildenv
 from harness.fixes._registry import Refusal
 from harness.launch.pool import CaseTimeout, RankDied, RankFailed, RankPool, RankRefused, marked_processes
 from harness.case.scenarios import pipeline_case
@@ -187,7 +189,6 @@ def test_a_compiled_case_in_reused_ranks_gives_the_bits_of_fresh_ranks():
     With the recompile limit at 1, ranks that kept the first case's compiled graphs (other dtypes)
     would run the second case's ``muon_update`` eager, and the compiled 16-bit path rounds
     differently from eager: its bits would differ from the same case in fresh ranks."""
-    from harness.catalog.matrix import gate_cases
     from harness.launch.pool import PoolManager, RankPool
 
     entry = f"{__name__}:run_with_one_compile_allowed"
@@ -233,10 +234,6 @@ def test_a_compiled_rank_keeps_inductors_precompiled_header_beside_the_compile_c
     """inductor puts its precompiled header under ``tempfile.gettempdir()``, which in a rank is the
     run's scratch folder: every run compiled the header again before its first compiled case. A
     compiled rank's compiles use one kept beside the compile cache (``compiled.keep_precompiled_headers``)."""
-    from harness.catalog.matrix import gate_cases
-    from harness.env import buildenv
-    from harness.launch.pool import RankPool
-
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))  # what a spawned rank reads its temporary folder from

@@ -9,7 +9,9 @@ the judge to the page fails here.
 """
 from __future__ import annotations
 
+import dataclasses
 import html
+import json
 import re
 
 import numpy as np
@@ -223,17 +225,12 @@ def test_a_stored_record_is_its_fields_as_json_and_loads_back_equal(tmp_path):
     """A record is written as the JSON of every field, nested rows and divergence included, in the
     format ``dataclasses.asdict`` gives (the format the results folders of earlier runs have), and
     reads back field for field: a writer that dropped or renamed a nested field fails here."""
-    import dataclasses
-    import json
-
-    from harness.gate.decide import Outcome
-
     case = _case("-stored")
     checks = [compare_arrays(case.name, "layer0.weight", "param", 2, np.array([2e-3, 5e-3]), np.zeros(2), UNIT,
                              keep_map=False)]
     store = ResultStore(tmp_path)
     verdict = Verdict(case, "emulated", checks)
-    decide.record(store, Outcome(case, "stock", "failed", [], "diverged", 0.5, verdict=verdict))
+    decide.record(store, decide.Outcome(case, "stock", "failed", [], "diverged", 0.5, verdict=verdict))
     line = next(tmp_path.glob("results-*.jsonl")).read_text().splitlines()[0]
     (back,) = load_records(tmp_path)
     assert line == json.dumps(dataclasses.asdict(back), sort_keys=True)
