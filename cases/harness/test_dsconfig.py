@@ -370,3 +370,22 @@ def test_the_known_section_keys_are_the_config_classes_fields_and_aliases():
 def test_the_harness_own_configs_have_no_unknown_keys(stage, offload, dtype):
     c = pipeline_case(stage, offload, dtype, 2, grad_accum=2, clip=1.0)
     assert c.ds.unknown_keys == ()
+
+
+STAGE_SPELLINGS = (3, "3", 3.0, "3.0", " 3", "03", True, 2.5, "three", "", None)
+
+
+@pytest.mark.parametrize("written", STAGE_SPELLINGS)
+def test_a_number_written_another_way_is_read_as_deepspeeds_config_classes_read_it(written):
+    """``"stage": "3"`` is stage 3 to DeepSpeed (its pydantic model, lax): the view reads the same value, and
+    refuses what DeepSpeed refuses, so a refusal that needs stage 3 is decided on what DeepSpeed will run."""
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        want = int(DeepSpeedZeroConfig(**({} if written is None else {"stage": written})).stage)
+    except pydantic.ValidationError:
+        with pytest.raises(ValueError, match="zero_optimization.stage"):
+            dsconfig.resolve({"zero_optimization": {"stage": written}})
+        return
+    assert dsconfig.resolve({"zero_optimization": {"stage": written}}).zero.stage == want

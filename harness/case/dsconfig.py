@@ -543,23 +543,22 @@ def _convert(key: str, value, conv):
         raise ValueError(f"{key}: {value!r} is not a {getattr(conv, 'what', conv.__name__)}") from None
 
 
-# pydantic's lax bool (pydantic-core's string table, case-insensitive, no stripping; 0/1 as numbers):
-# how DeepSpeed's config classes (DeepSpeedConfigModel) parse a boolean field.
-_PYDANTIC_BOOLS = {**dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
-                   **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False)}
+@functools.cache
+def _pydantic(kind: type):
+    """How DeepSpeed's config classes (``DeepSpeedConfigModel``, pydantic, lax mode) parse a field of type
+    ``kind``: pydantic's own validator, so "3" and 3.0 are stage 3 and "yes" is true exactly where
+    DeepSpeed takes them so, and what it refuses the view refuses."""
+    import pydantic  # late: DeepSpeed's dependency; ``python -m harness --help`` runs without it
 
+    adapter = pydantic.TypeAdapter(kind)
 
-def _pydantic_bool(v) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, (int, float)) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.lower() in _PYDANTIC_BOOLS:
-        return _PYDANTIC_BOOLS[v.lower()]
-    raise ValueError(v)
+    def parse(v):
+        return adapter.validate_python(v)
 
-
-_pydantic_bool.what = "boolean (DeepSpeed's config classes take true/false, 1/0, yes/no, on/off, t/f, y/n)"
+    parse.what = {bool: "boolean (DeepSpeed's config classes take true/false, 1/0, yes/no, on/off, t/f, y/n)",
+                  int: "whole number (DeepSpeed's config classes take 3, 3.0, \"3\")",
+                  float: "number (DeepSpeed's config classes take 0.5, \"0.5\")"}[kind]
+    return parse
 
 
 def _raw_bool(v) -> bool:
@@ -594,8 +593,11 @@ class _Resolver:
         ``default_key`` (``key``); None where the release documents none. ``path``: where ``given`` sits
         in the config (default: ``key``'s parent), for the key a message names."""
         path = key.rpartition(".")[0] if path is None else path
-        if conv is bool:  # parsed as DeepSpeed parses it: validated in a pydantic class, else as written
-            conv = _pydantic_bool if self.d.kind(default_key or key) == "field" else _raw_bool
+        field = self.d.kind(default_key or key) == "field"
+        if conv in (bool, int, float) and field:  # parsed as DeepSpeed parses it: validated by pydantic
+            conv = _pydantic(conv)
+        elif conv is bool:  # used as written
+            conv = _raw_bool
         for name in (names,) if isinstance(names, str) else names:
             if given.get(name) is not None:
                 written = f"{path}.{name}" if path else name

@@ -37,6 +37,11 @@ class BadInput(Exception):
     """Input the check refuses, with a message that says what and where."""
 
 
+class Refused(BadInput):
+    """A config the installed DeepSpeed refuses (``harness.registry.refusals``, or ``deepspeed.initialize``
+    raising): the user's training would crash at start-up, so never a pass; exit 2 like bad input."""
+
+
 class ModelFailed(Exception):
     """The user's model factory raised while the check planned the run: nothing to judge (exit 3), and
     no input of ours to blame."""
@@ -135,24 +140,22 @@ def check_data_types(cfg: dict) -> None:
 
 
 def check_zero(cfg: dict) -> int:
+    """The stage, read as DeepSpeed reads it (the typed view: "3" and 3.0 are stage 3). Whether DeepSpeed
+    refuses the ZeRO settings with Muon is the refusals registry's to say (``refusal_of``), once the case
+    is built."""
     zero = cfg.get("zero_optimization")
     if zero is None:
         raise BadInput("no 'zero_optimization' section: the harness checks ZeRO stages 1-3")
     if not isinstance(zero, dict):
         raise BadInput("zero_optimization must be an object")
-    given = zero.get("stage")
-    if given is not None and (isinstance(given, bool) or given not in (0, 1, 2, 3)):
-        return -1  # DeepSpeed's own validation names it
     if "gradient_clipping" in cfg and (not _is_num(cfg["gradient_clipping"]) or cfg["gradient_clipping"] < 0):
         raise BadInput(f"gradient_clipping: {cfg['gradient_clipping']!r} is not a non-negative number")
     z = view(cfg).zero
+    if z.stage not in (0, 1, 2, 3):
+        return -1  # DeepSpeed's own validation names it
     if z.stage == 0:
         raise BadInput(f"zero_optimization.stage is 0 ({view(cfg).source('zero_optimization.stage')}): the harness "
                        "checks ZeRO stages 1, 2 and 3")
-    if z.stage == 3 and z.reduce_scatter is not False:
-        raise BadInput("zero_optimization.reduce_scatter must be false at stage 3 with Muon: DeepSpeed "
-                       "raises 'Muon and reduce scatter cannot be used together' in deepspeed.initialize "
-                       f"(reduce_scatter {z.reduce_scatter}: {view(cfg).source('zero_optimization.reduce_scatter')})")
     return z.stage
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 from harness.case.nvme import FP32_BYTES, expects_swap, min_swap_bytes, nvme_matrix, predict_swapped_subgroups
 from harness.case.spec import NVME_PATH_PLACEHOLDER, Case, canonical_json
-from harness.cli.check_config import (BadInput, ModelFailed, _is_num, _nvme_sections, _pos_int_or_none,
+from harness.cli.check_config import (BadInput, ModelFailed, Refused, _is_num, _nvme_sections, _pos_int_or_none,
                                       check_data_types, check_no_auto,
                                       check_optimizer, check_writable_dir, check_zero, deepspeed_validate,
                                       load_config, view)
 from harness.cli.check_shapes import _fmt_shape, build_params, parse_shapes, scale_shapes
+from harness.registry import refusals as ds_refusals
 
 MAX_WORLD_SIZE = 8
 MAX_STEPS = 50
@@ -157,7 +158,16 @@ def validate(args) -> Plan:
     case = Case(name=_case_name(args.ds_config, new_cfg, W), params=params, ds_config=canonical_json(new_cfg),
                 world_size=W, steps=args.steps, seed=args.seed, timeout_s=float(args.timeout))
     case = _swap_sized(_model_case(case, args, spec), spec is not None, notes)
+    refuse_as_deepspeed_would(case)
     return Plan(args.ds_config, case, requested, run_shapes, factor, notes, nvme_user, launcher, accel)
+
+
+def refuse_as_deepspeed_would(case: Case) -> None:
+    """A config the installed DeepSpeed refuses with Muon (``harness.registry.refusals``, read through the
+    typed view, so ``"stage": "3"`` is stage 3 here as it is there) stops before any rank: ``Refused``."""
+    refused = ds_refusals.expected(case)
+    if refused:
+        raise Refused("\n".join(r.sentence(case.ds.release) for r in refused))
 
 
 def _swap_sized(case: Case, module: bool, notes: list[str]) -> Case:

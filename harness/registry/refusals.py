@@ -28,6 +28,12 @@ class DsRefusal:
     frame: str  # "file.py:function": where it must be raised
     source: str  # where it was read (DeepSpeed file:line per release)
     applies: object  # (case, cfg) -> bool
+    remedy: str  # the change to the config (or model) that DeepSpeed runs instead
+
+    def sentence(self, release: str) -> str:
+        """The one line ``check`` prints for a config DeepSpeed refuses: its words, where, and the way out."""
+        return (f"DeepSpeed {release} refuses this config: {self.etype}: {self.fragment} ({self.frame}); "
+                f"to run it: {self.remedy}")
 
     @property
     def said_by(self) -> str:
@@ -79,39 +85,45 @@ def _muon_group_betas(c, cfg: dict) -> set:
 
 REFUSALS: tuple[DsRefusal, ...] = (
     # reduce_scatter defaults to true (zero config), so the harness's own ZeRO-3 configs turn it off
-    # (harness.case.spec.ds_config) and ``harness check`` refuses it (check_config.check_zero).
+    # (harness.case.spec.ds_config) and ``harness check`` refuses it before any rank (check_plan.validate).
     DsRefusal("z3-muon-reduce-scatter", "ValueError", "Muon and reduce scatter cannot be used together",
               "stage3.py:__init__",
               "runtime/zero/stage3.py:360-361 (0.19.8), :352-353 (0.19.7), :337-338 (0.18.9)",
               lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3
-              and _zero(cfg).reduce_scatter is not False),
+              and _zero(cfg).reduce_scatter is not False,
+              'set "zero_optimization": {"reduce_scatter": false} (DeepSpeed\'s default is true)'),
     # zero_quantized_gradients makes the engine build a local all-to-all group (engine.py:2159-2161) that
     # it hands the ZeRO-3 optimizer as all2all_process_group (engine.py:2769).
     DsRefusal("z3-muon-all2all", "ValueError", "Muon and all2all process group cannot be used together",
               "stage3.py:__init__",
               "runtime/zero/stage3.py:362-363 (0.19.8), :354-355 (0.19.7), :339-340 (0.18.9)",
               lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3
-              and bool(_zero(cfg).zero_quantized_gradients)),
+              and bool(_zero(cfg).zero_quantized_gradients),
+              'set "zero_optimization": {"zero_quantized_gradients": false}'),
     # Per-head Muon (a parameter's muon_num_heads, original_muon.py:170-177) refuses, at the first step, a
     # head count the parameter cannot hold: not a 2-D matrix, or rows not divisible by the count.
     DsRefusal("per-head-not-2d", "ValueError", "Per-head Muon expects a 2D attention projection",
               "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:172-173 (0.19.8)",
-              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) != 2 for p in c.params)),
+              lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) != 2 for p in c.params),
+              'give muon_num_heads only to 2-D attention projections, or drop "per_head_muon"'),
     DsRefusal("per-head-indivisible", "ValueError", "Per-head Muon needs the output dim to split evenly",
               "original_muon.py:_per_head_orthogonalize", "runtime/zero/muon/original_muon.py:176-178 (0.19.8)",
               lambda c, cfg: _muon(cfg) and any(p.num_heads and len(p.shape) == 2 and p.shape[0] % p.num_heads
-                                                for p in c.params)),
+                                                for p in c.params),
+              'give each projection a head count that divides its output rows, or drop "per_head_muon"'),
     # ZeRO-3 runs every Muon matrix with one momentum (one beta for the distributed update) and refuses
     # user groups that set different ones, rather than step some with another group's beta.
     DsRefusal("z3-muon-group-betas", "ValueError", "All Muon parameter groups must have the same momentum",
               "stage3.py:_create_fp16_partitions_with_defragmentation",
               "runtime/zero/stage3.py:927-929 (0.19.8); the same check from 0.18.9",
-              lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3 and len(_muon_group_betas(c, cfg)) > 1),
+              lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3 and len(_muon_group_betas(c, cfg)) > 1,
+              'give every parameter group that holds a Muon matrix the same momentum'),
     # Per-head Muon under AutoTP: every tagged projection's shard cuts a head, so nothing stays per-head
     # after the re-resolution on the shards; DeepSpeed raises rather than train without it.
     DsRefusal("per-head-tp-cut", "ValueError", "every tagged projection is sharded across head boundaries",
               "__init__.py:resolve_per_head_muon_after_sharding", "__init__.py:428-430 (0.19.8)",
-              lambda c, cfg: _muon(cfg) and _tp_heads_cut(c, cfg)),
+              lambda c, cfg: _muon(cfg) and _tp_heads_cut(c, cfg),
+              'an autotp_size that keeps whole heads on each rank, or drop "per_head_muon"'),
 )
 
 
