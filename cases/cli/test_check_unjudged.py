@@ -61,8 +61,10 @@ def test_a_skipped_step_has_no_gradient_to_judge():
 
 class _Traj:
     swapped_bytes = 0
+    muon_params = ()
+    initial: dict = {}
     steps = [SimpleNamespace(step=s, skipped=False, losses=[1.0], loss_scale=SCALE, global_norm=1.0,
-                             swap_bytes_written=0, swap_bytes_read=0) for s in (1, 2, 3)]
+                             swap_bytes_written=0, swap_bytes_read=0, params={}, group_lr={}) for s in (1, 2, 3)]
 
     def judged_bits(self):
         return None

@@ -15,10 +15,14 @@ verdict per quantity, the known stock DeepSpeed bugs that explain a divergence, 
 the command that reruns exactly this case.
 
 Exit codes: 0 within tolerance; 1 diverged (including divergences a known stock DeepSpeed bug
-explains -- your config is affected); 2 bad input, reported before any rank starts; 3 the run itself
+explains -- your config is affected); 2 bad input, or a config DeepSpeed refuses (never a pass: your
+training would crash at start-up), reported before any rank starts where ``harness.registry.refusals``
+knows the refusal, else as soon as ``deepspeed.initialize`` raised it; 3 the run itself
 failed (a rank raised, died or timed out: no verdict; a known stock bug that crashes, e.g. DSM-012, is
 named); 4 cannot judge: nothing diverged, but a quantity DeepSpeed produced has no finite reference
-(the message names the step, the tensor and the loss scale), so the verdict is not a pass. With
+(the message names the step, the tensor and the loss scale), or no applied step moved a weight (every
+step skipped on overflow or applied at lr 0), so the verdict is not a pass. Every verdict line says
+what it rests on: applied, skipped and zero-lr steps, and the steps at which weights moved. With
 ``--patched`` both the stock and the patched column run, the output says whether the bundled fixes
 change the verdict, and the exit code is the patched column's (what you get with the fixes).
 
@@ -72,11 +76,14 @@ Bad input (exit 2, before any rank starts; ``harness.cli.check_plan.validate``)
   CUDA: the number of visible GPUs), ``--steps`` outside 1..50;
 * optimizer missing or not Muon;
 * DeepSpeed's own validation: ``deepspeed.runtime.config.DeepSpeedConfig`` on the rewritten config
-  (its pydantic models reject unknown keys and bad values: the message names the key), plus the
-  Muon-specific rejections DeepSpeed 0.19.8 only makes inside ``deepspeed.initialize``: ZeRO-3 with
-  ``reduce_scatter`` (on by default; ``stage3.py``: "Muon and reduce scatter cannot be used
-  together"), ``ns_method`` not gram/standard, ``max_grad_norm`` in the optimizer params, non-numeric
-  optimizer hyper-parameters or ``gradient_clipping``;
+  (its pydantic models reject unknown keys and bad values: the message names the key; values are read
+  as those models read them, so ``"stage": "3"`` is stage 3), ``ns_method`` not gram/standard,
+  ``max_grad_norm`` in the optimizer params, non-numeric optimizer hyper-parameters or
+  ``gradient_clipping``;
+* the Muon-specific refusals DeepSpeed only makes inside ``deepspeed.initialize``, each as
+  ``harness.registry.refusals`` declares it (ZeRO-3 with ``reduce_scatter``, on by default: "Muon and
+  reduce scatter cannot be used together"; ZeRO-3 with ``zero_quantized_gradients``; ...): "DeepSpeed
+  0.19.8 refuses this config: <its words> (<file>:<function>); to run it: <the change>";
 * outside what the harness covers: ZeRO stage 0 / no ``zero_optimization``;
 * an NVMe path that is not an existing writable directory;
 * ``--launcher pool`` with ``--accelerator cuda`` (the pool runs CPU ranks).
@@ -112,14 +119,18 @@ if __name__ == "__main__":
 
 from harness.case.nvme import swap_expected  # noqa: E402
 from harness.case.spec import Case, canonical_json  # noqa: E402
-from harness.cli.check_config import BadInput, ModelFailed  # noqa: E402
+from harness.cli.check_config import BadInput, ModelFailed, Refused  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
 from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
 from harness.cli.parser import add_check_arguments  # noqa: E402
 from harness.judge.verdict import reproduce_command
 from oracles.tolerance import ratio_text
 
-EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_CANNOT_JUDGE = 0, 1, 2, 3, 4
+from harness.cli.check_verdict import (EXIT_BAD_INPUT, EXIT_CANNOT_JUDGE, EXIT_DIVERGED, EXIT_OK,  # noqa: E402
+                                       EXIT_RUN_FAILED, basis, refusal_sentence, steps_past_warmup, user_exit)
+
+VERDICT_WORDS = {EXIT_OK: "pass", EXIT_DIVERGED: "diverged", EXIT_BAD_INPUT: "refused", EXIT_RUN_FAILED: "error",
+                 EXIT_CANNOT_JUDGE: "cannot judge"}
 QUANTITY_ORDER = ("grad", "momentum", "update", "master", "model", "global_norm", "loss_scale",
                   "loss_scale_after", "skipped", "muon_calls", "swap")
 
@@ -217,6 +228,10 @@ def _step_lines(outcome) -> list[str]:
 
 
 def _status_text(o) -> str:
+    if refusal_sentence(o) is not None:
+        return "REFUSED (exit 2: this config does not run)"
+    if user_exit(o) == EXIT_CANNOT_JUDGE and o.status in ("passed", "xpassed"):
+        return "CANNOT JUDGE"
     if o.status == "passed":
         return "PASS"
     if o.status == "xpassed" and o.column == "patched":
@@ -239,16 +254,6 @@ def _trim_message(msg: str, max_lines: int = 24) -> str:
     if len(lines) > max_lines:
         lines = lines[:max_lines] + [f"... ({len(lines) - max_lines} more lines in the report)"]
     return "\n".join(lines)
-
-
-def _exit_of(status: str) -> int:
-    if status in ("passed", "xpassed"):
-        return EXIT_OK
-    if status in ("xfailed", "failed"):
-        return EXIT_DIVERGED
-    if status == "unjudged":
-        return EXIT_CANNOT_JUDGE
-    return EXIT_RUN_FAILED
 
 
 def known_bug_info(case: Case) -> list[dict]:
@@ -382,7 +387,8 @@ def run_check(args) -> int:
             plan = validate(args)
             code, result = _execute(plan, args, out)
         except BadInput as exc:
-            code, result = EXIT_BAD_INPUT, _failure_json(args, "bad_input", EXIT_BAD_INPUT, str(exc))
+            word = "refused" if isinstance(exc, Refused) else "bad_input"
+            code, result = EXIT_BAD_INPUT, _failure_json(args, word, EXIT_BAD_INPUT, str(exc))
         except ModelFailed as exc:
             code, result = EXIT_RUN_FAILED, _failure_json(args, "error", EXIT_RUN_FAILED, str(exc))
         except Exception as exc:  # the harness itself broke: no verdict, never "diverged"
@@ -396,6 +402,16 @@ def run_check(args) -> int:
         if json_out:
             json_out.write(json.dumps(result) + "\n")
         return code
+
+
+def _basis_json(o) -> dict | None:
+    b = basis(o)
+    if b is None:
+        return None
+    return {"asked": b.asked, "applied": list(b.applied), "skipped": list(b.skipped),
+            "lr_zero": {str(s): list(gs) for s, gs in b.lr_zero}, "lr_captured": b.lr_captured,
+            "moved": list(b.moved), "muon_moved": list(b.muon_moved), "text": b.text(),
+            "cannot_judge": b.empty_reason()}
 
 
 def _failure_json(args, verdict: str, code: int, message: str) -> dict:
@@ -471,20 +487,25 @@ def _run_columns(plan: Plan, columns: list[str], out: _Out) -> dict:
 
 def skipped_steps(o) -> list[int]:
     """The steps of the outcome's run that DeepSpeed skipped (fp16 overflow)."""
-    traj = o.trajectory
-    return [] if traj is None else [rec.step for rec in traj.steps if rec.skipped]
+    b = basis(o)
+    return [] if b is None else list(b.skipped)
 
 
-def applied_steps_text(o) -> str:
-    """What a verdict covers when the optimizer applied fewer steps than asked (overflow skips): a step
-    DeepSpeed skipped judges the skip and the loss scale, not the update, so "every quantity within
-    tolerance" over one applied step of three is a weaker statement than it reads."""
-    skipped = skipped_steps(o)
-    if not skipped:
+def basis_text(o) -> str:
+    """What a verdict rests on (``check_verdict.Basis``), and where nothing of the update reached a weight,
+    why and how to get a judgement: a skipped step judges the skip and the loss scale, a step at lr 0 the
+    update but not its application, so "within tolerance" over them is a weaker statement than it reads."""
+    b = basis(o)
+    if b is None:
         return ""
-    asked = o.case.steps
-    return (f" [over {len(o.trajectory.steps) - len(skipped)} applied step(s) of {asked} asked: step(s) "
-            f"{', '.join(map(str, skipped))} skipped on overflow; raise --steps, or lower fp16.initial_scale_power]")
+    text = f" [{b.text()}]"
+    empty = b.empty_reason()
+    if empty:
+        more = steps_past_warmup(o.case, b) if b.lr_zero else None
+        text += (f" CANNOT JUDGE: {empty}; "
+                 + (f"run past the zero-lr warm-up: --steps {more}" if more else
+                    "raise --steps, or lower fp16.initial_scale_power" if b.skipped else "check the schedule's lr"))
+    return text
 
 
 def _swap_text(o) -> str:
@@ -533,7 +554,7 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        return _exit_of(self.decisive.status)
+        return user_exit(self.decisive)
 
     @property
     def patched(self) -> bool:
@@ -543,7 +564,7 @@ class CheckResult:
     def patched_changes_verdict(self) -> bool | None:
         if not self.patched:
             return None
-        return _exit_of(self.outcomes["stock"].status) != _exit_of(self.outcomes["patched"].status)
+        return user_exit(self.outcomes["stock"]) != user_exit(self.outcomes["patched"])
 
     def per_quantity(self, col: str) -> tuple[dict, dict]:
         """(worst ratio, first failing check) per quantity of column ``col``; ``swap``: inf when an NVMe
@@ -592,14 +613,16 @@ class CheckResult:
             if o.status == "xfailed":
                 line = "DIVERGED: the divergence is known stock DeepSpeed bug " + "; ".join(
                     _bug_sentence(b) for b in self.bugs if b["id"] in o.bug_ids)
-            elif o.status == "passed" and o.verdict is not None:
+            elif refusal_sentence(o) is not None:
+                line += ": " + refusal_sentence(o)
+            elif o.status == "passed" and o.verdict is not None and user_exit(o) == EXIT_OK:
                 line += f": every quantity within tolerance (worst {_ratio_txt(o.verdict.worst_ratio)}x its allowance)"
             elif o.status == "error":
                 line += ": " + (o.message.splitlines()[0] if o.message else "")
             elif o.status == "unjudged" and o.verdict is not None:
                 line += ": " + "; ".join(c.unjudged for c in o.verdict.unjudged)
             label = "verdict" if not self.patched else f"verdict ({col})"
-            add(f"{label}: {line}{applied_steps_text(o)}{swap_not_exercised_text(o.case)}", True)
+            add(f"{label}: {line}{basis_text(o)}{swap_not_exercised_text(o.case)}", True)
         decisive = self.decisive
         if decisive.status == "error" and decisive.message:
             tail = decisive.message.splitlines()[-15:]
@@ -618,8 +641,7 @@ class CheckResult:
         worst, _ = self.per_quantity(self.columns[-1])
         first = decisive.verdict.first if decisive.verdict is not None else None
         return {
-            "verdict": {EXIT_OK: "pass", EXIT_DIVERGED: "diverged", EXIT_RUN_FAILED: "error",
-                        EXIT_CANNOT_JUDGE: "cannot judge"}[code],
+            "verdict": VERDICT_WORDS[code],
             "exit_code": code,
             "status": decisive.status,
             "column": self.columns[-1],
@@ -638,6 +660,8 @@ class CheckResult:
                                  "source": s.source} for s in case.ds.settings},
             "unknown_keys": [{"key": u.key, "closest": u.closest} for u in case.ds.unknown_keys],
             "skipped_steps": skipped_steps(decisive),
+            "basis": _basis_json(decisive),
+            "refused": refusal_sentence(decisive),
             "worst_ratio": {q: _finite(v) for q, v in worst.items()},
             "first_divergence": None if first is None else {
                 "param": first.param, "quantity": first.quantity, "step": first.step,
@@ -679,7 +703,7 @@ def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out
         s, p = outcomes["stock"], outcomes["patched"]
         for b in bugs:
             if b["id"] in s.bug_ids and s.status == "xfailed":
-                b["observed_fixed_by_patched"] = _exit_of(p.status) == EXIT_OK
+                b["observed_fixed_by_patched"] = user_exit(p) == EXIT_OK
     decisive = outcomes[columns[-1]]
     result = CheckResult(plan, columns, outcomes, bugs, None, None, reproduce_command(decisive.case))
     extra = {"environment": environment(), "check": report_facts(result), "elapsed_s": time.perf_counter() - t_all}

@@ -254,10 +254,11 @@ def check_manual() -> str:
 CHECK_EXIT_CODES = (
     "0  within tolerance",
     "1  diverged (including divergences a known stock DeepSpeed bug explains: your config is affected)",
-    "2  bad input, reported before any rank starts",
+    "2  bad input, or a config DeepSpeed refuses (its words, and where): reported before any rank starts where "
+    "the refusals registry knows it, else as soon as deepspeed.initialize raised it",
     "3  the run itself failed: a rank raised, died or timed out, or the harness crashed (no verdict)",
     "4  cannot judge: nothing diverged, but a captured quantity has no finite reference (the message names the "
-    "step, tensor and loss scale): not a pass",
+    "step, tensor and loss scale), or no applied step moved a weight (all skipped or at lr 0): not a pass",
 )
 
 
