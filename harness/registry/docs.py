@@ -1,10 +1,12 @@
-"""docs/bugs.md and the README's bug table, generated from the registry entries.
+"""docs/bugs.md, the README's bug table and docs/departures.md's table, generated from the registry entries.
 
 Why generated: a bug is declared once (``harness.registry.bugs.Bug``: trigger, model, symptom, fix,
-releases); every page that lists bugs is derived from that declaration, so a page cannot drift from the
-judge. ``python -m harness.registry.docs`` rewrites both files; ``--check`` exits 1 when a committed file
-differs from what the entries give (``cases/harness/test_bug_docs.py`` runs that check). No DeepSpeed
-import: the fixes are read from their declarations (``harness.fixes.FIXES``), never installed.
+releases), and so is each departure of DeepSpeed's Muon from Muon as defined
+(``harness.registry.departures.Departure``); every page that lists them is derived from that declaration,
+so a page cannot drift from the judge. ``python -m harness.registry.docs`` rewrites the files; ``--check``
+exits 1 when a committed file differs from what the entries give (``cases/harness/test_bug_docs.py`` runs
+that check). No DeepSpeed import: the fixes are read from their declarations (``harness.fixes.FIXES``),
+never installed.
 """
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ from pathlib import Path
 import oracles
 from harness import fixes
 from harness.registry.bugs import BUGS, HISTORICAL, Bug
+from harness.registry.departures import DEPARTURES, Departure
 from harness.registry.releases import spans
 
 ROOT = Path(__file__).resolve().parents[2]
 BUGS_MD = ROOT / "docs" / "bugs.md"
 README = ROOT / "README.md"
+DEPARTURES_MD = ROOT / "docs" / "departures.md"
 BEGIN, END = "<!-- bugs:begin -->", "<!-- bugs:end -->"
+DEP_BEGIN, DEP_END = "<!-- departures:begin -->", "<!-- departures:end -->"
 COMMAND = "python -m harness.registry.docs"
 _SWITCHES = tuple(f.name for f in dataclasses.fields(oracles.Conventions))
 
@@ -111,13 +116,42 @@ def readme_table() -> str:
     return "\n".join(lines)
 
 
+def _between(text: str, begin: str, end: str, body: str, what: str) -> str:
+    """``text`` with what stands between the markers replaced by ``body``; a ValueError without them."""
+    if begin not in text or end not in text:
+        raise ValueError(f"{what} has no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
 def readme_with_table(text: str) -> str:
     """``text`` (the README) with the table between the markers replaced; a ValueError without them."""
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"README.md has no {BEGIN} ... {END} markers for the bug table")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{readme_table()}\n{END}{tail}"
+    return _between(text, BEGIN, END, readme_table(), "README.md (the bug table)")
+
+
+def upstream_text(d: Departure) -> str:
+    """Each upstream thread as a link (GitHub sends an issue number that is a pull request to the pull)."""
+    links = []
+    for ref in d.upstream:
+        repo, _, num = ref.partition("#")
+        links.append(f"[{ref}](https://github.com/{repo}/issues/{num})")
+    return ", ".join(links) or "none filed"
+
+
+def departures_table() -> str:
+    lines = ["| id | departure | upstream | applies when | removed by | measured as |", "|---|---|---|---|---|---|"]
+    for d in DEPARTURES:
+        lines.append(f"| {d.id} | {d.title} | {upstream_text(d)} | {_code_text(d.applies)} | {d.removed_by} | "
+                     f"{d.measured_as} |")
+    lines += ["", "Where the Muon-as-defined reference differs from DeepSpeed's intended one:", ""]
+    lines += [f"- **{d.id}**: {d.switch}" for d in DEPARTURES]
+    return "\n".join(lines)
+
+
+def departures_with_table(text: str) -> str:
+    """``text`` (docs/departures.md) with the generated table between its markers."""
+    return _between(text, DEP_BEGIN, DEP_END, departures_table(), "docs/departures.md")
 
 
 def stale_files() -> list[str]:
@@ -128,6 +162,9 @@ def stale_files() -> list[str]:
     readme = README.read_text()
     if readme_with_table(readme) != readme:
         out.append(str(README.relative_to(ROOT)))
+    page = DEPARTURES_MD.read_text() if DEPARTURES_MD.exists() else ""
+    if not page or departures_with_table(page) != page:
+        out.append(str(DEPARTURES_MD.relative_to(ROOT)))
     return out
 
 
@@ -142,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     BUGS_MD.write_text(bugs_md())
     README.write_text(readme_with_table(README.read_text()))
+    DEPARTURES_MD.write_text(departures_with_table(DEPARTURES_MD.read_text()))
     return 0
 
 
