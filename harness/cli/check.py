@@ -106,7 +106,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.env import buildenv
@@ -121,9 +121,11 @@ from harness.case.nvme import swap_expected  # noqa: E402
 from harness.case.spec import Case, canonical_json  # noqa: E402
 from harness.cli.check_config import BadInput, ModelFailed, Refused  # noqa: E402
 from harness.cli.check_plan import Plan, validate  # noqa: E402
-from harness.cli.check_shapes import _fmt_shape, padded_ranks  # noqa: E402
+from harness.cli.check_shapes import _fmt_shape, build_params, padded_ranks  # noqa: E402
 from harness.cli.parser import add_check_arguments  # noqa: E402
+from harness.judge import departures as departure_judge
 from harness.judge.verdict import reproduce_command
+from harness.registry.departures import DEPARTURES
 from oracles.tolerance import ratio_text
 
 from harness.cli.check_verdict import (EXIT_BAD_INPUT, EXIT_CANNOT_JUDGE, EXIT_DIVERGED, EXIT_OK,  # noqa: E402
@@ -547,6 +549,8 @@ class CheckResult:
     report_path: str | None
     report_note: str | None
     reproduce: str
+    departures: list = field(default_factory=list)  # harness.judge.departures.Finding, on the decisive run
+    strict_muon: bool = False  # --strict-muon: a departure from Muon as defined exits 1
 
     @property
     def decisive(self):
@@ -554,7 +558,8 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        return user_exit(self.decisive)
+        code = user_exit(self.decisive)
+        return EXIT_DIVERGED if code == EXIT_OK and self.strict_muon and self.departures else code
 
     @property
     def patched(self) -> bool:
@@ -607,6 +612,8 @@ class CheckResult:
             s, p = self.outcomes["stock"], self.outcomes["patched"]
             add(f"  --patched: stock {_status_text(s)} -> patched {_status_text(p)}: the bundled fixes "
                 + ("CHANGE the verdict" if self.patched_changes_verdict else "do not change the verdict"))
+        for line in departure_lines(self.departures, self.strict_muon):
+            add(*line)
         for col in self.columns:
             o = self.outcomes[col]
             line = _status_text(o)
@@ -679,6 +686,9 @@ class CheckResult:
                               "swapped_bytes": o.swapped_bytes}
                         for col, o in self.outcomes.items()},
             "patched_changes_verdict": self.patched_changes_verdict,
+            "strict_muon": self.strict_muon,
+            "departures": [{"id": f.id, "title": f.title, "magnitude": f.magnitude, "removed_by": f.removed_by,
+                            "detail": f.detail} for f in self.departures],
             "report": self.report_path,
             "report_note": self.report_note,
             "reproduce": self.reproduce,
@@ -686,7 +696,35 @@ class CheckResult:
         }
 
 
-def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out: _Out) -> CheckResult:
+def departure_lines(found: list, strict: bool) -> list[tuple[str, bool]]:
+    """Muon as defined, the second reference, reported apart from DeepSpeed's intended one: each departure
+    that applies with its size on this run and the change that removes it (docs/departures.md)."""
+    effect = "exit 1 (--strict-muon)" if strict else "the exit code does not count them (--strict-muon does)"
+    if not found:
+        return [("muon as defined: no departure of DeepSpeed's Muon from Muon as defined applies to this run", True)]
+    lines = [(f"  Muon as defined (a second reference; DeepSpeed intends these, so {effect}; docs/departures.md):",
+              False)]
+    for f in found:
+        lines += [(f"    {f.id} {f.title}: {f.magnitude}", False), (f"      removed by: {f.removed_by}", False)]
+    lines.append((f"muon as defined: DEPARTS in {len(found)} way(s) ({', '.join(f.id for f in found)}); "
+                  + ("exit 1 under --strict-muon" if strict else "not counted in the exit code"), True))
+    return lines
+
+
+def measure_departures(plan: Plan, o) -> list:
+    """The departures that apply, measured on the run (none where it produced no trajectory). The sizes at
+    the user's own shapes are estimated from the run's scaled ones (``plan.requested`` -> ``run_shapes``,
+    named as ``build_params`` names both)."""
+    if o.trajectory is None or refusal_sentence(o) is not None:
+        return []
+    real = {} if plan.case.model else {
+        a.name: a.shape for a, b in zip(build_params(plan.requested), build_params(plan.run_shapes))
+        if a.name == b.name}
+    return departure_judge.findings(o.case, o.trajectory, departures=DEPARTURES, real_shapes=real or None)
+
+
+def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out: _Out,
+          strict_muon: bool = False) -> CheckResult:
     """Run a validated plan (stock, and patched when asked), write the report, return the result.
     Progress goes to ``out`` as it happens; the summary is the result's to render."""
     from harness.cli.main_job import environment
@@ -705,7 +743,8 @@ def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out
             if b["id"] in s.bug_ids and s.status == "xfailed":
                 b["observed_fixed_by_patched"] = user_exit(p) == EXIT_OK
     decisive = outcomes[columns[-1]]
-    result = CheckResult(plan, columns, outcomes, bugs, None, None, reproduce_command(decisive.case))
+    result = CheckResult(plan, columns, outcomes, bugs, None, None, reproduce_command(decisive.case),
+                         measure_departures(plan, decisive), strict_muon)
     extra = {"environment": environment(), "check": report_facts(result), "elapsed_s": time.perf_counter() - t_all}
     if report is None and not no_report:
         report = str(buildenv.PROJECT_ROOT / "reports" / f"{decisive.case.name}.html")
@@ -724,11 +763,15 @@ def report_facts(result: CheckResult) -> dict:
             "unknown_keys": unknown_key_lines(case),
             "notes": result.plan.notes,
             "params": [list(row) for row in param_rows(case)],
+            "departures": [[f.id, f.title, f.magnitude, f.removed_by] for f in result.departures],
+            "departure_lines": [line for line, essential in departure_lines(result.departures, result.strict_muon)
+                                if essential],
             "shapes": [_fmt_shape(s) for s in result.plan.run_shapes]}
 
 
 def _execute(plan: Plan, args, out: _Out) -> tuple[int, dict]:
-    result = check(plan, patched=args.patched, report=args.report, no_report=args.no_report, out=out)
+    result = check(plan, patched=args.patched, report=args.report, no_report=args.no_report, out=out,
+                   strict_muon=getattr(args, "strict_muon", False))
     for line, essential in result.text_lines():
         out(line, essential=essential)
     return result.exit_code, result.to_json()

@@ -99,8 +99,8 @@ def _gate(sub) -> None:
 
 def _compare(sub) -> None:
     c = _sub(sub, "compare", "judge a DeepSpeed change: the same gate on a base and a head tree, case by case", (
-        "0  nothing regressed (every case-column unchanged, fixed, still present, changed, not on both, or cannot "
-        "judge: summary.md lists each)",
+        "0  nothing regressed (every case-column unchanged, fixed, flaky, still present, changed, not on both, or "
+        "cannot judge: summary.md counts each)",
         "1  a case-column that passed on base fails on head (a regression)",
         "2  bad input: a side that is no release, source checkout, REPO@COMMIT or 'installed'; --shard not K/N; "
         "--merge of a folder that is no compare output, or of shards that compared different trees",
@@ -116,6 +116,9 @@ def _compare(sub) -> None:
     c.add_argument("--shard", default=None, metavar="K/N",
                    help="only shard K of N (the same cases on both trees); join the N outputs with --merge")
     c.add_argument("--jobs", type=int, default=1, metavar="N", help="each side's gate as N local shards")
+    c.add_argument("--no-rerun", action="store_true",
+                   help="classify without running again the cases a side failed with no bug that explains it at "
+                        "full strength (a flake then reads as a fix or a regression)")
     c.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="instead of running: join the --out folders of --shard runs into --out and classify")
 
@@ -281,6 +284,9 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-report", action="store_true", help="write no report")
     p.add_argument("--patched", action="store_true",
                    help="also run with the bundled fixes and say whether they change the verdict")
+    p.add_argument("--strict-muon", action="store_true",
+                   help="exit 1 on any departure of DeepSpeed's Muon from Muon as defined (docs/departures.md), "
+                        "which DeepSpeed intends and the plain exit code does not count")
     p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool",
                    help="pool: CPU ranks over gloo (default); torchrun: torch.distributed.run, env://, the "
                         "accelerator's backend (nccl on CUDA)")

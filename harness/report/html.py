@@ -189,9 +189,23 @@ def _check_block(title, facts: dict, main, source) -> str:
     body.append("<h3>Config rewritten for the harness</h3><ul>"
                 + "".join(f"<li>{_e(n)}</li>" for n in facts.get("notes", [])) + "</ul>")
     body.append("<h3>Parameters</h3>" + table(("name", "shape", "optimizer", "why"), facts.get("params", [])))
+    body.append(_departures_block(facts))
     return (f"<header class='verdict {cls}' id='verdict'><h1>{_e(title)}</h1>{head}"
             f"<div class='sub'>{len(main)} outcome(s), {total_s:.1f} s of case time; results: "
             f"<code>{_e(source)}</code></div></header><section id='check'>" + "".join(body) + "</section>")
+
+
+def _departures_block(facts: dict) -> str:
+    """Muon as defined, reported apart from DeepSpeed's intended reference (the verdict above): each
+    departure DeepSpeed makes by design on this run, its size and the change that removes it."""
+    rows = facts.get("departures") or []
+    said = "".join(f"<p>{_e(line)}</p>" for line in facts.get("departure_lines", []))
+    if not rows:
+        return "<h3>Muon as defined</h3>" + said
+    cells = "".join("<tr>" + "".join(f"<td>{_e(x)}</td>" for x in row) + "</tr>" for row in rows)
+    return ("<h3>Muon as defined (a second reference; docs/departures.md)</h3>" + said
+            + "<table class='checks'><thead><tr><th>id</th><th>departure</th><th>on this run</th><th>removed by</th>"
+            "</tr></thead><tbody>" + cells + "</tbody></table>")
 
 
 def _counts_block(main) -> str:
