@@ -152,6 +152,7 @@ def test_one_dtype_table_and_it_is_deepspeeds():
 DTYPE_TABLE_EXCEPTIONS = {
     "harness/case/dsconfig.py": "the table itself",
     "harness/rank/ds_run.py": "NS_DTYPES: Case.ns_dtype's torch dtype names (float64 Newton-Schulz), no config key",
+    "harness/judge/departures.py": "\"half\" names the optimizer's Muon or Adam half (a row's key), no dtype",
 }
 
 # Sections and top-level keys of the DeepSpeed config that only the view reads.
@@ -176,6 +177,11 @@ RAW_EXCEPTIONS = {
     ("harness/cli/check_config.py", "deepspeed_validate"): "makes the probe's batch sizes consistent (writes "
                                                            "train_batch_size from the rewritten, explicit ones)",
     ("harness/env/versions.py", "<lambda>"): "drop-ns-method-key's change: removes the key from the config",
+    ("harness/catalog/departures.py", "_plain_lr"): "case builder: removes muon_lr and adam_lr to write the "
+                                                    "plain-lr variant",
+    ("harness/judge/departure_pins.py", "_raw_params"): "the second computation of a departure's size reads the "
+                                                        "config's own lr keys, on purpose not the view the "
+                                                        "finding resolved them through",
     ("harness/report/html.py", "_stage"): "the stored record's JSON: its ds_config handed to the view",
 }
 

@@ -170,6 +170,10 @@ class Case:
     # then steps Muon's auxiliary Adam inline (muon_optimizer.py, its fallback). Needs Muon without
     # offload (offload uses DeepSpeedCPUAdam) and without torch_adam (torch's AdamW needs no build).
     fused_adam_fails: bool = False
+    # The departures from Muon as defined (ids of ``harness.registry.departures``) the case claims apply to
+    # its run, exactly: the gate holds the run's findings to the claim and each one's size to a second
+    # computation (``harness.judge.departure_pins``). None: the case claims nothing about them.
+    departs: tuple[str, ...] | None = None
 
     @property
     def dp_size(self) -> int:
@@ -356,6 +360,8 @@ class Case:
             del d["fused_adam_fails"]
         if not d["allgather_evicts"]:
             del d["allgather_evicts"]  # the same for cases that claim no eviction
+        if d["departs"] is None:
+            del d["departs"]  # the same for cases that claim nothing about departures
         for o in d["overflows"]:
             if o["param"] is None:
                 del o["param"]  # an overflow everywhere keeps the JSON it had before ``param`` existed
@@ -393,6 +399,8 @@ class Case:
         d["unused"] = tuple((str(u[0]), u[1]) for u in d.get("unused", ()))
         if d.get("allgather_caps") is not None:
             d["allgather_caps"] = tuple(int(x) for x in d["allgather_caps"])
+        if d.get("departs") is not None:
+            d["departs"] = tuple(str(x) for x in d["departs"])
         return cls(**d)
 
 

@@ -29,6 +29,7 @@ from harness.case.scenarios import TINY_PARAMS, nvme_params, pipeline_case
 from harness.models import BUILTIN
 from harness.catalog import sweep
 from harness.catalog.models import gate_model_cases
+from harness.catalog.departures import departure_cases
 
 STAGES = (1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
@@ -1093,6 +1094,7 @@ def dpgroup_cases(full: bool = False) -> list[Case]:
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
     ("sweep", lambda n: n.startswith("sweep-")),
+    ("departures", lambda n: "-departs-" in n),
     ("models", lambda n: _is_model_case(n)),
     ("ovfloc", lambda n: "-ovfloc-" in n),
     ("compiled", lambda n: "-compiled" in n),
@@ -1156,7 +1158,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + aux_l2_cases(full) + big_adam_nvme_cases(full) + unswapped_grad_cases(full) + clip_scale_cases(full)
              + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
-             + square_cases(full) + tp_cases(full))
+             + square_cases(full) + tp_cases(full) + departure_cases(full))
     cases += sweep_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}

@@ -25,7 +25,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from harness.judge import departure_pins
+from harness.judge import departures as departure_judge
 from harness.registry import refusals as ds_refusals
+from harness.registry.departures import DEPARTURES
 from harness.registry.bugs import NUMERIC, bugs_for, candidates_for, refusals_for
 from harness.case import nvme
 from harness.case.spec import Case
@@ -70,9 +73,14 @@ def columns() -> list[str]:
 def _problems(c: Case, verdict: Verdict, traj) -> tuple[list[tuple[str, str]], list[str]]:
     """(param, quantity) of every failed check, plus an NVMe case whose swap folder saw other than what
     DeepSpeed's swap rule says (``harness.case.nvme.swap_expected``): bytes where a sub-group reaches the
-    threshold, none where no ZeRO-3 sub-group does."""
+    threshold, none where no ZeRO-3 sub-group does; and a case that claims its departures from Muon as
+    defined (``Case.departs``) whose findings miss the claim or a second computation of their size."""
     problems = [(f.param, f.quantity) for f in verdict.failures]
     msgs = []
+    if c.departs is not None:
+        wrong = departure_pins.problems(c, traj, departure_judge.findings(c, traj, departures=DEPARTURES), c.departs)
+        problems += [("<case>", "departure")] * bool(wrong)
+        msgs += [f"{c.name}: departure from Muon as defined: {w}\n  reproduce: {reproduce_command(c)}" for w in wrong]
     if c.offload != "nvme":
         return problems, msgs
     expected = nvme.swap_expected(c)
