@@ -51,9 +51,35 @@ def install_tag_ignores_names() -> Callable[[], None]:
     return _retag(lambda name, p: len(shape(p)) >= 2)
 
 
+def install_embeddings_by_type() -> Callable[[], None]:
+    """Muon's definition instead of DeepSpeed's name rule for embeddings: every ``nn.Embedding`` weight (a head
+    tied to one with it) goes to Adam whatever its name. It hides the departure MUON-BY-NAME, which the
+    gate's ``-departs-by-name`` case claims, so that case must fail."""
+    import deepspeed  # late: DeepSpeed, rank side
+    from torch import nn
+
+    orig = deepspeed.set_optimizer_flags
+
+    def set_optimizer_flags(config_class, model):
+        orig(config_class, model)
+        for m in model.modules():
+            if isinstance(m, nn.Embedding) and getattr(m.weight, "use_muon", False):
+                m.weight.use_muon = False
+                m.weight.muon_num_heads = None
+                m.weight.muon_head_dim = None
+
+    deepspeed.set_optimizer_flags = set_optimizer_flags
+
+    def undo():
+        deepspeed.set_optimizer_flags = orig
+
+    return undo
+
+
 INSTALL = {
     "muon-tag-from-placeholder": install_tag_from_placeholder,
     "muon-on-embeddings": install_tag_ignores_names,
+    "embeddings-to-adam-by-type": install_embeddings_by_type,
 }
 
 
@@ -72,6 +98,15 @@ def catches_placeholder(case) -> bool:
 
 def catches_embeddings(case) -> bool:
     return any(len(p.shape) >= 2 and not _not_excluded(p.name) for p in case.params)
+
+
+def catches_embeddings_by_type(case) -> bool:
+    """A model case with an embedding (or a weight tied to one) whose name DeepSpeed's rule puts on Muon."""
+    if not case.model:
+        return False
+    from harness.models import roles  # late: keeps this module torch-free at import
+
+    return any(any("Embedding" in why for why in whys) for _, whys in roles.model_misrouted(case.model, case.seed))
 
 
 def catches_groups(case) -> bool:

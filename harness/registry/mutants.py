@@ -741,6 +741,10 @@ MUTANTS.update({m.name: m for m in (
     Mutant("muon-on-embeddings",
            "the name rule dropped: embeddings and lm_head get Muon", _model_mutant("muon-on-embeddings"),
            _model_catches("catches_embeddings"), "historical: the rule excluding embed/lm_head came later"),
+    Mutant("embeddings-to-adam-by-type",
+           "nn.Embedding weights go to Adam by module type (Muon's definition), hiding the departure MUON-BY-NAME",
+           _model_mutant("embeddings-to-adam-by-type"), _model_catches("catches_embeddings_by_type"),
+           "plausible (the fix users ask for in place of the name rule)"),
 )})
 
 

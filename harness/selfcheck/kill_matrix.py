@@ -30,6 +30,7 @@ from harness.catalog.matrix import dpgroup_cases
 from harness.catalog.matrix import compiled_cases
 from harness.catalog.matrix import local_overflow_cases
 from harness.catalog.models import kill_cases as model_kill_cases
+from harness.catalog.departures import departure_cases
 from harness.launch.pool import PoolManager
 from harness.catalog.matrix import gate_cases
 
@@ -136,7 +137,7 @@ def default_kill_cases() -> list[Case]:
                 (f"-ckpt{c.checkpoint_at}" if c.checkpoint_at else "")
         out.append(c.replace(name=c.name + extra))
 
-    return out + model_kill_cases()
+    return out + model_kill_cases() + [c for c in departure_cases() if "MUON-BY-NAME" in (c.departs or ())]
 
 
 @dataclass
