@@ -5,14 +5,18 @@ with ``setup.py`` and ``deepspeed/``), a commit of a git repository (``REPO@COMM
 once into the cache), or ``installed`` (this interpreter's DeepSpeed). Venvs and op builds come from
 ``scripts/deepspeed_venv.sh`` and the op cache, shared by content. Each side's gate runs in that side's
 interpreter with this checkout's harness, stock column only, into ``OUT/base-results`` and
-``OUT/head-results``; ``harness.report.compare`` classifies; ``OUT/summary.md`` and ``OUT/compare.html``
-hold the answer. ``--merge DIR...`` joins the OUT folders of a sharded run (a CI job matrix) instead.
+``OUT/head-results``; the cases a side failed without a bug that explains it at full strength run once more
+in a fresh gate process (``OUT/base-rerun-results``, ``OUT/head-rerun-results``); ``harness.report.compare``
+classifies; ``OUT/summary.md`` and ``OUT/compare.html`` hold the answer. ``--merge DIR...`` joins the OUT
+folders of a sharded run (a CI job matrix) instead.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,7 +25,7 @@ from pathlib import Path
 from harness.env import buildenv
 from harness.launch.shard import Shard, merge_results
 from harness.report import compare as classify
-from harness.report.results import record_files
+from harness.report.results import Planned, load_plans, record_files, write_plan
 
 RELEASE = re.compile(r"^\d+\.\d+\.\d+$")
 # What a DeepSpeed install needs from a source tree (the rest of a repository is not extracted)
@@ -98,9 +102,31 @@ def _env() -> dict:
 
 
 def label(python: str) -> str:
+    """What the tree says it is (version and location), for compare.json."""
     code = ("from harness.env import versions; i = versions.installed(); print(f'{i.label} at {i.location}')")
     return subprocess.run([python, "-c", code], check=True, capture_output=True, text=True, env=_env(),
                           cwd=buildenv.PROJECT_ROOT).stdout.strip()
+
+
+def _name(side: Side, parts: int) -> str:
+    if side.kind == "release":
+        return side.spec
+    if side.kind == "installed":
+        return "installed"
+    repo, _, commit = side.spec.rpartition("@") if side.kind == "commit" else (side.spec, "", "")
+    path = "/".join(Path(repo).resolve().parts[-parts:])
+    return f"{path}@{commit[:12]}" if commit else path
+
+
+def side_names(sides: list[Side]) -> dict[str, str]:
+    """Each side by what it is: a release, a checkout's folder, REPO@COMMIT; more of a path where the last
+    component alone would name both sides alike. Why not the version DeepSpeed reports: a source tree says
+    "0.19.6+unknown" whatever it holds."""
+    for parts in (1, 2, 3):
+        names = {s.role: _name(s, parts) for s in sides}
+        if len(set(names.values())) == len(sides):
+            return names
+    return {s.role: f"{_name(s, 3)} ({s.role})" for s in sides}
 
 
 def run_side(python: str, results: Path, gate_args: list[str]) -> int:
@@ -112,13 +138,39 @@ def run_side(python: str, results: Path, gate_args: list[str]) -> int:
     return subprocess.run(cmd, env=_env(), cwd=buildenv.PROJECT_ROOT).returncode
 
 
-def write(out: Path, base_results: Path, head_results: Path, labels: dict) -> int:
+def rerun_side(python: str, results: Path, again: Path) -> None:
+    """Run once more, in a fresh gate process (a fresh rank pool, the same seed), every case the side failed
+    without a bug that explains it at full strength: a plan naming exactly those case-columns, which the
+    gate's ``--resume`` judges. Why: an intermittent failure (DSM-125) must not read as a fix or a regression."""
+    names = sorted(n for n, r in classify.side_records(results).items() if classify.needs_rerun(r))
+    plans = load_plans(results)
+    if not names or not plans:
+        return
+    args = dict(plans[0]["args"], mutate=False, column="stock", shuffle=None)
+    write_plan(again, "compare", [Planned(n, "stock") for n in names], [], args)
+    cmd = [python, "-m", "harness", "gate", "--no-report", "--resume", str(again)]
+    print(f"compare: rerunning {len(names)} case(s): " + " ".join(cmd), flush=True)
+    rc = subprocess.run(cmd, env=_env(), cwd=buildenv.PROJECT_ROOT).returncode
+    if rc not in (0, 1):
+        print(f"compare: the rerun ended with exit {rc}; cases it did not judge count as not rerun", file=sys.stderr)
+
+
+def command_of(specs: dict, gate_args: list[str]) -> str:
+    """The compare command that, given ``--only=CASE``, reruns one case on both trees as this run did."""
+    keep = [a for a in gate_args if a == "--full"]
+    if "--seed" in gate_args and gate_args[gate_args.index("--seed") + 1] != "0":
+        keep += ["--seed", gate_args[gate_args.index("--seed") + 1]]
+    return " ".join(["bash scripts/run.sh compare", "--base", shlex.quote(specs["base"]), "--head",
+                     shlex.quote(specs["head"]), *keep])
+
+
+def write(out: Path, base_results: Path, head_results: Path, labels: dict, command: str | None = None) -> int:
     try:
-        rows = classify.compare(base_results, head_results)
+        rows = classify.compare(base_results, head_results, out / "base-rerun-results", out / "head-rerun-results")
     except FileNotFoundError as exc:  # a side judged nothing: there is no comparison to make
         print(f"compare: {exc}", file=sys.stderr)
         return 4
-    md = classify.summary(rows, labels["base"], labels["head"])
+    md = classify.summary(rows, labels["base"], labels["head"], command)
     (out / "summary.md").write_text(md)
     (out / "compare.html").write_text(classify.render_html(rows, labels["base"], labels["head"], md))
     print(md)
@@ -126,36 +178,53 @@ def write(out: Path, base_results: Path, head_results: Path, labels: dict) -> in
     return 1 if any(r.cls == "regressed" for r in rows) else 0
 
 
-def run(base: str, head: str, out: Path, gate_args: list[str]) -> int:
+def run(base: str, head: str, out: Path, gate_args: list[str], rerun: bool = True) -> int:
     sides = [parse_side("base", base), parse_side("head", head)]  # every input error before anything runs
     out.mkdir(parents=True, exist_ok=True)
-    labels = {}
+    labels, specs = side_names(sides), {s.role: s.spec for s in sides}
+    command = command_of(specs, gate_args)
+    trees = {}
     for side in sides:
         python = interpreter(side)
-        labels[side.role] = label(python)
-        (out / "compare.json").write_text(json.dumps({"labels": labels, "gate_args": gate_args}, indent=1))
-        rc = run_side(python, out / f"{side.role}-results", gate_args)
-        judged = bool(record_files(out / f"{side.role}-results"))
+        trees[side.role] = label(python)
+        (out / "compare.json").write_text(json.dumps({"labels": labels, "trees": trees, "specs": specs,
+                                                      "command": command, "gate_args": gate_args}, indent=1))
+        results = out / f"{side.role}-results"
+        rc = run_side(python, results, gate_args)
+        judged = bool(record_files(results))
         if rc not in (0, 1) or not judged:  # 1: the gate found failures, which is what is being compared
             print(f"compare: the {side.role} gate ended with exit {rc}"
                   + ("" if judged else ", judging nothing"), file=sys.stderr)
             return rc if rc not in (0, 1) else 4
-    return write(out, out / "base-results", out / "head-results", labels)
+        again = out / f"{side.role}-rerun-results"
+        shutil.rmtree(again, ignore_errors=True)  # an earlier run's reruns are not this run's
+        if rerun:
+            rerun_side(python, results, again)
+    return write(out, out / "base-results", out / "head-results", labels, command)
 
 
 def merge(parts: list[Path], out: Path) -> int:
-    """Join the OUT folders of ``--shard K/N`` runs (each with its base-/head-results and compare.json)."""
+    """Join the OUT folders of ``--shard K/N`` runs (each with its base-/head-results, their reruns and
+    compare.json)."""
     missing = [str(p) for p in parts if not (p / "compare.json").is_file()]
     if missing:
         raise CompareInputError(f"--merge: no compare.json in {', '.join(missing)} (not a compare OUT folder)")
-    labels = [json.loads((p / "compare.json").read_text())["labels"] for p in parts]
+    meta = [json.loads((p / "compare.json").read_text()) for p in parts]
+    labels = [m["labels"] for m in meta]
     if any(lab != labels[0] for lab in labels):
         raise CompareInputError(f"--merge: the shards compared different trees: {labels}")
     out.mkdir(parents=True, exist_ok=True)
     merged = {role: merge_results([p / f"{role}-results" for p in parts], out / f"{role}-results")
               for role in ("base", "head")}
-    (out / "compare.json").write_text(json.dumps({"labels": labels[0], "merged_from": [str(p) for p in parts]}))
-    return write(out, merged["base"], merged["head"], labels[0])
+    for role in ("base", "head"):
+        again = [p / f"{role}-rerun-results" for p in parts if (p / f"{role}-rerun-results").is_dir()]
+        shutil.rmtree(out / f"{role}-rerun-results", ignore_errors=True)
+        if again:
+            merge_results(again, out / f"{role}-rerun-results")
+    command = meta[0].get("command")
+    (out / "compare.json").write_text(json.dumps({"labels": labels[0], "trees": meta[0].get("trees"),
+                                                  "command": command, "merged_from": [str(p) for p in parts]}))
+    return write(out, merged["base"], merged["head"], labels[0], command)
 
 
 def gate_args_of(args) -> list[str]:

@@ -133,7 +133,7 @@ def _compare(args: argparse.Namespace) -> int:
             return compare.merge([Path(p) for p in args.merge], Path(args.out))
         if not (args.base and args.head):
             return _error("compare: give --base and --head (or --merge DIR...)")
-        return compare.run(args.base, args.head, Path(args.out), compare.gate_args_of(args))
+        return compare.run(args.base, args.head, Path(args.out), compare.gate_args_of(args), rerun=not args.no_rerun)
     except (compare.CompareInputError, ValueError) as exc:
         return _error(str(exc))
 

@@ -376,5 +376,5 @@ def record(store, o: Outcome) -> None:
     model = o.model_verdict if o.model_verdict is not None else (o.verdict if o.intended is not None else None)
     rec, maps = results.from_verdict(o.verdict, column=o.column, status=o.status, bug_ids=o.bug_ids,
                                      seconds=o.seconds, message=o.message, swapped_bytes=o.swapped_bytes,
-                                     strength=o.strength, model_verdict=model)
+                                     strength=o.strength, model_verdict=model, intended=o.intended)
     store.add(rec, maps)

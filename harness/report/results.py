@@ -120,6 +120,11 @@ class CaseRecord:
     # the intended oracle's, where the bug shows), or a failure diverged beyond what the bug predicts
     # (``worst_ratio`` is then this one too). None where no bug model decided.
     model_ratio: float | None = None
+    # [param, quantity, first step] of every quantity that diverged from the intended oracle, whether or not a
+    # bug model explains it. Why: a failure beyond a bug model keeps the model's checks, and
+    # ``harness.report.compare`` needs all the record failed to tell whether another record fails strictly
+    # less. None: no verdict, or a record from before the field (then only the record's own checks are known).
+    intended_failed: list[list] | None = None
 
 
 def strength_line(summary: dict[str, tuple[int, int]]) -> str:
@@ -162,10 +167,11 @@ def layout_summary(verdict) -> dict:
 
 
 def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, message: str | None = None,
-                 swapped_bytes: int | None = None, notes=(), strength: str | None = None, model_verdict=None
-                 ) -> tuple[CaseRecord, dict[str, np.ndarray]]:
+                 swapped_bytes: int | None = None, notes=(), strength: str | None = None, model_verdict=None,
+                 intended=None) -> tuple[CaseRecord, dict[str, np.ndarray]]:
     """The stored record of a judged outcome. ``model_verdict``: the bug model's verdict where it decided
-    the status, whose worst ratio is what the report shows (``CaseRecord.model_ratio``)."""
+    the status, whose worst ratio is what the report shows (``CaseRecord.model_ratio``). ``intended``: the
+    intended oracle's verdict where ``verdict`` is a bug model's (``CaseRecord.intended_failed``)."""
 
     rows, maps = [], {}
     best_passing: dict[str, object] = {}
@@ -188,8 +194,18 @@ def from_verdict(verdict, *, column: str, status: str, bug_ids, seconds: float, 
                          c.problem, c.unjudged) for c in rows],
         layout=layout_summary(verdict) if maps else {},
         swapped_bytes=swapped_bytes, notes=list(notes), strength=strength,
-        model_ratio=None if model_verdict is None else _f(model_verdict.worst_ratio if model_verdict.checks else 0.0))
+        model_ratio=None if model_verdict is None else _f(model_verdict.worst_ratio if model_verdict.checks else 0.0),
+        intended_failed=first_failures((intended or verdict).failures))
     return rec, maps
+
+
+def first_failures(failures) -> list[list]:
+    """[param, quantity, first step] per failing quantity, in a stable order."""
+    first: dict[tuple[str, str], int] = {}
+    for c in failures:
+        key = (c.param, c.quantity)
+        first[key] = min(first.get(key, c.step), c.step)
+    return [[p, q, s] for (p, q), s in sorted(first.items())]
 
 
 def error_record(case: Case, *, column: str, message: str, seconds: float, bug_ids=(),
