@@ -1,5 +1,5 @@
 """The second computation each reported departure is held to (``harness.judge.departure_pins``), on
-hand-built runs: one that behaves as DeepSpeed does passes, and one where DeepSpeed hid the departure
+hand-built runs (Newton-Schulz forced to float64, ``Case.ns_dtype``, except where MUON-NS16 is the point): one that behaves as DeepSpeed does passes, and one where DeepSpeed hid the departure
 (clipped nothing, ran each half at its own lr, ran Newton-Schulz in float64) while the report says
 otherwise fails, as does a claim the findings do not meet. No DeepSpeed rank runs."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _clip_run(clip: float, norm: float, applied_factor: float | None) -> Traject
 
 
 def test_the_clip_factor_is_held_to_the_one_the_masters_moved_by():
-    case = _case(_cfg(clip=0.05, ns_method="standard"))
+    case = _case(_cfg(clip=0.05), ns_dtype="float64")
     honest = _clip_run(0.05, 2.5, None)
     assert P.problems(case, honest, _findings(case, honest), ("MUON-CLIP",)) == []
     hidden = _clip_run(0.05, 2.5, 1.0)  # the step was not clipped, the reported norm says it was
@@ -48,7 +48,7 @@ def test_the_clip_factor_is_held_to_the_one_the_masters_moved_by():
 
 
 def test_a_claim_the_findings_do_not_meet_is_a_problem():
-    case = _case(_cfg(clip=0.05, ns_method="standard"))
+    case = _case(_cfg(clip=0.05), ns_dtype="float64")
     run = _clip_run(0.05, 2.5, None)
     found = _findings(case, run)
     assert P.problems(case, run, found, ()) == ["MUON-CLIP was reported but does not apply to this case"]
@@ -57,7 +57,7 @@ def test_a_claim_the_findings_do_not_meet_is_a_problem():
 
 
 def test_a_finding_without_data_or_without_a_second_computation_is_a_problem():
-    case = _case(_cfg(ns_method="standard"))
+    case = _case(_cfg(), ns_dtype="float64")
     run = _clip_run(0.05, 2.5, None)
     blind = Finding("MUON-CLIP", "t", NOT_MEASURED + "no norm", "", {})
     assert P.problems(case, run, [blind], ("MUON-CLIP",)) == [f"MUON-CLIP: {NOT_MEASURED}no norm"]
@@ -73,7 +73,7 @@ def _sched_run(schedule: dict, steps: int = 3) -> Trajectory:
 
 
 def test_the_lr_each_half_ran_at_is_held_to_the_schedule_on_the_configs_own_keys():
-    case = _case({**_cfg(ns_method="standard", lr=0.02, adam_lr=1e-3), "scheduler": BROADCAST})
+    case = _case({**_cfg(lr=0.02, adam_lr=1e-3), "scheduler": BROADCAST}, ns_dtype="float64")
     broadcast = _sched_run(BROADCAST)
     assert P.problems(case, broadcast, _findings(case, broadcast), ("MUON-SCHED-LR",)) == []
     own = _sched_run(OWN)  # DeepSpeed kept each half's own lr: the finding's numbers no longer are the schedule's

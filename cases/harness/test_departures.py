@@ -325,7 +325,7 @@ def test_ns16_error_is_the_error_of_the_captured_update():
     rounded = torch.from_numpy(exact).to(torch.bfloat16).double().numpy()
     want = np.linalg.norm(rounded - exact) / np.linalg.norm(exact)
     case = _case(_cfg(momentum=beta))
-    assert R.ns_in_fp16(case) == device.half_support()[0]  # DeepSpeed's default ns_method is gram
+    assert R.ns_in_16_bit(case) == device.half_support()[0]  # DeepSpeed's default ns_method is gram
     # the gradient as the offload paths hand it over (times the loss scale), the momentum in true units
     S = 256.0
     ps = ParamStep(master=g, model=g, grad=g * S, grad_scale=S, momentum=m, update=rounded)
@@ -338,8 +338,8 @@ def test_ns16_without_the_momentum_is_not_measured_and_float64_ns_is_no_departur
     traj = Trajectory("t", {}, [_step(params={W: ParamStep(master=g, model=g, grad=g, update=g)})], muon_params=(W,))
     magnitude, _ = J.ns16_finding(_case(_cfg()), traj)
     assert magnitude.startswith(J.NOT_MEASURED) and W in magnitude
-    assert not R.ns_in_fp16(_case(_cfg(), ns_dtype="float64"))
-    assert not R.ns_in_fp16(_case(_cfg(ns_method="standard")))  # bf16: what Muon's reference runs
+    assert not R.ns_in_16_bit(_case(_cfg(), ns_dtype="float64"))
+    assert R.ns_in_16_bit(_case(_cfg(ns_method="standard"))) == device.half_support()[1]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 expects (``harness.judge.departure_pins``), beside cases where it must not be.
 
 Each case claims its departures exactly (``Case.departs``), so one case per departure also pins that
-the others stay silent there, and ``...-departs-none`` (no clip, ``adam_lr`` given, no schedule, bf16
-Newton-Schulz) pins that a config without any is reported clean. MUON-TP-SHARD has no case: AutoTP runs
-hand back per-shard data, not a trajectory the finding could read (docs/departures.md).
+the others stay silent there, and ``...-departs-none`` (no clip, ``adam_lr`` given, no schedule) pins that
+a config without any is reported clean. Newton-Schulz runs in 16 bit wherever the ranks support it
+(MUON-NS16), so every case but the ``-ns16-`` ones forces it to float64 (``Case.ns_dtype``, a harness
+switch, no config key) to show its own departure alone. MUON-TP-SHARD has no case: AutoTP runs hand back
+per-shard data, not a trajectory the finding could read (docs/departures.md).
 """
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ OWN = {"type": "WarmupLR", "params": dict(WARMUP)}  # each half warms up to its 
 
 
 def _claim(c: Case, tag: str, *ids: str, **top) -> Case:
+    """``c`` claiming exactly ``ids``; Newton-Schulz in float64 unless the claim is MUON-NS16's."""
     cfg = {**c.config, **top}
-    return c.replace(name=f"{c.name}-departs-{tag}", ds_config=canonical_json(cfg), departs=tuple(ids))
+    exact = None if "MUON-NS16" in ids or tag.startswith("ns16") else "float64"
+    return c.replace(name=f"{c.name}-departs-{tag}", ds_config=canonical_json(cfg), departs=tuple(ids),
+                     ns_dtype=exact)
 
 
 def _plain_lr(c: Case) -> Case:
@@ -42,14 +47,15 @@ def departure_cases(full: bool = False) -> list[Case]:
     plain = pipeline_case(1, "none", "fp32", 2, steps=STEPS, ns_method="standard")
     z2 = pipeline_case(2, "none", "fp32", 2, steps=STEPS, ns_method="standard")
     gram = pipeline_case(1, "none", "fp32", 2, steps=STEPS, ns_method="gram")
-    fp16_ns = device.half_support()[0]  # gram runs Newton-Schulz in fp16 only where the ranks support fp16
+    fp16, bf16 = device.half_support()  # gram runs in fp16, standard in bf16, where the ranks support it
     out = [_claim(plain, "none"),
            _claim(pipeline_case(1, "none", "fp32", 2, steps=STEPS, ns_method="standard", clip=CLIP), "clip",
                   "MUON-CLIP"),
            _claim(z2, "sched", "MUON-SCHED-LR", scheduler=BROADCAST),
            _claim(z2, "sched-own", scheduler=OWN),
            _claim(_plain_lr(plain), "plain-lr", "MUON-PLAIN-LR"),
-           _claim(gram, "ns16", *(("MUON-NS16",) if fp16_ns else ()))]
+           _claim(gram, "ns16-gram", *(("MUON-NS16",) if fp16 else ())),
+           _claim(plain, "ns16-standard", *(("MUON-NS16",) if bf16 else ()))]
     if "gpt2" in available_models():  # transformers (the models extra): GPT-2's token and position embeddings
         gpt2 = models.model_case("gpt2", 1, "none", "fp32", 2, steps=STEPS, ns_method="standard")
         out.append(_claim(gpt2, "by-name", "MUON-BY-NAME"))

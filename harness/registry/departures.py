@@ -83,15 +83,14 @@ def autotp_shards(c: Case) -> bool:
     return c.runs_muon and c.ds.tp_size > 1
 
 
-def ns_in_fp16(c: Case) -> bool:
-    """Newton-Schulz runs in fp16: ns_method "gram" (DeepSpeed's default where the config gives none, from the
-    view) where the ranks' accelerator reports fp16 support (``harness.env.device.half_support``), unless the
-    harness forces float64 (``Case.ns_dtype``). bf16 ("standard") is not a departure: Muon's reference
-    implementations (Keller Jordan's ``muon.py``, ``torch.optim.Muon``: ``grad.bfloat16()``) run it in bf16."""
+def ns_in_16_bit(c: Case) -> bool:
+    """Newton-Schulz runs in fp16 (ns_method "gram") or bf16 ("standard"), with DeepSpeed's default ns_method
+    from the view, where the ranks' accelerator reports that dtype (``harness.env.device.half_support``),
+    unless the harness forces it to float64 (``Case.ns_dtype``)."""
     if not c.runs_muon or c.ns_dtype is not None:
         return False
-    fp16, _ = device.half_support()
-    return fp16 and "gram" in _ns_methods(c)
+    fp16, bf16 = device.half_support()
+    return any((fp16 if m == "gram" else bf16) for m in _ns_methods(c))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,15 +162,16 @@ DEPARTURES: tuple[Departure, ...] = (
     ),
     Departure(
         id="MUON-NS16",
-        title="Newton-Schulz runs in fp16 (ns_method gram), not bf16 as Muon's reference implementations",
+        title="Newton-Schulz runs in 16 bit",
         upstream=(),
-        switch="the Newton-Schulz compute dtype (`oracles.emulate.ns_compute_dtype`: fp16 for \"gram\") against "
-               "bf16, what Keller Jordan's `muon.py` and `torch.optim.Muon` run it in",
-        removed_by="`\"ns_method\": \"standard\"` in the optimizer params (Newton-Schulz in bf16, as the reference "
-                   "implementations run it; DeepSpeed's default is \"gram\")",
+        switch="the Newton-Schulz compute dtype (`oracles.emulate.ns_compute_dtype`: fp16 for \"gram\", bf16 for "
+               "\"standard\") against float64 (`Case.ns_dtype`; `oracles.muon_as_defined`)",
+        removed_by="no config key: both methods run in 16 bit wherever the accelerator supports it. Keller Jordan's "
+                   "reference and torch.optim.Muon run it in bf16 too, for speed; `ns_method` \"gram\" (fp16, "
+                   "DeepSpeed's default) carries 3 more mantissa bits than \"standard\" (bf16)",
         measured_as="per Muon matrix and applied step, the relative Frobenius error of DeepSpeed's update against "
                     "float64 Newton-Schulz of the same input (rebuilt from the captured gradient and momentum)",
-        applies=ns_in_fp16,
+        applies=ns_in_16_bit,
     ),
 )
 
