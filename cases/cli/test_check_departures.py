@@ -54,20 +54,22 @@ def _check_json(*args: str) -> dict:
 
 
 EXAMPLES = {"departure_clip.json": ["MUON-CLIP"], "departure_sched_lr.json": ["MUON-SCHED-LR"],
-            "departure_plain_lr.json": ["MUON-PLAIN-LR"], "departure_ns_fp16.json": ["MUON-NS16"],
-            "departure_none.json": []}
+            "departure_plain_lr.json": ["MUON-PLAIN-LR"], "departure_ns16.json": []}
 
 
 @pytest.mark.pipeline
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_each_departure_example_shows_exactly_its_departure(name):
+def test_each_departure_example_shows_exactly_its_departure_beside_16_bit_newton_schulz(name):
     from harness.env import device
 
-    want = [d for d in EXAMPLES[name] if d != "MUON-NS16" or device.half_support()[0]]
+    cfg = json.loads((ROOT / "examples" / name).read_text())
+    method = cfg["optimizer"]["params"].get("ns_method", "gram")
+    half = device.half_support()[0 if method == "gram" else 1]
     r = _check_json("--ds-config", str(ROOT / "examples" / name))
     assert (r["verdict"], r["exit_code"]) == ("pass", 0), r["message"]
-    assert [d["id"] for d in r["departures"]] == want
+    assert [d["id"] for d in r["departures"]] == EXAMPLES[name] + ["MUON-NS16"] * half
     assert all(not d["magnitude"].startswith("not measured") for d in r["departures"])
+    assert r["as_defined"]["steps"] and not r["as_defined"]["missing"]
 
 
 @pytest.mark.pipeline

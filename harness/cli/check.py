@@ -123,6 +123,7 @@ from harness.cli.check_config import BadInput, ModelFailed, Refused  # noqa: E40
 from harness.cli.check_plan import Plan, validate  # noqa: E402
 from harness.cli.check_shapes import _fmt_shape, build_params, padded_ranks  # noqa: E402
 from harness.cli.parser import add_check_arguments  # noqa: E402
+from harness.judge import as_defined
 from harness.judge import departures as departure_judge
 from harness.judge.verdict import reproduce_command
 from harness.registry.departures import DEPARTURES
@@ -551,6 +552,7 @@ class CheckResult:
     reproduce: str
     departures: list = field(default_factory=list)  # harness.judge.departures.Finding, on the decisive run
     strict_muon: bool = False  # --strict-muon: a departure from Muon as defined exits 1
+    as_defined: dict | None = None  # harness.judge.as_defined.gap on the decisive run: all departures together
 
     @property
     def decisive(self):
@@ -612,7 +614,7 @@ class CheckResult:
             s, p = self.outcomes["stock"], self.outcomes["patched"]
             add(f"  --patched: stock {_status_text(s)} -> patched {_status_text(p)}: the bundled fixes "
                 + ("CHANGE the verdict" if self.patched_changes_verdict else "do not change the verdict"))
-        for line in departure_lines(self.departures, self.strict_muon):
+        for line in departure_lines(self.departures, self.strict_muon, self.as_defined):
             add(*line)
         for col in self.columns:
             o = self.outcomes[col]
@@ -687,6 +689,7 @@ class CheckResult:
                         for col, o in self.outcomes.items()},
             "patched_changes_verdict": self.patched_changes_verdict,
             "strict_muon": self.strict_muon,
+            "as_defined": self.as_defined,
             "departures": [{"id": f.id, "title": f.title, "magnitude": f.magnitude, "removed_by": f.removed_by,
                             "detail": f.detail} for f in self.departures],
             "report": self.report_path,
@@ -696,14 +699,17 @@ class CheckResult:
         }
 
 
-def departure_lines(found: list, strict: bool) -> list[tuple[str, bool]]:
+def departure_lines(found: list, strict: bool, gap: dict | None = None) -> list[tuple[str, bool]]:
     """Muon as defined, the second reference, reported apart from DeepSpeed's intended one: each departure
-    that applies with its size on this run and the change that removes it (docs/departures.md)."""
+    that applies with its size on this run and the change that removes it (docs/departures.md), and how far
+    DeepSpeed's steps are from Muon's as defined with all of them together."""
     effect = "exit 1 (--strict-muon)" if strict else "the exit code does not count them (--strict-muon does)"
+    whole = [(f"  against Muon as defined, step by step: {gap['summary']}", False)] if gap else []
     if not found:
-        return [("muon as defined: no departure of DeepSpeed's Muon from Muon as defined applies to this run", True)]
+        return whole + [("muon as defined: no departure of DeepSpeed's Muon from Muon as defined applies to this run",
+                         True)]
     lines = [(f"  Muon as defined (a second reference; DeepSpeed intends these, so {effect}; docs/departures.md):",
-              False)]
+              False)] + whole
     for f in found:
         lines += [(f"    {f.id} {f.title}: {f.magnitude}", False), (f"      removed by: {f.removed_by}", False)]
     lines.append((f"muon as defined: DEPARTS in {len(found)} way(s) ({', '.join(f.id for f in found)}); "
@@ -721,6 +727,13 @@ def measure_departures(plan: Plan, o) -> list:
         a.name: a.shape for a, b in zip(build_params(plan.requested), build_params(plan.run_shapes))
         if a.name == b.name}
     return departure_judge.findings(o.case, o.trajectory, departures=DEPARTURES, real_shapes=real or None)
+
+
+def measure_as_defined(o) -> dict | None:
+    """All departures together, step by step (``harness.judge.as_defined``); None where nothing ran."""
+    if o.trajectory is None or refusal_sentence(o) is not None or not o.trajectory.muon_params:
+        return None
+    return as_defined.gap(o.case, o.trajectory)
 
 
 def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out: _Out,
@@ -744,7 +757,7 @@ def check(plan: Plan, *, patched: bool, report: str | None, no_report: bool, out
                 b["observed_fixed_by_patched"] = user_exit(p) == EXIT_OK
     decisive = outcomes[columns[-1]]
     result = CheckResult(plan, columns, outcomes, bugs, None, None, reproduce_command(decisive.case),
-                         measure_departures(plan, decisive), strict_muon)
+                         measure_departures(plan, decisive), strict_muon, measure_as_defined(decisive))
     extra = {"environment": environment(), "check": report_facts(result), "elapsed_s": time.perf_counter() - t_all}
     if report is None and not no_report:
         report = str(buildenv.PROJECT_ROOT / "reports" / f"{decisive.case.name}.html")
@@ -764,8 +777,8 @@ def report_facts(result: CheckResult) -> dict:
             "notes": result.plan.notes,
             "params": [list(row) for row in param_rows(case)],
             "departures": [[f.id, f.title, f.magnitude, f.removed_by] for f in result.departures],
-            "departure_lines": [line for line, essential in departure_lines(result.departures, result.strict_muon)
-                                if essential],
+            "departure_lines": [line.strip() for line, essential in departure_lines(
+                result.departures, result.strict_muon, result.as_defined) if essential or "step by step" in line],
             "shapes": [_fmt_shape(s) for s in result.plan.run_shapes]}
 
 
