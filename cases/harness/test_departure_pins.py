@@ -1,5 +1,6 @@
 """The second computation each reported departure is held to (``harness.judge.departure_pins``), on
-hand-built runs (Newton-Schulz forced to float64, ``Case.ns_dtype``, except where MUON-NS16 is the point): one that behaves as DeepSpeed does passes, and one where DeepSpeed hid the departure
+hand-built runs (Newton-Schulz forced to float64, ``Case.ns_dtype``, except where MUON-NS16 is the
+point): one that behaves as DeepSpeed does passes, and one where DeepSpeed hid the departure
 (clipped nothing, ran each half at its own lr, ran Newton-Schulz in float64) while the report says
 otherwise fails, as does a claim the findings do not meet. No DeepSpeed rank runs."""
 from __future__ import annotations
@@ -61,8 +62,8 @@ def test_a_finding_without_data_or_without_a_second_computation_is_a_problem():
     run = _clip_run(0.05, 2.5, None)
     blind = Finding("MUON-CLIP", "t", NOT_MEASURED + "no norm", "", {})
     assert P.problems(case, run, [blind], ("MUON-CLIP",)) == [f"MUON-CLIP: {NOT_MEASURED}no norm"]
-    tp = Finding("MUON-TP-SHARD", "t", "cosine 0.9", "", {})
-    assert "no second computation" in P.problems(case, run, [tp], ("MUON-TP-SHARD",))[0]
+    new = Finding("MUON-NEW", "t", "0.9", "", {})  # a departure declared without a pin
+    assert "no second computation" in P.problems(case, run, [new], ("MUON-NEW",))[0]
 
 
 def _sched_run(schedule: dict, steps: int = 3) -> Trajectory:
@@ -99,3 +100,28 @@ def test_the_16_bit_error_is_held_to_the_oracles_emulation_of_the_same_inputs():
     exact = run(muon_direction(U.double(), "gram").float().double().numpy())  # as if run in float64
     wrong = P.problems(case, exact, _findings(case, exact), ("MUON-NS16",))
     assert len(wrong) == 1 and "16-bit Newton-Schulz as the oracle emulates it" in wrong[0]
+
+
+def test_the_tp_cosine_is_held_to_the_tensor_parallel_judges_own_blocks():
+    """A shard-wise update's cosine against the whole matrix's, recomputed with ``tp_verdict``'s block rule; a
+    finding whose blocks were cut elsewhere (its number off) fails."""
+    import dataclasses
+
+    from harness.catalog.matrix import tp_cases
+    from harness.judge.departures import findings
+    from harness.registry.departures import DEPARTURES
+
+    case = next(c for c in tp_cases() if c.departs)
+    shapes = {p.name: p.shape for p in case.params}
+    params = {n: ParamStep(master=np.zeros(s), model=np.zeros(s), grad=RNG.standard_normal(s),
+                           momentum=RNG.standard_normal(s), update=np.zeros(s)) for n, s in shapes.items()}
+    traj = Trajectory("t", {n: np.zeros(s) for n, s in shapes.items()}, [_step(1, params=params)],
+                      muon_params=tuple(shapes))
+    tp_only = [d for d in DEPARTURES if d.id == "MUON-TP-SHARD"]
+    found = findings(case, traj, departures=tp_only)
+    assert found and P.problems(case, traj, found, ("MUON-TP-SHARD",)) == []
+    row = found[0].detail["steps"][0]
+    off = dataclasses.replace(found[0], detail={**found[0].detail,
+                                                "steps": [{**row, "cosine": row["cosine"] - 1e-6}]})
+    wrong = P.problems(case, traj, [off], ("MUON-TP-SHARD",))
+    assert len(wrong) == 1 and "by the tensor-parallel judge's blocks" in wrong[0]

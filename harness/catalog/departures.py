@@ -6,8 +6,9 @@ Each case claims its departures exactly (``Case.departs``), so one case per depa
 the others stay silent there, and ``...-departs-none`` (no clip, ``adam_lr`` given, no schedule) pins that
 a config without any is reported clean. Newton-Schulz runs in 16 bit wherever the ranks support it
 (MUON-NS16), so every case but the ``-ns16-`` ones forces it to float64 (``Case.ns_dtype``, a harness
-switch, no config key) to show its own departure alone. MUON-TP-SHARD has no case: AutoTP runs hand back
-per-shard data, not a trajectory the finding could read (docs/departures.md).
+switch, no config key) to show its own departure alone. MUON-TP-SHARD is claimed by the AutoTP cases
+(``harness.catalog.matrix.tp_cases``), whose shards ``harness.judge.tp_verdict.whole_trajectory`` puts back
+together.
 """
 from __future__ import annotations
 

@@ -697,7 +697,9 @@ def tp_cases(full: bool = False) -> list[Case]:
         opt = json.loads(json.dumps(c.config["optimizer"]))
         if per_head:
             opt["params"]["per_head_muon"] = True
-        out.append(_with_config(c, "", optimizer=opt, tensor_parallel={"autotp_size": TP_SIZE}).replace(batch=4))
+        claim = None if suffix.endswith("-refused") else ("MUON-TP-SHARD",)  # harness.catalog.departures
+        out.append(_with_config(c, "", optimizer=opt, tensor_parallel={"autotp_size": TP_SIZE}).replace(
+            batch=4, departs=claim))
     return out
 
 

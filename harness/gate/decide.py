@@ -168,8 +168,21 @@ def _judge_tp(c: Case, column: str, manager: Launcher) -> Outcome:
         return Outcome(c, column, "error", [], str(exc), time.perf_counter() - t0, strength=None)
     v = tp_verdict.judge(c, out.result)  # the shared record: the report and the reproducer as for any case
     problems = [(f.param, f.quantity) for f in v.failures]
-    return Outcome(c, column, "failed" if problems else "passed", [], v.message(), time.perf_counter() - t0,
+    wrong = _tp_departure_problems(c, out.result)
+    problems += [("<case>", "departure")] * bool(wrong)
+    message = "\n".join([v.message()] + [f"{c.name}: departure from Muon as defined: {w}" for w in wrong])
+    return Outcome(c, column, "failed" if problems else "passed", [], message, time.perf_counter() - t0,
                    v, problems, trajectory=out.result)
+
+
+def _tp_departure_problems(c: Case, result) -> list[str]:
+    """A tensor-parallel case that claims its departures (``Case.departs``) is measured for MUON-TP-SHARD alone:
+    the other measures read the whole matrix's own update, which no rank of it computes."""
+    if c.departs is None:
+        return []
+    traj = tp_verdict.whole_trajectory(c, result)
+    tp_only = [d for d in DEPARTURES if d.id == "MUON-TP-SHARD"]
+    return departure_pins.problems(c, traj, departure_judge.findings(c, traj, departures=tp_only), c.departs)
 
 
 def evaluate(case: Case, column: str, manager: Launcher) -> Outcome:

@@ -17,10 +17,12 @@ a second computation from other data:
 * MUON-NS16: the oracle's bit-faithful 16-bit Newton-Schulz (``oracles.emulate``) of the captured inputs,
   whose error against float64 must be the finding's: on the CPU the emulation reproduces DeepSpeed's update
   bit for bit from the captured gradient and momentum, so the two errors are one float64 computation on
-  equal inputs.
+  equal inputs;
+* MUON-TP-SHARD: the cosine and norm ratio again with the tensor-parallel judge's own block rule
+  (``harness.judge.tp_verdict``), which the gate's AutoTP verdict holds DeepSpeed's shards to.
 
-A finding that says "not measured", a departure without a second computation here (MUON-TP-SHARD), or a
-claim the findings do not meet, is a problem: a check without data fails.
+A finding that says "not measured", a departure without a second computation here, or a claim the
+findings do not meet, is a problem: a check without data fails.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from torch import nn
 from harness import models
 from harness.case.spec import Case
 from harness.case.trajectory import Trajectory
+from harness.case.tp import COLUMN_PARALLEL
+from harness.case.tp import geometry as tp_geometry
+from harness.judge import tp_verdict
 from harness.judge.departures import NOT_MEASURED, Finding, muon_input
 from oracles import schedules
 from oracles.emulate import emulated_direction
@@ -182,5 +187,36 @@ def _ns16(case: Case, traj: Trajectory, f: Finding) -> list[str]:
     return out
 
 
+def _shardwise(U: torch.Tensor, name: str, case: Case, ns: str) -> torch.Tensor:
+    """Float64 Newton-Schulz of each rank's block of ``U`` by the tensor-parallel judge's own rule (its block
+    and per-head split, ``harness.judge.tp_verdict``), put back together."""
+    tp, leaf = case.ds.tp_size, name.split(".")[-2]
+    head_dim = tp_geometry(case)["head_dim"] if case.ds.optimizer.per_head_muon else None
+    blocks = [tp_verdict.shard_of(U, leaf, r, tp) for r in range(tp)]
+    out = [muon_direction(b, ns, tp_verdict.shard_heads(leaf, tuple(b.shape), head_dim)) for b in blocks]
+    return torch.cat(out, dim=0 if leaf in COLUMN_PARALLEL else 1)
+
+
+def _tp(case: Case, traj: Trajectory, f: Finding) -> list[str]:
+    """The finding's cosine and norm ratio again, with the blocks the tensor-parallel judge holds DeepSpeed's
+    shards to (the gate's AutoTP verdict checks DeepSpeed orthogonalises exactly those); the whole matrix
+    alike. Float64 on both sides, so they agree to float64 round-off over the matrix."""
+    out, beta = [], case.ds.optimizer.muon.momentum
+    ns = case.ds.optimizer.muon.ns_method or "standard"
+    spec = {p.name: p for p in case.params}
+    for row in f.detail.get("steps", []):
+        ps = traj.steps[row["step"] - 1].params[row["param"]]
+        U = torch.from_numpy(muon_input(ps, beta))
+        heads = spec[row["param"]].num_heads if case.ds.optimizer.per_head_muon else None
+        whole, split = muon_direction(U, ns, heads), _shardwise(U, row["param"], case, ns)
+        wn, sn = float(torch.linalg.vector_norm(whole)), float(torch.linalg.vector_norm(split))
+        cos, ratio = float((whole * split).sum()) / (wn * sn), sn / wn
+        tol = 8 * U64 * U.numel()
+        if abs(cos - row["cosine"]) > tol or abs(ratio - row["norm_ratio"]) > tol * ratio:
+            out.append(f"step {row['step']}, {row['param']}: by the tensor-parallel judge's blocks, cosine {cos:.12g} "
+                       f"and norm ratio {ratio:.12g}; the finding says {row['cosine']} and {row['norm_ratio']}")
+    return out or ([] if f.detail.get("steps") else ["no sharded Muon matrix measured"])
+
+
 PINS = {"MUON-CLIP": _clip, "MUON-SCHED-LR": _sched, "MUON-PLAIN-LR": _plain, "MUON-BY-NAME": _by_name,
-        "MUON-NS16": _ns16}
+        "MUON-NS16": _ns16, "MUON-TP-SHARD": _tp}

@@ -29,9 +29,11 @@ blocks Muon orthogonalises, the question this case kind exists for.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import oracles
+from harness.case.trajectory import ParamStep, StepRecord, Trajectory
 from harness.env import versions
 from harness.case.spec import Case
 from harness.judge.compare import compare_arrays, missing
@@ -82,6 +84,35 @@ def expected_step(theta, momentum, grad, *, beta: float, lr: float, wd: float, n
                                    compute_dtype=emulate.ns_compute_dtype(ns_method, fp16_ok, bf16_ok))
     master = theta.double() * (1.0 - lr * wd) - lr * O.double()
     return m_new.double(), master, O
+
+
+def whole_trajectory(case: Case, result: dict) -> Trajectory:
+    """The tensor-parallel run as whole matrices: each step's shards (masters after, the gradient, momentum
+    and update each rank's Muon call saw) put back together in the tensor-parallel rule's order
+    (``shard_of``'s dims). Gradient and momentum are elementwise, so the whole ones are the Muon input of
+    the whole matrix, and the update is the shard-wise one DeepSpeed applied: what the departure MUON-TP-SHARD
+    compares with the whole matrix's (``harness.judge.departures.tp_finding``)."""
+    tp = autotp_size(case)
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])[:tp]
+
+    def whole(name: str, pieces) -> np.ndarray:
+        dim = 0 if _leaf(name) in COLUMN_PARALLEL else 1
+        return torch.cat([p.double() for p in pieces], dim=dim).numpy()
+
+    names = list(full_weights(case))
+    traj = Trajectory(case.name, {n: whole(n, [r["steps"][0]["before"][n] for r in ranks]) for n in names},
+                      muon_params=tuple(names))
+    for s in range(len(ranks[0]["steps"])):
+        params = {}
+        for n in names:
+            calls = [r["steps"][s]["muon"].get(n) for r in ranks]
+            after = whole(n, [r["steps"][s]["after"][n] for r in ranks])
+            got = {q: whole(n, [c[q] for c in calls]) if all(c is not None for c in calls) else None
+                   for q in ("grad", "momentum", "update")}
+            params[n] = ParamStep(master=after, model=after, grad=got["grad"], momentum=got["momentum"],
+                                  update=got["update"])
+        traj.steps.append(StepRecord(s + 1, 1.0, 1.0, False, None, 0, params))
+    return traj
 
 
 def judge(case: Case, result: dict, *, half_support: tuple[bool, bool] | None = None) -> Verdict:
