@@ -34,7 +34,7 @@ def test_the_replay_of_a_module_case_never_builds_the_synthetic_model(module_cas
     monkeypatch.setattr(synthetic, "initial_weights", refuse)
     monkeypatch.setattr(synthetic, "local_gradients", refuse)
     plan = bugs._max_update_cached.__wrapped__(module_case.to_json())
-    assert len(plan) == module_case.steps and all(m > 0 for _, m, skipped in plan if not skipped)
+    assert len(plan) == module_case.steps and all(m > 0 for _, m, skipped, *_ in plan if not skipped)
 
 
 def test_the_replay_starts_from_the_modules_weights_and_its_own_gradients(module_case):
@@ -56,7 +56,7 @@ def test_the_replay_starts_from_the_modules_weights_and_its_own_gradients(module
 def test_the_module_replay_differs_from_the_synthetic_stand_in(module_case):
     own = bugs._max_update_cached.__wrapped__(module_case.to_json())
     stand_in = bugs._max_update_cached.__wrapped__(module_case.replace(model=None).to_json())
-    assert [m for _, m, _ in own] != [m for _, m, _ in stand_in]
+    assert [m for _, m, *_ in own] != [m for _, m, *_ in stand_in]
 
 
 def _user_model_factory(model: str):

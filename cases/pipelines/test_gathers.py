@@ -45,7 +45,7 @@ class _Opt:
 
 
 def _watch(caps=(96, 128)):
-    case = SimpleNamespace(allgather_caps=caps)
+    case = SimpleNamespace(allgather_caps=caps, stage=1)
     opt = _Opt()
     return GatherCacheWatch(case, SimpleNamespace(optimizer=opt)), opt
 
@@ -111,7 +111,7 @@ class _LruOpt:
 
 def _evict_watch(lru: bool, evicts: bool = True):
     opt = _LruOpt(128, lru)
-    case = SimpleNamespace(allgather_caps=(96, 128), allgather_evicts=evicts)
+    case = SimpleNamespace(allgather_caps=(96, 128), allgather_evicts=evicts, stage=3)
     return GatherCacheWatch(case, SimpleNamespace(optimizer=opt)), opt
 
 

@@ -17,6 +17,7 @@ import ast
 import functools
 import hashlib
 import io
+import re
 import textwrap
 import tokenize
 import importlib.util
@@ -32,7 +33,13 @@ ENGINE = ("runtime/engine.py", "DeepSpeedEngine")
 MUON_FN = "runtime/zero/muon/original_muon.py"
 ZERO_CONFIG = ("runtime/zero/config.py", "DeepSpeedZeroConfig")
 PACKAGE_INIT = "__init__.py"
-_KNOWN_FILES = (STAGE3[0], STAGE12[0], MUON_OPT[0], BF16_OPT[0], ENGINE[0], MUON_FN, ZERO_CONFIG[0], PACKAGE_INIT)
+SWAP_PART = ("runtime/swap_tensor/partitioned_optimizer_swapper.py", "PartitionedOptimizerSwapper")
+SWAP_PIPE = ("runtime/swap_tensor/pipelined_optimizer_swapper.py", "PipelinedOptimizerSwapper")
+SWAP_INFO = ("runtime/swap_tensor/optimizer_utils.py", "OptimizerStateSwapInfo")
+# the CPU build of FusedAdam, as an sdist or checkout holds it (beside the package) or a wheel (under ops/)
+CPU_FUSED_ADAM = ("ops/csrc/cpu/adam/fused_adam.cpp", "../csrc/cpu/adam/fused_adam.cpp")
+_KNOWN_FILES = (STAGE3[0], STAGE12[0], MUON_OPT[0], BF16_OPT[0], ENGINE[0], MUON_FN, ZERO_CONFIG[0], PACKAGE_INIT,
+                SWAP_PART[0], SWAP_PIPE[0], SWAP_INFO[0])
 
 
 def package_path(file_name: str) -> str:
@@ -297,6 +304,232 @@ def muon_allgather_cache(t: Tree, stage: int) -> bool:
     return init is not None and "_muon_allgather_buffers" in _attrs(init)
 
 
+def muon_allgather_entry(t: Tree, stage: int) -> tuple[int, int] | None:
+    """How the stage's Muon all-gather cache stores an entry: (its length, the index of its byte count), read
+    where the optimizer stores a tuple into ``_muon_allgather_buffers`` and adds one of the tuple's names to
+    ``_muon_allgather_buffer_bytes`` (0.19.8: ``(local, gathered, bytes)``; DeepSpeed PR #8464's ZeRO-3:
+    ``(local, reduce, rearrange, bytes)``). The gather watch (``harness.rank.gather_cache``) sums the bytes
+    there, so a tree that stores entries another way must not be read with another tree's index. None: no
+    cache; undecided: entries stored in no shape this reads (the gather cases are then deselected)."""
+    name = f"muon_allgather_entry({'z3' if stage == 3 else 'z12'})"
+    if not muon_allgather_cache(t, stage):
+        return None
+    where = STAGE3 if stage == 3 else STAGE12
+    layouts = set()
+    for fn in (n for n in t.cls(*where).body if isinstance(n, ast.FunctionDef)):
+        counted = {n.value.id for n in ast.walk(fn) if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+                   and isinstance(n.target, ast.Attribute) and n.target.attr == "_muon_allgather_buffer_bytes"
+                   and isinstance(n.value, ast.Name)}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple) and any(
+                    isinstance(x, ast.Subscript) and isinstance(x.value, ast.Attribute)
+                    and x.value.attr == "_muon_allgather_buffers" for x in n.targets):
+                at = [i for i, e in enumerate(n.value.elts) if isinstance(e, ast.Name) and e.id in counted]
+                layouts.add((len(n.value.elts), at[0]) if len(at) == 1 else None)
+    if len(layouts) != 1 or None in layouts:
+        raise Undecided(name, f"{where[0]} stores its Muon all-gather cache entries in no shape the probe reads "
+                              f"(a tuple into _muon_allgather_buffers[...] whose one name is added to "
+                              f"_muon_allgather_buffer_bytes): {sorted(layouts, key=str) or 'none found'}")
+    return layouts.pop()
+
+
+def muon_allgather_chunked(t: Tree) -> bool:
+    """Whether ZeRO-1/2's Muon gather (``_muon_all_gather_partitions``) issues its all-gather inside a loop, one
+    per chunk of at most ``_muon_allgather_max_buffer_bytes`` (0.19.8), rather than once for the whole batch
+    (DeepSpeed PR #8464's rebuilt file). The chunked-gather cases' buffer and cache sizes are chosen for chunks
+    (``harness.catalog.matrix.GATHER_CAPS``); on a tree that gathers in one call they claim what it lacks."""
+    fn = t.method(STAGE12, "_muon_all_gather_partitions")
+    if fn is None:
+        return False
+    return any(_calls(loop, "all_gather_into_tensor") or _calls(loop, "all_gather")
+               for loop in ast.walk(fn) if isinstance(loop, (ast.For, ast.While)))
+
+
+# ------------------------------------------------------------------------------------------------
+# the order of calls a step makes (for the loss-scale update against Muon)
+
+_SCALE_UPDATES = frozenset({"_update_scale", "update_scale"})
+_WALK_DEPTH = 6
+
+
+def _called_name(call: ast.Call) -> str | None:
+    return getattr(call.func, "attr", None) or getattr(call.func, "id", None)
+
+
+def _calls_in_order(node: ast.AST) -> list[ast.Call]:
+    return sorted((n for n in ast.walk(node) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+
+
+def _truth(test: ast.expr, bound: dict) -> bool | None:
+    """The value of an ``if`` test from ``bound`` (a parameter's name, or ``self.<attr>``); None: not known."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        v = _truth(test.operand, bound)
+        return None if v is None else not v
+    key = test.id if isinstance(test, ast.Name) else (
+        f"self.{test.attr}" if isinstance(test, ast.Attribute) and getattr(test.value, "id", None) == "self" else None)
+    if key in bound:
+        return bool(bound[key])
+    if isinstance(test, ast.BoolOp):
+        vals = [_truth(v, bound) for v in test.values]
+        stop = isinstance(test.op, ast.Or)  # the value that decides an ``or`` (True) or an ``and`` (False)
+        if stop in vals:
+            return stop
+        if all(v is (not stop) for v in vals):
+            return not stop
+    return None
+
+
+def _walk_calls(stmts: list, bound: dict):
+    """The calls a block makes, in source order: an ``if`` whose test ``bound`` decides takes its one branch,
+    and a taken branch that returns ends the block; nested definitions are left out (they run when called)."""
+    for s in stmts:
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(s, ast.If):
+            yield from _calls_in_order(s.test)
+            taken = _truth(s.test, bound)
+            branch = s.body if taken else s.orelse
+            for block in ([s.body, s.orelse] if taken is None else [branch]):
+                yield from _walk_calls(block, bound)
+            if taken is not None and branch and isinstance(branch[-1], (ast.Return, ast.Raise)):
+                return
+            continue
+        blocks = [getattr(s, f, None) or [] for f in ("body", "orelse", "finalbody")]
+        blocks += [h.body for h in getattr(s, "handlers", [])]
+        if any(blocks):
+            for head in (getattr(s, "iter", None), getattr(s, "test", None), *getattr(s, "items", [])):
+                if head is not None:
+                    yield from _calls_in_order(head)
+            for block in blocks:
+                yield from _walk_calls(block, bound)
+            continue
+        yield from _calls_in_order(s)
+        if isinstance(s, (ast.Return, ast.Raise)):
+            return
+
+
+def _bound_args(fn: ast.FunctionDef, call: ast.Call) -> dict:
+    """The parameters of ``fn`` a call binds to constants (its literal arguments, else the literal defaults)."""
+    names = [a.arg for a in fn.args.args]
+    out = {n: d.value for n, d in zip(names[len(names) - len(fn.args.defaults):], fn.args.defaults)
+           if isinstance(d, ast.Constant)}
+    given = list(zip(names[1:] if names[:1] == ["self"] else names, call.args))
+    given += [(k.arg, k.value) for k in call.keywords if k.arg]
+    for n, v in given:
+        if isinstance(v, ast.Constant):
+            out[n] = v.value
+        else:
+            out.pop(n, None)
+    return out
+
+
+def _events(t: Tree, where: tuple[str, str], fn: ast.FunctionDef, muon: frozenset, bound: dict, stack: tuple,
+            memo: dict) -> tuple[str, ...]:
+    """In source order, "scale" for each loss-scale update and "muon" for each call of a ``muon`` method that
+    ``fn`` reaches through the class's own methods (``self.name(...)``)."""
+    key = (fn.name, tuple(sorted(bound.items(), key=str)))
+    if key in memo:
+        return memo[key]
+    out: list[str] = []
+    for call in _walk_calls(fn.body, bound):
+        name = _called_name(call)
+        if name in _SCALE_UPDATES:
+            out.append("scale")
+        elif name in muon:
+            out.append("muon")
+        elif (isinstance(call.func, ast.Attribute) and getattr(call.func.value, "id", None) == "self"
+              and name not in stack and len(stack) < _WALK_DEPTH):
+            callee = t.method(where, name)
+            if callee is not None:
+                scope = {k: v for k, v in bound.items() if k.startswith("self.")} | _bound_args(callee, call)
+                out += _events(t, where, callee, muon, scope, stack + (name,), memo)
+    memo[key] = tuple(out)
+    return memo[key]
+
+
+def muon_after_scale_update(t: Tree, stage: int, offload: bool) -> bool:
+    """Whether the stage's ``step`` on this path (optimizer offload or not) reaches the method that runs Muon on
+    the unscaled gradient (it calls ``muon_update`` and reads ``loss_scale``) only after it has updated the loss
+    scale (``_update_scale``): Muon then unscales by the new scale, and on a growth step reads half its gradient
+    (DSM-003's variant: DeepSpeed PR #8464's ``_apply_muon_updates_cpu_offload``, after ``_update_scale`` on
+    ZeRO-1/2 and from ``_get_norm_groups`` on ZeRO-3). Calls are followed through the class's own methods in
+    source order; an ``if`` on the offload flag (``cpu_offload``, ``offload_optimizer``) or on a parameter the
+    call binds to a constant takes its one branch (0.19.8's ``update_scale=False``)."""
+    where = STAGE3 if stage == 3 else STAGE12
+    name = f"muon_after_scale_update(z{3 if stage == 3 else 12},{'offload' if offload else 'none'})"
+    c, step = t.cls(*where), t.method(where, "step")
+    if c is None or step is None:
+        raise Undecided(name, f"no {where[1]}.step in {where[0]}")
+    muon = frozenset(f.name for f in c.body if isinstance(f, ast.FunctionDef) and _calls(f, "muon_update")
+                     and "loss_scale" in _attrs(f))
+    bound = {"self.cpu_offload": offload, "self.offload_optimizer": offload}
+    order = _events(t, where, step, muon, bound, ("step",), {})
+    return "muon" in order and "scale" in order and order.index("scale") < order.index("muon")
+
+
+def aux_adam_takes_mode(t: Tree) -> bool:
+    """Whether ``MuonWithAuxAdam`` takes ``adam_w_mode`` (0.19.6 on: it builds its auxiliary Adam, FusedAdam or
+    the CPU Adam, in that mode). Before, its Adam is inline (``adam_update``) and decays decoupled on every
+    path, offload included, whatever the config asks (DSM-124)."""
+    if t.cls(*MUON_OPT) is None:
+        raise Undecided("aux_adam_takes_mode", f"no class {MUON_OPT[1]} in {MUON_OPT[0]}")
+    init = t.method(MUON_OPT, "__init__")
+    return init is not None and "adam_w_mode" in {a.arg for a in init.args.args + init.args.kwonlyargs}
+
+
+def cpu_fused_adam_one_mode(t: Tree) -> bool:
+    """Whether the CPU build of FusedAdam (``csrc/cpu/adam/fused_adam.cpp``) steps every call with the one
+    optimizer it made at first use (``ds_adam_step(0, ...)``), so its ``mode`` argument (AdamW or L2) is never
+    read (before 0.19.6: DSM-124); 0.19.6 keeps one optimizer per mode (``ds_adam_step(optimizer_id, ...)``).
+    Read as text: the file is C++, beside the package (an sdist, a checkout) or under ``ops/`` (a wheel)."""
+    for rel in CPU_FUSED_ADAM:
+        path = t.root / rel
+        if path.is_file():
+            text = path.read_text()
+            if "ds_adam_step" not in text:
+                raise Undecided("cpu_fused_adam_one_mode", f"{rel} calls no ds_adam_step")
+            return re.search(r"ds_adam_step\(\s*0\s*,", text) is not None
+    raise Undecided("cpu_fused_adam_one_mode", f"no {' or '.join(CPU_FUSED_ADAM)} under {t.root}")
+
+
+def z12_buckets_by_type_string(t: Tree) -> bool:
+    """Whether ZeRO-1/2's ``split_half_float_double`` buckets gradients by comparing ``t.type()`` with strings
+    built from the accelerator's device name ("torch.cpu.FloatTensor", which no CPU tensor's ``type()`` is)
+    rather than by dtype: without contiguous gradients ``buffered_reduce_fallback`` then all-reduces nothing on
+    the CPU accelerator (DSM-115). A tree without the function buckets no other way this reads: False."""
+    fn = t.function(STAGE12[0], "split_half_float_double")
+    return fn is not None and any(isinstance(n, ast.Call) and _called_name(n) == "type" and not n.args
+                                  for n in ast.walk(fn))
+
+
+def muon_update_guards_nonfinite(t: Tree) -> bool:
+    """Whether ``muon_update`` keeps a non-finite gradient out of the momentum (0.19.7 on: ``torch.isfinite``
+    of the gradient picks the old momentum) rather than folding it in before the loss scaler skips the step
+    (``momentum.lerp_`` unconditionally: DSM-118)."""
+    fn = t.function(MUON_FN, "muon_update")
+    if fn is None:
+        raise Undecided("muon_update_guards_nonfinite", f"no function muon_update in {MUON_FN}")
+    return _calls(fn, "isfinite")
+
+
+def swap_gradient_views(t: Tree, pipelined: bool) -> bool:
+    """Whether the NVMe optimizer swapper reads each swapped gradient into a view of the gradient buffer at the
+    gradient's offset (``narrow(0, grad.offset, grad.length)``): the partitioned swapper in
+    ``_swap_in_pinned_gradients``, the pipelined one through ``OptimizerStateSwapInfo.get_swap_gradient_buffers``
+    from its ``_swap_in_optimizer_state``. An aio read into such a view at a nonzero offset moves nothing on the
+    CPU build (DSM-021, DSM-022, DSM-024; DSM-123 where Muon's update is written back through it)."""
+    if pipelined:
+        reader = t.method(SWAP_PIPE, "_swap_in_optimizer_state")
+        fn = t.method(SWAP_INFO, "get_swap_gradient_buffers")
+        if reader is None or not _calls(reader, "get_swap_gradient_buffers"):
+            return False
+    else:
+        fn = t.method(SWAP_PART, "_swap_in_pinned_gradients")
+    return fn is not None and any(_called_name(n) == "narrow" and any(
+        isinstance(a, ast.Attribute) and a.attr == "offset" for a in n.args)
+        for n in ast.walk(fn) if isinstance(n, ast.Call))
+
+
 def managed_gradient_accumulation(t: Tree) -> bool:
     return t.says("runtime/constants.py", "managed_gradient_accumulation")
 
@@ -371,6 +604,17 @@ PROBES = {
     "ns_order_emulated": ns_order_emulated,
     "muon_allgather_cache(z12)": lambda t: muon_allgather_cache(t, 1),
     "muon_allgather_cache(z3)": lambda t: muon_allgather_cache(t, 3),
+    "muon_allgather_entry(z12)": lambda t: muon_allgather_entry(t, 1),
+    "muon_allgather_entry(z3)": lambda t: muon_allgather_entry(t, 3),
+    "muon_allgather_chunked(z12)": muon_allgather_chunked,
+    **{f"muon_after_scale_update(z{12 if st == 1 else 3},{'offload' if off else 'none'})":
+       (lambda t, st=st, off=off: muon_after_scale_update(t, st, off)) for st in (1, 3) for off in (False, True)},
+    "aux_adam_takes_mode": aux_adam_takes_mode,
+    "cpu_fused_adam_one_mode": cpu_fused_adam_one_mode,
+    "z12_buckets_by_type_string": z12_buckets_by_type_string,
+    "muon_update_guards_nonfinite": muon_update_guards_nonfinite,
+    "swap_gradient_views(partitioned)": lambda t: swap_gradient_views(t, False),
+    "swap_gradient_views(pipelined)": lambda t: swap_gradient_views(t, True),
     "managed_gradient_accumulation": managed_gradient_accumulation,
     "zero_config_fields": zero_config_fields,
     "takes_group_dicts": takes_group_dicts,

@@ -150,12 +150,14 @@ class ConfigRule:
 @dataclass(frozen=True)
 class Refusal:
     """A combination a tree refuses by design (raises, or has no such feature): ``on(caps, case)`` says the
-    tree lacks it; the case is deselected there, showing ``reason`` (the tree's own words where it has them)."""
+    tree lacks it; the case is deselected there, showing ``reason`` (the tree's own words where it has them)
+    and, where given, ``detail(caps, case)`` (what the tree lacks for this case, or what its probe found)."""
 
     name: str
     reason: str
     on: object
     applies: object
+    detail: object = None
 
 
 def _set_reduce_scatter_off(cfg: dict) -> None:
@@ -200,6 +202,30 @@ def _passes_group_dicts(case) -> bool:
     return bool(case.groups) or bool(case.model) and _model_declares_groups(case.model, case.seed)
 
 
+# The Muon all-gather cache entry (length, index of the byte count) the gather cases' caps are sized for
+# (harness.catalog.matrix GATHER_CAPS, Z3_EVICT_CAPS: 0.19.8's two buffers and the byte count, both stages)
+GATHER_ENTRY_SIZED_FOR = (3, 2)
+
+
+def chunked_gathers(case) -> bool:
+    """Whether a case claims chunked Muon all-gathers (``harness.rank.gather_cache`` counts them): the gather caps
+    on ZeRO-1/2 with optimizer offload (nvme runs as cpu there, DSM-002), where 0.19.8 chunks."""
+    return case.allgather_caps is not None and case.stage in (1, 2) and case.offload != "none"
+
+
+def _entry_probe(case) -> str:
+    return f"muon_allgather_entry({'z3' if case.stage == 3 else 'z12'})"
+
+
+def _unread(k, probe: str) -> str | None:
+    """What an undecided probe says (``tree.Undecided``: "probe NAME: why"); None where it answered."""
+    try:
+        k[probe]
+    except tree.Undecided as exc:
+        return str(exc)
+    return None
+
+
 # zero_optimization keys the harness sets that older trees' DeepSpeedZeroConfig forbids (pydantic
 # extra_forbidden at initialize: measured, 0.19.6 z2-none-fp16-ws2-nonorm-overflow)
 NEWER_ZERO_KEYS = ("compute_grad_norm", "parameter_alignment", "save_muon_momentum_buffer_in_memory")
@@ -239,9 +265,32 @@ REFUSALS: tuple[Refusal, ...] = (
             "(_muon_allgather_buffers)",
             lambda k, c: not k["muon_allgather_cache(z3)" if c.stage == 3 else "muon_allgather_cache(z12)"],
             lambda c, cfg: c.allgather_caps is not None),
+    # The watch sums each cache entry's byte count where the tree's source keeps it (0.19.8: a 3-tuple's last;
+    # DeepSpeed PR #8464's ZeRO-3: a 4-tuple's); entries the probe cannot read are not read with another layout.
+    Refusal("muon-allgather-entry", "this tree stores its Muon all-gather cache entries in a shape the harness "
+            "does not read",
+            lambda k, c: _unread(k, _entry_probe(c)) is not None,
+            lambda c, cfg: c.allgather_caps is not None,
+            lambda k, c: _unread(k, _entry_probe(c))),
+    # A case that claims eviction (Case.allgather_evicts) has a cap sized to hold one entry of 0.19.8's layout
+    # (matrix.Z3_EVICT_CAPS, GATHER_CAPS); an entry of more buffers (PR #8464's ZeRO-3 keeps three) may not fit.
+    Refusal("muon-allgather-evict-sizes", "the case's cache cap is sized to hold one entry of 0.19.8's layout "
+            f"(local, gathered, bytes: {GATHER_ENTRY_SIZED_FOR}); this tree stores another, so its eviction claim "
+            "does not carry over",
+            lambda k, c: k[_entry_probe(c)] not in (None, GATHER_ENTRY_SIZED_FOR),
+            lambda c, cfg: c.allgather_caps is not None and c.allgather_evicts,
+            lambda k, c: f"probe {_entry_probe(c)}: {k[_entry_probe(c)]}"),
+    # The ZeRO-1/2 offload gather cases claim chunked gathers (chunked_gathers) with buffer and cache sizes
+    # chosen for chunks (matrix.GATHER_CAPS); DeepSpeed PR #8464's rebuilt file gathers a batch in one call.
+    Refusal("muon-allgather-chunks", "this tree's ZeRO-1/2 all-gathers a Muon batch in one call, without chunks "
+            "(probe muon_allgather_chunked(z12): no all-gather in a loop in _muon_all_gather_partitions); the case's "
+            "buffer and cache sizes are chosen for chunked gathers",
+            lambda k, c: not k["muon_allgather_chunked(z12)"],
+            lambda c, cfg: chunked_gathers(c)),
     Refusal("zero-config-key", "this tree's DeepSpeedZeroConfig has no such field (it rejects the key)",
             lambda k, c: bool(_missing_zero_keys(k, json.loads(c.ds_config))),
-            lambda c, cfg: True),
+            lambda c, cfg: True,
+            lambda k, c: "zero_optimization." + ", ".join(_missing_zero_keys(k, json.loads(c.ds_config)))),
     # Without managed_gradient_accumulation an engine keeps counting micro-steps, so the once-a-window step()
     # of an unmanaged case would never reach its boundary (matrix.unmanaged_cases).
     Refusal("unmanaged-gradient-accumulation",
@@ -290,9 +339,7 @@ def adapt(case, caps=None) -> Adapted:
     cfg = json.loads(case.ds_config)
     for r in REFUSALS:
         if r.applies(case, cfg) and r.on(k, case):
-            why = r.reason
-            if r.name == "zero-config-key":
-                why = f"{why}: zero_optimization.{', '.join(_missing_zero_keys(k, cfg))}"
+            why = f"{r.reason}: {r.detail(k, case)}" if r.detail is not None else r.reason
             return Adapted(None, (), f"deselected on DeepSpeed {installed().label if caps is None else k.root}: "
                                      f"{why} ({r.name})")
     applied = []
@@ -324,6 +371,17 @@ def ns_order_emulated(caps=None) -> bool:
     0.19.8 the gram iteration casts ``G`` to fp16 and then normalises). Other trees are judged in
     ``exact`` mode: float64 Newton-Schulz with the derived 16-bit NS tolerance (as the compiled subset is)."""
     return caps_of(caps)["ns_order_emulated"]
+
+
+def muon_after_scale_update(stage: int, offload: bool, caps=None) -> bool:
+    """Whether the tree's ZeRO ``stage`` runs Muon, on the unscaled gradient, after the loss-scale update on this
+    path (``tree.muon_after_scale_update``: DSM-003's variant). A tree whose ``step`` the probe cannot find
+    does not, as far as it can tell: the variant is a candidate model, never an excuse on its own."""
+    try:
+        return bool(caps_of(caps)[f"muon_after_scale_update(z{3 if stage == 3 else 12},"
+                                  f"{'offload' if offload else 'none'})"])
+    except tree.Undecided:
+        return False
 
 
 def z3_muon_placement(offload: bool, caps=None) -> str:

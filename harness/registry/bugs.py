@@ -243,8 +243,8 @@ def _free_gradients(c: Case):
 
 @functools.lru_cache(maxsize=128)
 def _max_update_cached(case_json: str) -> tuple:
-    """Per step (S used, max|O| over Muon params, skipped) from the float64 oracle run free of DeepSpeed, on
-    the case's own model (``_free_gradients``)."""
+    """Per step (S used, max|O| over Muon params, skipped, S after, the clip's norm in true units) from the
+    float64 oracle run free of DeepSpeed, on the case's own model (``_free_gradients``)."""
 
     from harness.judge.verdict import step_config  # late: keeps this module numpy-free at import
 
@@ -260,7 +260,7 @@ def _max_update_cached(case_json: str) -> tuple:
         state, rec = oracles.oracle_step(state, gradients(w, s), sc, conv, ns_mode="exact")
         m = max((float(p.direction.abs().max()) for p in rec.params.values()
                  if p.use_muon and p.direction is not None), default=0.0)
-        out.append((float(rec.loss_scale_used), m, bool(rec.skipped)))
+        out.append((float(rec.loss_scale_used), m, bool(rec.skipped), float(rec.loss_scale_after), rec.global_norm))
     return tuple(out)
 
 
@@ -275,7 +275,22 @@ def _z3_offload_fp16_update_overflows(c: Case) -> bool:
     if max(used for used, _, _ in scale_plan(c)) * bound < FP16_INF_THRESHOLD:
         return False
     return any(not sk and used * m >= FP16_INF_THRESHOLD
-               for used, m, sk in _max_update_cached(c.replace(name="plan").to_json()))
+               for used, m, sk, *_ in _max_update_cached(c.replace(name="plan").to_json()))
+
+
+def _clip_undoes_growth(c: Case) -> bool:
+    """DSM-003 on ZeRO-1/2 with optimizer offload halves every vector the clip's norm covers (the Muon update
+    formed as S O with the old scale, each Adam gradient, both unscaled by the new one) and so the norm; a clip
+    that still acts at half the norm multiplies them back by 2, so the step is the intended one and nothing
+    shows (measured: ZeRO-2 CPU offload, fp16, clip 0.05, the scale growing at step 3: every quantity within
+    its allowance). True where the clip acts at half the norm (DeepSpeed's coefficient, ``+ 1e-6``) on every
+    growth step, the norm from the float64 oracle run free of DeepSpeed."""
+    clip = _clip_of(c)
+    if c.stage not in (1, 2) or c.offload == "none" or clip <= 0 or not _has_muon(c):
+        return False
+    norms = [n for used, _, sk, after, n in _max_update_cached(c.replace(name="plan").to_json())
+             if not sk and after > used]
+    return bool(norms) and all(n is not None and (n / 2 + 1e-6) / clip > 1 for n in norms)
 
 
 def _nvme_resume_loses_state(c: Case) -> bool:
@@ -304,6 +319,20 @@ def _nvme_resume_model(c: Case) -> dict | None:
     if _z3_inmem(c) and _has_muon(c):
         out["muon_momentum_lost_after"] = c.checkpoint_at
     return out
+
+
+def _muon_in_new_scale(c: Case) -> dict | None:
+    """DSM-003's model where the tree's code runs Muon on the unscaled gradient after the loss-scale update on
+    the case's path (``versions.muon_after_scale_update``, a probe of the source, any ZeRO stage): the gradient
+    is divided by the new scale and the update stored times it, so the Muon step is right and the norm counts
+    ``O S' / S``; the reported norm as the stage's own step divides it (ZeRO-3 by the new scale). None where
+    the code runs Muon before the update (0.19.8: the bug's own model)."""
+    if c.stage not in (1, 2, 3) or _bf16_optimizer(c) or not _has_muon(c):
+        return None
+    if not versions.muon_after_scale_update(c.stage, c.offload != "none"):
+        return None
+    return {"scale_update_before_unscale": True, "muon_in_new_scale": True,
+            "reported_norm": "clip_norm" if c.stage == 3 else "norm"}
 
 
 def _z3_momentum_tail_past_end(c: Case) -> bool:
@@ -396,16 +425,15 @@ BUGS: tuple[Bug, ...] = (
                 "with the old scale) the Muon step is halved. Measured (z*-fp16-ws1, window 2, growth at step "
                 "3): Adam master 9.3e-5 off (588x), offload Muon master 0.013 off (8.5e4x), ZeRO-3 norm 1.83 "
                 "vs 3.66 (511x).",
-        trigger=lambda c: _grows(c) and (_has_adam(c) or c.offload != "none" or c.stage == 3
-                                         or _clip_of(c) > 0),
+        trigger=lambda c: _grows(c) and not _clip_undoes_growth(c) and (_has_adam(c) or c.offload != "none"
+                                                                        or c.stage == 3 or _clip_of(c) > 0),
         quantities=frozenset({"master", "model", "global_norm", "update"}),
         model=lambda c: {"scale_update_before_unscale": True, "muon_update_in_old_scale": c.offload != "none",
                          "reported_norm": "clip_norm" if c.stage == 3 else "norm"},
-        # DeepSpeed PR #8464's ZeRO-1/2 offload path (its stage_1_and_2.py step: _update_scale, then
-        # _apply_muon_updates_cpu_offload dividing the gathered gradient by the new loss_scale and storing
-        # the update times it): Muon reads G S / S' and the norm counts O S' / S; the Muon step is right
-        variants=(lambda c: {"scale_update_before_unscale": True, "muon_in_new_scale": True, "reported_norm": "norm"}
-                  if c.stage in (1, 2) and c.offload != "none" else None,),
+        # Code that runs Muon after the scale update (tree.muon_after_scale_update; DeepSpeed PR #8464's
+        # _apply_muon_updates_cpu_offload, after _update_scale in its stage_1_and_2.py step and from
+        # _get_norm_groups in its stage3.py step): Muon reads G S / S' and the norm counts O S' / S
+        variants=(_muon_in_new_scale,),
         where="stage_1_and_2.py step (_update_scale at :3047 before :3121 and unscale_and_clip_grads); "
               "stage3.py step (_loss_scale_update_and_overflow_cleanup at :2891 before :2915/:2918, "
               "_global_grad_norm = N / new scale at :2897)",
@@ -757,6 +785,8 @@ BUGS: tuple[Bug, ...] = (
               "swap-out staged it, from offset 0); the Muon update written back never reaches the file",
         fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-sortedlast",
+        # Muon in the step reads the swapped-in gradient; with Muon in the reduce it is DSM-123
+        present=lambda c: historical.swap_reads_views(c) and versions.z3_muon_placement(True) == "step",
     ),
     Bug(
         id="DSM-022",
@@ -781,6 +811,7 @@ BUGS: tuple[Bug, ...] = (
               "moves nothing on this CPU build",
         fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-bigadam",
+        present=historical.swap_reads_views,
     ),
     Bug(
         id="DSM-024",
@@ -811,6 +842,7 @@ BUGS: tuple[Bug, ...] = (
               "swap_in_optimizer_state, its asynchronous swap-in)",
         fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-pipe-fp32-ws1-bigadam",
+        present=historical.swap_reads_views,
     ),
     Bug(
         id="DSM-023",
@@ -858,13 +890,17 @@ BUGS: tuple[Bug, ...] = (
                 "0.0393 where it must stay 0.0187 (all 21 elements), layer0.weight all 30; weights and Adam "
                 "state unchanged, as on a correct skip. ZeRO-1/2 (given the setting) skip before Muon.",
         # an overflow everywhere leaves no matrix for Muon to advance (muon_update keeps a poisoned one's)
-        trigger=lambda c: c.stage == 3 and c.dtype == "bf16" and _has_muon(c) and c.overflow_leaves_muon_clean,
+        # fp32 too: no loss scaler, so the same fp16-only test lets the gradient through (measured:
+        # ZeRO-3 fp32, one Muon matrix's gradient inf, the clean layer1.weight's momentum advanced)
+        trigger=lambda c: c.stage == 3 and c.dtype in ("bf16", "fp32") and _has_muon(c)
+        and c.overflow_leaves_muon_clean,
         quantities=WEIGHTS | frozenset({"skipped"}),
         model=lambda c: {"skip_on_nonfinite": "fp16_only", "momentum_committed_on_invalid_norm": True},
         where="stage3.py _overflow_check_and_loss_scale_update (check_overflow only when self.dtype is "
               "float16; engine.py _configure_zero_optimizer passes check_grad_overflow to ZeRO-1/2 only), then "
               "step: _apply_muon_to_accumulated_grads writes the momentum before is_invalid_grad_norm skips",
         fix="z3-bf16-gradient-overflow-check",
+        fix_covers=lambda c: c.dtype == "bf16",  # the bundled fix tests bf16 gradients only
         reproducer="python -m harness gate --only z3-none-bf16-ws2-ga2-ovfloc-adaminf",
     ),
     Bug(
@@ -950,16 +986,20 @@ def unmeasured(b: Bug) -> bool:
     return release is None or release not in b.releases
 
 
-def _present(b: Bug, case: Case) -> bool:
-    return b.present is not None and unmeasured(b) and b.present(case)
+def _expected(b: Bug, case: Case) -> bool:
+    """Measured on the tree and triggered, or (unmeasured) triggered and shown by the tree's source
+    (``Bug.present``, read only for a case the trigger selects: a probe the tree cannot answer then makes only
+    those cases "cannot judge")."""
+    if excuses(b.id):
+        return b.trigger(case)
+    return b.present is not None and unmeasured(b) and b.trigger(case) and b.present(case)
 
 
 def bugs_for(case: Case, *, patched: bool = False) -> list[Bug]:
     """The bugs a case is expected to hit; with ``patched``, only those the patched runtime can't fix."""
     # as measured on the installed release (``excuses``), or shown by the tree's source where unmeasured
     # (``Bug.present``); older releases' own bugs too
-    return _reachable([b for b in BUGS + HISTORICAL if (excuses(b.id) or _present(b, case)) and b.trigger(case)],
-                      case, patched)
+    return _reachable([b for b in BUGS + HISTORICAL if _expected(b, case)], case, patched)
 
 
 def candidates_for(case: Case, *, patched: bool = False) -> list[Bug]:

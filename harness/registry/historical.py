@@ -174,16 +174,32 @@ def _z3_dist_muon_model_parallel(c: Case) -> bool:
     return c.stage == 3 and c.model_parallel > 1 and _has_muon(c) and not _z3_muon_skipped(c)
 
 
-def _cpu_fused_adam_l2(c: Case) -> bool:
-    """DSM-124's trigger: on the CPU accelerator the engine builds FusedAdam (no optimizer offload, no client
-    optimizer: the configured Adam, or Muon's auxiliary Adam), L2 weight decay is asked for
-    (``adam_w_mode`` false) and some Adam parameter has weight decay."""
+def swap_reads_views(c: Case) -> bool:
+    """The case's NVMe swapper reads swapped gradients into views at their offsets (``tree.swap_gradient_views``:
+    the mechanism of DSM-021, DSM-022, DSM-024 and DSM-123)."""
+    swapper = "pipelined" if c.ds.zero.offload_optimizer.pipelined else "partitioned"
+    return bool(tree.capabilities()[f"swap_gradient_views({swapper})"])
+
+
+def _adam_ignores_l2(c: Case) -> bool:
+    """DSM-124's trigger: L2 weight decay is asked for (``adam_w_mode`` false, some Adam parameter with weight
+    decay, no client optimizer) and the Adam that steps the parameters ignores the mode, as the tree's code says:
+    Muon's auxiliary Adam where ``MuonWithAuxAdam`` takes no mode (``tree.aux_adam_takes_mode``: its inline
+    Adam decouples on every path, offload included), else FusedAdam, which the engine builds without optimizer
+    offload (with it, the CPU Adam, which keeps the mode), on the CPU accelerator where its op steps every mode
+    with one optimizer (``tree.cpu_fused_adam_one_mode``)."""
     from harness.judge import verdict  # late: keeps this module numpy-free at import
 
-    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu" or c.offload != "none" or c.client_optimizer:
+    if c.client_optimizer:
         return False
     sc = verdict.step_config(c)
-    return not sc.adam_w_mode and any(sc.hyper(p)["weight_decay"] > 0 for p in sc.params if not p.use_muon)
+    if sc.adam_w_mode or not any(sc.hyper(p)["weight_decay"] > 0 for p in sc.params if not p.use_muon):
+        return False
+    k = tree.capabilities()
+    if c.runs_muon and not k["aux_adam_takes_mode"]:
+        return True
+    return (os.environ.get("DS_ACCELERATOR", "cpu") == "cpu" and c.offload == "none"
+            and bool(k["cpu_fused_adam_one_mode"]))
 
 
 def _z12_momentum_split(c: Case) -> bool:
@@ -424,6 +440,8 @@ SPECS: tuple[dict, ...] = (
               "located further: DSM-021's mechanism (aio through a view of a locked buffer at a nonzero offset "
               "moves nothing on this CPU build) is the likely cause, unverified here",
         reproducer="z3-nvme-part-fp32-ws1-sortedlast (gate case) on DeepSpeed 0.19.4",
+        # the swapper's reads through views (tree.swap_gradient_views) with Muon in the reduce; in the step, DSM-021
+        present=lambda c: swap_reads_views(c) and versions.z3_muon_placement(True) == "reduce",
     ),
     dict(
         id="DSM-124",
@@ -433,11 +451,13 @@ SPECS: tuple[dict, ...] = (
                 "it) steps as AdamW on the CPU accelerator: 0.19.5 z2-none-fp32-ws2-adam-l2, layer1.weight master "
                 "0.29304409 at step 1 where L2 gives 0.29107332 (1.3e4x the allowance) and decoupled decay gives "
                 "exactly what DeepSpeed wrote.",
-        trigger=_cpu_fused_adam_l2,
+        trigger=_adam_ignores_l2,
         quantities=frozenset({"master", "model"}),
         where="before 0.19.6 csrc/cpu/adam/fused_adam.cpp multi_tensor_adam: create_adam_optimizer(0) once, with "
               "its default adamw_mode=true, and ds_adam_step(0, ...) never reads the mode argument; 0.19.6 keeps "
-              "one optimizer per mode",
+              "one optimizer per mode. Muon's auxiliary Adam before 0.19.6: MuonWithAuxAdam takes no adam_w_mode "
+              "and steps it inline on every path, offload included (0.19.5 muon_optimizer.py:43-45, adam_update "
+              "then p.mul_(1 - lr * weight_decay))",
         reproducer="z2-none-fp32-ws2-adam-l2 (gate case) on DeepSpeed 0.19.5",
         model=lambda c: {"adam_l2_decoupled": True},
     ),
@@ -655,6 +675,7 @@ SPECS: tuple[dict, ...] = (
               "all-reduces nothing. 0.19.8 compares dtypes (its :66-77). Measured: 0.19.7 with only that function "
               "replaced by 0.19.8's, the case xfails with DSM-103 alone",
         reproducer="z1-none-fp32-ws2-knob-nocontig (gate case) on DeepSpeed 0.19.7",
+        present=lambda c: tree.capabilities()["z12_buckets_by_type_string"],
     ),
     dict(
         id="DSM-116",
@@ -705,6 +726,7 @@ SPECS: tuple[dict, ...] = (
               "unconditionally; 0.19.7 keeps the momentum when the gradient is not finite (its grad_is_finite, "
               "torch.where) and returns the non-finite gradient so the step is still skipped",
         reproducer="z1-none-fp16-ws2-overflow (gate case) on DeepSpeed 0.19.6",
+        present=lambda c: not tree.capabilities()["muon_update_guards_nonfinite"],
     ),
     dict(
         id="DSM-120",
