@@ -361,3 +361,19 @@ def test_the_reruns_are_one_fresh_gate_process_judging_exactly_the_unexplained_f
     _, pairs, selfchecks = _resumed(GateArgs(results=str(again), resume=True))
     assert sorted(c.name for c, _ in pairs) == sorted(r.case_name for r in recs if compare.needs_rerun(r))
     assert {col for _, col in pairs} == {"stock"} and {c.seed for c, _ in pairs} == {7} and not selfchecks
+
+
+def test_a_first_run_its_rerun_does_not_reproduce_is_classified_on_the_rerun_never_fixed_by_a_race(tmp_path):
+    """The PR tree's `z3-none-bf16-ws2-ga2-knob-nocontig`: base's first run garbled (the ZeRO-3 gather race),
+    its rerun xfailed a bug; head xfailed that bug too. Still present, with the first run named, never fixed."""
+    rows = classified(tmp_path, [
+        (rec("failed", [M1], name="race-then-bug", case=Z3), rec("xfailed", [M1], [A], name="race-then-bug", case=Z3),
+         rec("xfailed", [M1], [A], name="race-then-bug", case=Z3)),
+        (rec("failed", [M1], name="reproduced", case=Z3), rec("xfailed", [M1], [A], name="reproduced", case=Z3),
+         rec("failed", [M1], name="reproduced", case=Z3)),
+    ])
+    assert rows["race-then-bug"].cls == "still present", rows["race-then-bug"].why
+    assert "base's first run (failed) did not reproduce" in rows["race-then-bug"].why
+    assert all(i in rows["race-then-bug"].why for i in _intermittent(Z3))
+    assert rows["reproduced"].cls == "fixed"  # the same failure twice: the head's xfail explains strictly more
+    assert "fixed" not in compare.bug_tally([rows["race-then-bug"]]).get(A, {})

@@ -199,6 +199,20 @@ def _flaky(base: CaseRecord, head: CaseRecord, base_again: CaseRecord | None, he
                                         "; no registered intermittent bug explains it")
 
 
+def _reproduced(side: str, rec: CaseRecord, again: CaseRecord | None) -> tuple[CaseRecord, str]:
+    """The side's outcome to classify on, and a note: a failure whose rerun failed otherwise (another status,
+    other bugs, another first symptom) did not reproduce, so the rerun's outcome is the side's -- a race that
+    garbled the first run must not read as a fix or a change (a rerun that passed is ``_flaky``'s)."""
+    if again is None or not needs_rerun(rec) or again.status in PASSES:
+        return rec, ""
+    if (again.status, set(again.bug_ids), failures(again).symptom) == (rec.status, set(rec.bug_ids),
+                                                                      failures(rec).symptom):
+        return rec, ""
+    explains = intermittent_bugs(rec)
+    return again, (f"{side}'s first run ({tag(rec)}) did not reproduce on its rerun ({tag(again)}), which is "
+                   f"classified" + (f"; {', '.join(explains)} can explain it" if explains else ""))
+
+
 def classify(base: CaseRecord | None, head: CaseRecord | None, base_again: CaseRecord | None = None,
              head_again: CaseRecord | None = None) -> tuple[str, str]:
     """(class, why) of one case-column, from its records and its reruns' (``*_again``; None: not rerun)."""
@@ -215,6 +229,12 @@ def classify(base: CaseRecord | None, head: CaseRecord | None, base_again: CaseR
     flaky = _flaky(base, head, base_again, head_again)
     if flaky:
         return "flaky", flaky
+    (base, b_note), (head, h_note) = _reproduced("base", base, base_again), _reproduced("head", head, head_again)
+    cls, why = _classify_reproduced(base, head)
+    return cls, "; ".join(x for x in (why, b_note, h_note) if x)
+
+
+def _classify_reproduced(base: CaseRecord, head: CaseRecord) -> tuple[str, str]:
     b_ok, h_ok = base.status in PASSES, head.status in PASSES
     if b_ok and h_ok:
         return "unchanged", ""
