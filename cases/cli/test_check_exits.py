@@ -195,6 +195,7 @@ def test_run_refuses_a_world_size_the_machine_cannot_host(capsys):
 _REFUSED_CONFIGS = {
     "z3-muon-reduce-scatter": [{"stage": 3}, {"stage": "3"}, {"stage": 3.0}, {"stage": "3", "reduce_scatter": "yes"},
                                {"stage": 3, "reduce_scatter": 1}, {"stage": 3, "reduce_scatter": "ON"}],
+    "bf16opt-muon-not-2d": [],  # configs with a 4-D shape: _REFUSED_WITH_SHAPES
     "z3-muon-all2all": [{"stage": 3, "reduce_scatter": False, "zero_quantized_gradients": True},
                         {"stage": "3", "reduce_scatter": "false", "zero_quantized_gradients": "true"},
                         {"stage": 3.0, "reduce_scatter": 0, "zero_quantized_gradients": "y"}],
@@ -213,13 +214,27 @@ def test_every_refusal_of_the_registry_is_covered_here():
     assert {r.name for r in REFUSALS} == set(_REFUSED_CONFIGS) | set(_UNREACHABLE)
 
 
-@pytest.mark.parametrize("name, zero", [(n, z) for n, zs in _REFUSED_CONFIGS.items() for z in zs])
+# The BF16_Optimizer route's refusal needs a non-2-D Muon parameter: a 4-D kernel in --shapes.
+BF16_ROUTE = ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+              {"bf16": {"enabled": "yes"}, "data_types": {"grad_accum_dtype": "float32"}},
+              {"bfloat16": {"enabled": 1}, "data_types": {"grad_accum_dtype": "torch.float32"}})
+
+
+def _refused_cases():
+    for name, zeros in _REFUSED_CONFIGS.items():
+        for z in zeros:
+            yield name, _cfg(zero_optimization=z), ()
+    for top in BF16_ROUTE:
+        yield "bf16opt-muon-not-2d", _cfg(zero_optimization={"stage": "1"}, **top), ("--shapes", "16x8,4x2x3x3")
+
+
+@pytest.mark.parametrize("name, cfg, extra", list(_refused_cases()))
 @pytest.mark.parametrize("json_mode", [True, False])
-def test_a_config_deepspeed_refuses_exits_2_before_any_rank_never_pass(tmp_path, capfd, name, zero, json_mode):
+def test_a_config_deepspeed_refuses_exits_2_before_any_rank_never_pass(tmp_path, capfd, name, cfg, extra, json_mode):
     from harness.registry.refusals import REFUSALS
 
     refusal = next(r for r in REFUSALS if r.name == name)
-    code, out, err = run_check(tmp_path, capfd, _cfg(zero_optimization=zero), *(["--json"] if json_mode else []))
+    code, out, err = run_check(tmp_path, capfd, cfg, *(["--json"] if json_mode else []), *extra)
     assert code == check.EXIT_BAD_INPUT, err
     line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
     assert f"refuses this config: {refusal.etype}: {refusal.fragment} ({refusal.frame})" in line

@@ -707,6 +707,7 @@ def tp_cases(full: bool = False) -> list[Case]:
 # head count, and 8 rows in 3 heads (8 & 3 == 0, so a "%" turned "&" would not refuse it either).
 HEADS_3D_PARAM = ParamShape("attn.qkv3d.weight", (2, 4, 6), num_heads=2)
 HEADS_INDIVISIBLE_PARAM = ParamShape("attn.qkv.weight", (8, 6), num_heads=3)
+CONV_MUON_PARAM = ParamShape("conv.weight", (4, 2, 3, 3))  # 4-D: DeepSpeed's name rule tags it Muon
 
 
 def ds_refusal_cases(full: bool = False) -> list[Case]:
@@ -715,7 +716,8 @@ def ds_refusal_cases(full: bool = False) -> list[Case]:
     all-to-all group), both refused in the ZeRO-3 optimizer's constructor; and, on ZeRO-1, per-head Muon
     on a 3-D tensor and on 8 rows in 3 heads, refused at the first step; and ZeRO-3 with two Muon groups
     of different momentum (rising, and falling), refused at construction. Each passes only when a rank raises
-    DeepSpeed's own ValueError in the function that must raise it. 6 cases, CI and --full."""
+    DeepSpeed's own ValueError in the function that must raise it; and the BF16_Optimizer route with a 4-D kernel
+    on Muon, refused at construction. 7 cases, CI and --full."""
     return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused"),
             _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused"),
             _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_3D_PARAM,), suffix="-heads3d-refused"),
@@ -728,7 +730,10 @@ def ds_refusal_cases(full: bool = False) -> list[Case]:
                 ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.95))),
             _case(3, "none", "fp32", 2, suffix="-betas-fall-refused").replace(groups=(
                 ParamGroup(("layer0.weight", "layer0.bias"), momentum=0.95),
-                ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.9)))]
+                ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.9))),
+            # the BF16_Optimizer route with a 4-D kernel on Muon, refused at construction
+            _with_config(_case(1, "none", "bf16", 2, params=tuple(TINY_PARAMS) + (CONV_MUON_PARAM,)),
+                         "-bf16opt-conv-refused", data_types={"grad_accum_dtype": "fp32"})]
 
 
 def equal_betas_cases(full: bool = False) -> list[Case]:
@@ -1095,6 +1100,7 @@ def dpgroup_cases(full: bool = False) -> list[Case]:
 
 # Name suffixes (or prefixes) that say which group of paths a gate case belongs to; first match wins.
 GROUPS = (
+    ("pairs", lambda n: "-pair-" in n or "-triple-" in n),
     ("sweep", lambda n: n.startswith("sweep-")),
     ("departures", lambda n: "-departs-" in n),
     ("models", lambda n: _is_model_case(n)),

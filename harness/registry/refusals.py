@@ -118,6 +118,14 @@ REFUSALS: tuple[DsRefusal, ...] = (
               "runtime/zero/stage3.py:927-929 (0.19.8); the same check from 0.18.9",
               lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 3 and len(_muon_group_betas(c, cfg)) > 1,
               'give every parameter group that holds a Muon matrix the same momentum'),
+    # The BF16_Optimizer route (bf16 with fp32 gradient accumulation at ZeRO-1, DSConfig.bf16_optimizer_route)
+    # orthogonalises whole 2-D matrices only and refuses a Muon parameter of another rank at construction.
+    DsRefusal("bf16opt-muon-not-2d", "ValueError", "BF16 Muon currently supports dense two-dimensional matrices only",
+              "bf16_optimizer.py:__init__", "runtime/bf16_optimizer.py:62-66 (0.19.8)",
+              lambda c, cfg: _muon(cfg) and dsconfig.resolve(cfg).bf16_optimizer_route
+              and any(p.uses_muon and len(p.shape) != 2 for p in c.params),
+              'keep every Muon parameter a 2-D matrix on this route, or "data_types": {"grad_accum_dtype": "bf16"} '
+              "(the ZeRO-1 optimizer, which takes them)"),
     # Per-head Muon under AutoTP: every tagged projection's shard cuts a head, so nothing stays per-head
     # after the re-resolution on the shards; DeepSpeed raises rather than train without it.
     DsRefusal("per-head-tp-cut", "ValueError", "every tagged projection is sharded across head boundaries",
