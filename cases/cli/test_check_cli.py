@@ -103,8 +103,9 @@ def test_bad_input_json_mode_prints_one_object(tmp_path):
 @pytest.mark.pipeline
 def test_example_zero1_fp32_passes_via_torchrun_with_json_and_report(tmp_path):
     report = tmp_path / "check.html"
-    r = run_cli("--ds-config", EXAMPLES / "zero1_fp32.json", *SMALL, "--launcher", "torchrun", "--json",
-                "--report", report)
+    # three steps: its WarmupLR (log, from 0) runs the first two at lr 0, so two would judge no weight moving
+    r = run_cli("--ds-config", EXAMPLES / "zero1_fp32.json", *SMALL, "--steps", "3", "--launcher", "torchrun",
+                "--json", "--report", report)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)  # stdout holds exactly one JSON object
     assert out["verdict"] == "pass" and out["status"] == "passed" and out["launcher"] == "torchrun"
@@ -124,10 +125,11 @@ def test_example_zero1_fp32_passes_via_torchrun_with_json_and_report(tmp_path):
 def test_example_zero2_bf16_cpu_offload_passes_quietly():
     r = run_cli("--ds-config", EXAMPLES / "zero2_bf16_cpu_offload.json", *SMALL, "--no-report", "-q")
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()  # -q: the verdict and the report line, nothing else
-    assert len(lines) == 2, r.stdout
-    assert lines[0].startswith("verdict: PASS: every quantity within tolerance")
-    assert lines[1] == "report: none (--no-report)"
+    lines = r.stdout.splitlines()  # -q: the two references' verdicts and the report line, nothing else
+    assert len(lines) == 3, r.stdout
+    assert lines[0].startswith("muon as defined: ")
+    assert lines[1].startswith("verdict: PASS: every quantity within tolerance")
+    assert lines[2] == "report: none (--no-report)"
 
 
 @pytest.mark.pipeline

@@ -145,7 +145,9 @@ def test_the_minimal_config_passes_for_real(tmp_path):
 
 @pytest.mark.pipeline
 def test_the_hf_zero2_template_runs_for_real(tmp_path):
-    result = _check(tmp_path, HF_ZERO2, *TRAINER, "--trainer-arg", "bf16=true")
+    # past the warm-up: its "auto" warmup_min_lr is 0, so the steps before it move no weight (exit 4)
+    result = _check(tmp_path, HF_ZERO2, *TRAINER, "--trainer-arg", "bf16=true", "--steps", "4")
+    assert result["basis"]["moved"], result["basis"]
     assert result["exit_code"] in (0, 1) and result["pipeline"]["dtype"] == "bf16"
     assert result["verdict"] == "pass" or result["bug_ids"], result["message"]
 
