@@ -260,6 +260,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "this tree picks the Newton-Schulz compute dtype inline (original_muon.py zeropower_via_*); there is "
             "no ns_compute_dtype to force float64 through",
             lambda k, c: not k["ns_compute_dtype_hook"], lambda c, cfg: c.ns_dtype is not None),
+    # MUON-NS16's size is held to the oracle's bit-faithful emulation of the tree's 16-bit Newton-Schulz
+    # (harness.judge.departure_pins): only where the emulation follows the tree's operation order.
+    Refusal("ns16-departure-emulation",
+            "this tree's 16-bit Newton-Schulz does not follow the oracle's emulated operation order, so the size of "
+            "MUON-NS16 has no bit-faithful second computation here",
+            lambda k, c: not k["ns_order_emulated"], lambda c, cfg: "MUON-NS16" in (c.departs or ())),
     # The Muon all-gather cache (``Case.allgather_caps``, checked by harness.rank.gather_cache).
     Refusal("muon-allgather-cache", "this tree's ZeRO optimizer keeps no Muon all-gather cache "
             "(_muon_allgather_buffers)",
