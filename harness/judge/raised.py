@@ -1,5 +1,5 @@
-"""What a rank's traceback says was raised, and where: one reading of Python's traceback text for the
-judges that need more than a signature match (``harness.registry.bugs.raised_in`` matches one).
+"""What a rank's traceback says was raised, and where: one reading of Python's traceback text, for crash
+bugs and DeepSpeed's refusals (``raised_in``, a signature match) and for the judges that need more.
 
 Why it matters: a config DeepSpeed refuses inside ``deepspeed.initialize`` (a check its config classes do
 not make) reaches the ranks and fails there; ``check`` must tell that apart from a crash in a step, since
@@ -78,3 +78,16 @@ def refused_at_initialize(text: str) -> Raised | None:
     if r is None or r.innermost is None or not r.innermost.in_deepspeed:
         return None
     return r if r.passed_through("deepspeed/__init__.py", "initialize") else None
+
+
+def raised_in(traceback: str, etype: str, fragment: str, func: str, file: str | None = None) -> bool:
+    """Does a rank's traceback end in ``etype`` with ``fragment`` in its message, raised through ``func``
+    (in ``file``, when given)? One reading of a traceback for crash bugs and DeepSpeed's own refusals."""
+    lines = traceback.strip().splitlines()
+    # (a bare ``assert`` ends the traceback with the type alone)
+    last = [line for line in lines if line.startswith(etype + ":") or line.strip() == etype]
+    if not (last and fragment in last[-1]):
+        return False
+    if file is None:
+        return f"in {func}" in traceback
+    return any(file in line and line.rstrip().endswith(f"in {func}") for line in lines)

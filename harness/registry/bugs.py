@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from harness.env import versions
+from harness.judge.raised import raised_in
 from harness.registry import historical, refusals
 from harness.registry.releases import measured
 from harness.case import nvme
@@ -115,19 +116,6 @@ class Bug:
             return False
         return any(raised_in(traceback, etype, fragment, frame)
                    for etype, fragment, frame in (self.crash, *self.crash_also))
-
-
-def raised_in(traceback: str, etype: str, fragment: str, func: str, file: str | None = None) -> bool:
-    """Does a rank's traceback end in ``etype`` with ``fragment`` in its message, raised through ``func``
-    (in ``file``, when given)? One reading of a traceback for crash bugs and DeepSpeed's own refusals."""
-    lines = traceback.strip().splitlines()
-    # (a bare ``assert`` ends the traceback with the type alone)
-    last = [line for line in lines if line.startswith(etype + ":") or line.strip() == etype]
-    if not (last and fragment in last[-1]):
-        return False
-    if file is None:
-        return f"in {func}" in traceback
-    return any(file in line and line.rstrip().endswith(f"in {func}") for line in lines)
 
 
 # ------------------------------------------------------------------------------------------------

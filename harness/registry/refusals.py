@@ -7,7 +7,7 @@ Why a case kind of its own: the harness refuses some configurations before any r
 DeepSpeed that stopped refusing one (its guard negated or deleted) would run Muon on a path it says
 it cannot run, and nothing would notice. These cases hand it the config on purpose.
 
-A refusal is matched as a crash bug is (``harness.registry.bugs.raised_in``): exception type, a message
+A refusal is matched as a crash bug is (``harness.judge.raised.raised_in``): exception type, a message
 fragment (DeepSpeed's own words) and the frame that raises, read from the rank's traceback. Each entry
 names the source lines it was read from; a tree is expected to refuse only where its source still says the
 refusal's message (``DsRefusal.said_by``: a probe of the tree, not of its version string).
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from harness.case import dsconfig
 from harness.env import tree
+from harness.judge.raised import raised_in
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,6 @@ class DsRefusal:
         return tree.package_path(self.frame.partition(":")[0])
 
     def matches(self, traceback: str) -> bool:
-        from harness.registry.bugs import raised_in  # late: keeps this module torch-free at import
-
         file, _, func = self.frame.partition(":")
         return raised_in(traceback, self.etype, self.fragment, func, file=file)
 
