@@ -24,6 +24,11 @@ from harness.registry import historical
 
 from cases.versions.trees import caps
 
+# The probes are held to the installed tree as 0.19.8's (the pinned release they were written against); the
+# version run on another release (.ci/run's 0.19.7 part) has no 0.19.8 installed to read.
+pytestmark = pytest.mark.skipif(versions.installed().release != "0.19.8",
+                                reason="reads the installed tree as DeepSpeed 0.19.8's")
+
 
 @pytest.fixture(scope="module")
 def gate():
