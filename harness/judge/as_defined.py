@@ -23,6 +23,7 @@ import torch
 from harness.case.schedule_lrs import broadcast_lrs
 from harness.case.spec import Case
 from harness.case.trajectory import Trajectory
+from harness.judge.departures import muon_group_lr
 from oracles import muon_as_defined as mad
 
 PEAK_PARAMS = ("warmup_max_lr", "cycle_max_lr", "max_lr")  # a schedule's one peak for every group
@@ -30,11 +31,6 @@ PEAK_PARAMS = ("warmup_max_lr", "cycle_max_lr", "max_lr")  # a schedule's one pe
 
 def _true(a, scale: float) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a, np.float64) / float(scale))
-
-
-def _muon_lr(rec) -> float | None:
-    lrs = {lr for g, lr in rec.group_lr.items() if g.endswith("muon-params")}
-    return lrs.pop() if len(lrs) == 1 else None
 
 
 def _row(step: int, name: str, d_ds: torch.Tensor, d_def: torch.Tensor) -> dict:
@@ -53,7 +49,7 @@ def gap(case: Case, traj: Trajectory) -> dict:
     prev_m: dict[str, torch.Tensor] = {}
     rows, missing = [], []
     for rec in traj.steps:
-        lr = _muon_lr(rec)
+        lr = muon_group_lr(rec)
         grads = {n: ps.grad for n, ps in rec.params.items()}
         if not rec.skipped and (lr is None or any(g is None for g in grads.values())):
             missing.append(f"step {rec.step}: " + ("no single Muon group lr" if lr is None else "a gradient"))

@@ -39,7 +39,7 @@ from harness.case.trajectory import Trajectory
 from harness.case.tp import COLUMN_PARALLEL
 from harness.case.tp import geometry as tp_geometry
 from harness.judge import tp_verdict
-from harness.judge.departures import NOT_MEASURED, Finding, muon_input
+from harness.judge.departures import NOT_MEASURED, Finding, muon_group_lr, muon_input
 from oracles import schedules
 from oracles.emulate import emulated_direction
 from oracles.newton_schulz import muon_direction
@@ -75,11 +75,6 @@ def _half_lr(case: Case, half: str) -> float:
     return float(p[f"{half}_lr"] if f"{half}_lr" in p else p["lr"])
 
 
-def _muon_group_lr(rec) -> float | None:
-    lrs = {lr for g, lr in rec.group_lr.items() if g.endswith("muon-params")}
-    return lrs.pop() if len(lrs) == 1 else None
-
-
 def _applied_factor(prev: np.ndarray, cur: np.ndarray, O: np.ndarray, lr: float, wd: float) -> tuple[float, float]:
     """(f, allowance): the factor the step applied to ``O``, least squares over the matrix, and its round-off
     bound: each fp32 master carries u32 |theta| (and the decayed product and ``lr f O`` one more rounding each),
@@ -98,7 +93,7 @@ def _clip(case: Case, traj: Trajectory, f: Finding) -> list[str]:
     prev = dict(traj.initial)
     out, seen = [], 0
     for rec in traj.steps:
-        lr = _muon_group_lr(rec)
+        lr = muon_group_lr(rec)
         for name, ps in rec.params.items():
             if name in muon and not rec.skipped and lr and ps.update is not None and np.any(ps.update):
                 row = rows.get(rec.step, {})

@@ -268,6 +268,12 @@ def _configured_lr(case: Case, group: str) -> tuple[str, float, str] | None:
     return half, float(lr), case.ds.source(f"optimizer.{half}.lr")
 
 
+def muon_group_lr(rec: StepRecord) -> float | None:
+    """The lr the Muon half ran at in a step: its groups' one lr (None: none recorded, or groups that differ)."""
+    lrs = {lr for g, lr in rec.group_lr.items() if g.endswith("muon-params")}
+    return lrs.pop() if len(lrs) == 1 else None
+
+
 def lr_rows(case: Case, traj: Trajectory) -> list[dict]:
     """Per step and DeepSpeed param group, the lr it used against the one configured for its half."""
     rows = []
