@@ -89,7 +89,7 @@ def test_the_gate_calls_it_unjudged_not_passed_and_not_failed(monkeypatch):
 
 
 def test_a_bug_model_that_matches_elsewhere_does_not_make_it_an_xfail(monkeypatch):
-    bug = SimpleNamespace(id="DSM-001", crash=None, quantities=frozenset({"momentum"}),
+    bug = SimpleNamespace(id="DSM-001", label="DSM-001", crash=None, quantities=frozenset({"momentum"}),
                           model=lambda c: {"momentum_dtype": "model"})
     verdicts = {None: _verdict(diverged="momentum"), "model": _verdict()}
     o = _decide(monkeypatch, verdicts, [bug])

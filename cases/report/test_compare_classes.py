@@ -376,4 +376,24 @@ def test_a_first_run_its_rerun_does_not_reproduce_is_classified_on_the_rerun_nev
     assert "base's first run (failed) did not reproduce" in rows["race-then-bug"].why
     assert all(i in rows["race-then-bug"].why for i in _intermittent(Z3))
     assert rows["reproduced"].cls == "fixed"  # the same failure twice: the head's xfail explains strictly more
-    assert "fixed" not in compare.bug_tally([rows["race-then-bug"]]).get(A, {})
+    # the tally reads the outcome the case was classified on: the base's rerun shows the bug too
+    assert compare.bug_tally([rows["race-then-bug"]])[A] == {"still present": ["race-then-bug"]}
+
+
+def test_a_variant_model_the_head_matched_is_named_beside_its_bug(tmp_path):
+    """DeepSpeed PR #8464's growth cases match DSM-003's variant (Muon after the scale update), not its own
+    model: the summary says which, as the gate's record does; the base's own model is no variant."""
+    import dataclasses
+
+    from harness.registry.bugs import BUGS
+
+    variant = next(v for v in next(b for b in BUGS if b.id == C).with_variants() if v.variant)
+    assert variant.label == f"{C} (variant: {variant.variant})" and variant.model is not None
+    said = f"g: diverges ... matches the bug model(s) ({variant.label}: {{...}}) within the usual tolerances"
+    head = dataclasses.replace(rec("xfailed", [S2], [C], name="g"), message=said)
+    rows = classified(tmp_path, [(rec("passed", name="g"), head),
+                                 (rec("passed", name="own"), rec("xfailed", [S2], [C], name="own"))])
+    line = next(ln for ln in compare.summary(list(rows.values()), "base", "head").splitlines()
+                if ln.startswith(f"- **{C}**"))
+    assert f"variant on head: {variant.variant}" in line
+    assert compare.variants_matched([rows["own"]], C) == []

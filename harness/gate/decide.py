@@ -358,7 +358,7 @@ def _judge_models(c: Case, column: str, bugs, traj, bits: RunBits, verdict: Verd
     mproblems, mmsgs = _problems(c, mverdict, traj)
     excused = set().union(*(b.quantities - NUMERIC for b in modelled), *(b.quantities for b in unmodelled))
     residual = [p for p in mproblems if p[1] not in excused]
-    model_txt = ", ".join(f"{b.id}: {b.model(c) or 'numbers unchanged'}" for b in modelled)
+    model_txt = ", ".join(f"{b.label}: {b.model(c) or 'numbers unchanged'}" for b in modelled)
     if residual:
         message = (f"{c.name}: stock DeepSpeed does not match the model of {', '.join(b.id for b in modelled)} "
                    f"({model_txt}); divergences the bug(s) do not predict: {sorted(set(residual))}\n"

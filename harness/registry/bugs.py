@@ -86,10 +86,18 @@ class Bug:
     # tried only there, beside ``model``, and only as candidates (``harness.gate.decide``); each says which
     # code it is the model of in its comment
     variants: tuple[Callable[[Case], dict | None], ...] = ()
+    variant: str | None = None  # on a bug ``with_variants`` made: which variant model it carries
 
     def with_variants(self) -> list["Bug"]:
-        """This bug with its own model, then once per variant model (the same id, trigger and quantities)."""
-        return [self] + [replace(self, model=v, variants=()) for v in self.variants]
+        """This bug with its own model, then once per variant model (the same id, trigger and quantities), each
+        named by its function (``_muon_in_new_scale``: "muon in new scale") so a verdict can say which matched."""
+        return [self] + [replace(self, model=v, variants=(), variant=v.__name__.strip("_").replace("_", " "))
+                         for v in self.variants]
+
+    @property
+    def label(self) -> str:
+        """The id, and the variant where this is one: what a verdict names."""
+        return self.id + (f" (variant: {self.variant})" if self.variant else "")
 
     @property
     def modelled(self) -> str:

@@ -266,6 +266,15 @@ class Row:
     base_again: CaseRecord | None = None  # the rerun's record, where the side was rerun
     head_again: CaseRecord | None = None
 
+    @property
+    def base_seen(self) -> CaseRecord | None:
+        """The base outcome the case is classified on: the rerun's where the first run did not reproduce."""
+        return None if self.base is None else _reproduced("base", self.base, self.base_again)[0]
+
+    @property
+    def head_seen(self) -> CaseRecord | None:
+        return None if self.head is None else _reproduced("head", self.head, self.head_again)[0]
+
 
 def stock_records(root: Path) -> dict[str, CaseRecord]:
     recs = load_records(root)
@@ -319,12 +328,12 @@ def _tally_kind(on_base: bool, on_head: bool, r: Row) -> str:
     if on_base:
         if r.cls == "fixed":
             return "fixed"
-        if r.head.status == "skipped":
+        if r.head_seen.status == "skipped":
             return "head lacks the case"
-        return "masked by a head error or crash" if _stopped(r.head) else "gone, head fails otherwise"
-    if r.base.status == "skipped":
+        return "masked by a head error or crash" if _stopped(r.head_seen) else "gone, head fails otherwise"
+    if r.base_seen.status == "skipped":
         return "in code the base lacks"
-    return "base crashed before reaching it" if _stopped(r.base) else "new on head"
+    return "base crashed before reaching it" if _stopped(r.base_seen) else "new on head"
 
 
 def bug_tally(rows: list[Row]) -> dict[str, dict[str, list[str]]]:
@@ -334,18 +343,26 @@ def bug_tally(rows: list[Row]) -> dict[str, dict[str, list[str]]]:
     for r in rows:
         if r.base is None or r.head is None or r.cls == "cannot judge":
             continue
-        b, h = _shown(r.base), _shown(r.head)
+        b, h = _shown(r.base_seen), _shown(r.head_seen)
         for bug in sorted(b | h):
             tally.setdefault(bug, {}).setdefault(_tally_kind(bug in b, bug in h, r), []).append(r.case)
     return dict(sorted(tally.items()))
 
 
-def bug_line(bug: str, kinds: dict[str, list[str]]) -> str:
+def variants_matched(rows: list[Row], bug: str) -> list[str]:
+    """The variant models of ``bug`` (``Bug.with_variants``) a head's record says it matched: the gate names one
+    in its message as "<id> (variant: <name>)"; the record's bug ids carry the id alone."""
+    said = re.compile(re.escape(bug) + r" \(variant: ([^)]+)\)")
+    return sorted({m for r in rows if r.head is not None for m in said.findall(r.head_seen.message)})
+
+
+def bug_line(bug: str, kinds: dict[str, list[str]], variants: list[str] = ()) -> str:
     def said(k: str) -> str:
         cases = kinds[k]
         example = f" (e.g. `{cases[0]}`)" if k in INTRODUCED + ("fixed",) else ""
         return f"{k} in {len(cases)}{example}"
-    return f"- **{bug}**: " + ", ".join(said(k) for k in TALLY if kinds.get(k))
+    on_head = f" ({'; '.join(f'variant on head: {v}' for v in variants)})" if variants else ""
+    return f"- **{bug}**{on_head}: " + ", ".join(said(k) for k in TALLY if kinds.get(k))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,9 +389,10 @@ def unexplained(rows: list[Row]) -> list[Row]:
 
 def _bug_sections(rows: list[Row]) -> list[str]:
     tally = bug_tally(rows)
-    intro = [bug_line(b, k) for b, k in tally.items() if any(k.get(i) for i in INTRODUCED)]
-    fixes = [bug_line(b, k) for b, k in tally.items() if k.get("fixed")]
-    other = [bug_line(b, k) for b, k in tally.items() if not k.get("fixed") and not any(k.get(i) for i in INTRODUCED)]
+    lines = {b: bug_line(b, k, variants_matched(rows, b)) for b, k in tally.items()}
+    intro = [lines[b] for b, k in tally.items() if any(k.get(i) for i in INTRODUCED)]
+    fixes = [lines[b] for b, k in tally.items() if k.get("fixed")]
+    other = [lines[b] for b, k in tally.items() if not k.get("fixed") and not any(k.get(i) for i in INTRODUCED)]
     nameless = [r for r in rows if r.cls == "fixed" and not _shown(r.base)]
     if nameless:
         fixes.append(f"- failures without a bug id: fixed in {len(nameless)} (e.g. `{nameless[0].case}`)")
