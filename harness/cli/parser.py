@@ -207,6 +207,10 @@ _SOURCE_MUTATION_OPTIONS = (
     (("--worker-url",), dict(action="append", default=[], help="an HTTP worker (repeatable)")),
     (("--report",), dict(default=None, help="HTML report (default: reports/mutation.html for a full run, "
                                             "reports/mutation-<session>.html for a sample or --only)")),
+    (("--tree",), dict(default=None, metavar="PATH",
+                       help="mutate another DeepSpeed source checkout's Muon code (scope derived from its source, "
+                            "judged in its own venv from scripts/deepspeed_venv.sh; its own state, session and "
+                            "ledger; stock column, local distributor)")),
 )
 
 
@@ -218,7 +222,8 @@ def _mutate(sub) -> None:
         "1  a mutant survived or a prediction failed (cosmic-ray: a survivor not in the equivalents file, a "
         "mutant the harness failed to judge, or Cosmic Ray's results unreadable)",
         "2  bad input: an unknown --case, an option of the other engine, --sample below 1, --distributor http "
-        "without --worker-url, Cosmic Ray not installed, or its session not built"))
+        "without --worker-url, a --tree that is no DeepSpeed source checkout (or with --column patched or "
+        "--distributor http), Cosmic Ray not installed, or its session not built"))
     mu.add_argument("--engine", choices=("cosmic-ray",), default=None,
                     help="cosmic-ray: mutate DeepSpeed's own Muon source with Cosmic Ray instead of running the "
                          "catalogued known-bug mutants (options under 'source mutation')")

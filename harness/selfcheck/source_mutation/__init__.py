@@ -12,6 +12,7 @@ equivalents   the curated equivalent mutants (harness/data)
 ledger        the judged results (an output under reports/mutation-ledger), so a whole-scope run resumes
 report        mutation.html
 cli           the ``mutate --engine cosmic-ray`` driver
+tree_run      ``--tree``: another DeepSpeed tree's Muon code, judged in that tree's venv
 
 Imports inside functions are deliberate in this package: DeepSpeed must be imported from the mutated
 copy, so nothing may import it before ``workspace.use_copy()`` has put the copy first on the path, and

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from harness.env import buildenv
+from harness.selfcheck.source_mutation import scope, tree_run
 
 ENGINE_ENV = "MUON_COSMIC_RAY"
 
@@ -38,12 +39,15 @@ def engine_executable() -> Path | None:
     return None
 
 
-def session_tag(sample: int | None, seed: int, only: str | None, column: str = "stock") -> str:
+def session_tag(sample: int | None, seed: int, only: str | None, column: str = "stock",
+                tree: str | None = None) -> str:
     tag = "full" if sample is None else f"sample{sample}-seed{seed}"
     if only:
         tag += "-only-" + "".join(ch if ch.isalnum() else "_" for ch in only)[:40]
     if column != "stock":  # the stock column's sessions keep their first names
         tag += f"-{column}"
+    if tree:  # another tree's sessions and reports never take a 0.19.8 run's name
+        tag += f"-tree-{tree}"
     return tag
 
 
@@ -103,7 +107,7 @@ def _bad_args(args) -> str | None:
         return "--sample must be >= 1"
     if args.distributor == "http" and not args.worker_url:
         return "--distributor http needs at least one --worker-url"
-    return None
+    return tree_run.problem(args)
 
 
 def _session_cmd(engine_py: Path, session: Path, cmap_path: Path, args, replaced: list[str],
@@ -207,9 +211,14 @@ def run(args) -> int:
         print(f"error: Cosmic Ray not found: run `bash scripts/run.sh mutation` (makes .venv-mutation) or set "
               f"{ENGINE_ENV} to its cosmic-ray executable", file=sys.stderr)
         return 2
+    if args.tree:
+        checkout = tree_run.checkout_of(args.tree)
+        if not tree_run.runs_here(checkout):
+            return tree_run.run_in_tree(args, checkout)
+        os.environ[scope.TREE_ENV] = str(checkout / "deepspeed")
     engine_py = engine.parent / "python"
     buildenv.apply_base_env()
-    from harness.selfcheck.source_mutation import coverage_map, equivalents, ledger, patched, report, scope, workspace
+    from harness.selfcheck.source_mutation import coverage_map, equivalents, ledger, patched, report, workspace
 
     t0 = time.perf_counter()
     lock = workspace.lock_copy(progress=lambda s: print(s, flush=True))  # noqa: F841 - held until exit
@@ -219,12 +228,13 @@ def run(args) -> int:
     workspace.use_copy()
     _, cmap_path = _coverage_map(args.column)
     state = workspace.state_dir()
-    tag = session_tag(args.sample, args.seed, args.only, args.column)
+    tag = session_tag(args.sample, args.seed, args.only, args.column, workspace.tree_key())
     session = state / "sessions" / f"{tag}.sqlite"
     session.parent.mkdir(parents=True, exist_ok=True)
     config = state / f"cosmic-ray-{args.distributor}{'' if args.column == 'stock' else '-' + args.column}.toml"
     write_config(config, workspace.site_dir(), pristine, cmap_path, args.distributor, args.worker_url, args.column)
-    ledger_file = ledger.path_for(args.column, coverage_map.source_digest())
+    ledger_file = ledger.path_for(args.column if not args.tree else f"tree-{workspace.tree_key()}-{args.column}",
+                                  coverage_map.source_digest())
     replaced: list[str] = []
     if args.column == "patched":
         spans_file = state / "patched-replaced.json"

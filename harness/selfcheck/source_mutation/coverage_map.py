@@ -185,7 +185,7 @@ def source_digest() -> str:
     h = hashlib.sha256()
     for rel in scope.files():
         h.update(rel.encode() + (root / rel).read_bytes())
-    for e in scope.SCOPE:
+    for e in scope.active():
         h.update(repr(e).encode())
     return h.hexdigest()[:16]
 

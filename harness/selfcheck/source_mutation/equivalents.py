@@ -7,7 +7,10 @@ not listed here fails the sampled run.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from harness.selfcheck.source_mutation import scope
 
 EQUIVALENTS_FILE = Path(__file__).resolve().parents[2] / "data" / "equivalents.txt"
 # Equivalent only with the patched runtime applied (a fix takes the mutated code off every path, e.g. no fp16
@@ -17,7 +20,10 @@ PATCHED_FILE = Path(__file__).resolve().parents[2] / "data" / "equivalents-patch
 
 def load(column: str = "stock") -> dict[str, str]:
     """The equivalents of a column: ``equivalents.txt``, and on the patched column ``equivalents-patched.txt``
-    too (a key may not be in both)."""
+    too (a key may not be in both). None for another tree (``scope.TREE_ENV``): a key is a position in
+    0.19.8's files, which on another tree names some other token, and its first run is judged untriaged."""
+    if os.environ.get(scope.TREE_ENV):
+        return {}
     out = read(EQUIVALENTS_FILE)
     if column == "patched":
         extra = read(PATCHED_FILE)

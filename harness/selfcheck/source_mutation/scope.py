@@ -16,8 +16,14 @@ Standard library only: the mutation engine's own virtual environment imports thi
 from __future__ import annotations
 
 import ast
+import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+# The DeepSpeed package folder of another tree (``mutate --engine cosmic-ray --tree``): set by the driver, read
+# by every process of the run (session builder, workers, zygote), so that they all scope that tree's code.
+TREE_ENV = "MUON_MUTATION_TREE"
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,24 @@ SCOPE: tuple[Scoped, ...] = (
     Scoped(_PIPE, "PipelinedOptimizerSwapper.swap_in_optimizer_state"),
     Scoped(_PIPE, "PipelinedOptimizerSwapper.swap_out_optimizer_state"),
 )
+
+
+# Functions of 0.19.8's files that the rule of ``for_tree`` would take and the list above leaves out: the
+# same judgement then holds on another tree (``for_tree`` of 0.19.8 is the list above, a test says so).
+LEFT_OUT: dict[str, str] = {
+    f"{_OM}:Muon.step": "the upstream distributed Muon class: DeepSpeed never builds it",
+    f"{_OM}:SingleDeviceMuon.step": "the upstream single-device Muon class: DeepSpeed never builds it",
+    f"{_OM}:SingleDeviceMuonWithAuxAdam.__init__": "the upstream single-device class: DeepSpeed never builds it",
+    f"{_OM}:SingleDeviceMuonWithAuxAdam.step": "the upstream single-device class: DeepSpeed never builds it",
+    f"{_S3}:DeepSpeedZeroOptimizer_Stage3.destroy": "teardown: frees buffers after the last step",
+    f"{_S3}:DeepSpeedZeroOptimizer_Stage3._clear_muon_allgather_buffers": "teardown: frees the gather cache",
+    f"{_S12}:DeepSpeedZeroOptimizer.destroy": "teardown: frees buffers after the last step",
+    f"{_S12}:DeepSpeedZeroOptimizer._clear_muon_allgather_buffers": "teardown: frees the gather cache",
+    f"{_BF16}:BF16_Optimizer.__init__": "the BF16_Optimizer's Muon refusals and layout list; the layout "
+                                        "itself (_build_muon_exchange_layout) is listed",
+    f"{_BF16}:BF16_Optimizer._setup_for_real_optimizer": "the same constructor code, split out",
+    "__init__.py:_report_per_head_tagging": "a log line and a refusal of per_head_muon that tagged nothing",
+}
 
 
 # Why the candidate cases never execute a scoped function (the report prints it beside the function).
@@ -211,8 +235,9 @@ def _multiline_heads(fn) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(out))
 
 
-def resolve(ds_root: Path, scope=SCOPE) -> list[Resolved]:
-    """Every scoped function of the DeepSpeed package at ``ds_root`` with its lines."""
+def resolve(ds_root: Path, scope=None) -> list[Resolved]:
+    """Every scoped function of the DeepSpeed package at ``ds_root`` with its lines (default: the active scope)."""
+    scope = active() if scope is None else scope
     by_file: dict[str, list[Scoped]] = {}
     for e in scope:
         by_file.setdefault(e.file, []).append(e)
@@ -230,5 +255,59 @@ def owner(resolved: list[Resolved], rel: str, line: int) -> Resolved | None:
     return None
 
 
-def files(scope=SCOPE) -> list[str]:
-    return sorted({e.file for e in scope})
+def files(scope=None) -> list[str]:
+    return sorted({e.file for e in (active() if scope is None else scope)})
+
+
+def active() -> tuple[Scoped, ...]:
+    """The scope of this run: 0.19.8's list, or the one derived for the tree ``TREE_ENV`` names."""
+    root = os.environ.get(TREE_ENV)
+    return for_tree(str(Path(root).resolve())) if root else SCOPE
+
+
+def _defs(node, prefix: str = ""):
+    """(qualified name, node) of every function of a module and of its classes, nested functions excluded."""
+    for n in ast.iter_child_nodes(node):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + n.name, n
+        elif isinstance(n, ast.ClassDef):
+            yield from _defs(n, prefix + n.name + ".")
+
+
+def _calls_muon_update(fn) -> bool:
+    return any(isinstance(c, ast.Call) and "muon_update" in (getattr(c.func, "id", None), getattr(c.func, "attr", None))
+               for c in ast.walk(fn))
+
+
+@functools.cache
+def for_tree(ds_root: str) -> tuple[Scoped, ...]:
+    """The Muon code of a DeepSpeed tree the list above was not written for (a pull request on an older base):
+    why derived and not hand-listed: a hand list written after seeing the tree's code is a list tuned on it,
+    and its figure would no longer be a first run. In 0.19.8's files, from the tree's own AST: every entry of
+    ``SCOPE`` the tree still defines (with its part); every other function whose name says Muon or that calls
+    ``muon_update``, whole; every other function whose text mentions Muon, its Muon statements only; none of
+    ``LEFT_OUT``. A function the tree defines twice counts once (the later definition, as ``_find`` resolves it)."""
+    root = Path(ds_root)
+    out: list[Scoped] = []
+    for rel in files(SCOPE):
+        path = root / rel
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        tree = ast.parse(text)
+        lines = text.splitlines()
+        listed = {e.qualname: e for e in SCOPE if e.file == rel and _find(tree, e.qualname) is not None}
+        seen: set[str] = set()
+        for qual, fn in _defs(tree):
+            if qual in seen:
+                continue
+            seen.add(qual)
+            if qual in listed:
+                out.append(listed[qual])
+            elif f"{rel}:{qual}" in LEFT_OUT:
+                continue
+            elif "muon" in fn.name.lower() or _calls_muon_update(fn):
+                out.append(Scoped(rel, qual, "all", why="tree: named for Muon or calls muon_update"))
+            elif _muon_lines(fn, lines):
+                out.append(Scoped(rel, qual, "muon", why="tree: mentions Muon"))
+    return tuple(out)

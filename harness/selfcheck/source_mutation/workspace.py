@@ -35,8 +35,17 @@ def installed_deepspeed() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def tree_key() -> str | None:
+    """Names the tree ``scope.TREE_ENV`` points at (None: the installed release's own run). Why not its
+    version: a pull request on a master commit says "0.19.6+unknown", as does its base."""
+    root = os.environ.get(scope.TREE_ENV)
+    return hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:10] if root else None
+
+
 def state_dir() -> Path:
-    return buildenv.cache_root() / "source-mutation" / f"torch{buildenv.TORCH_VERSION}-ds{buildenv.deepspeed_version()}"
+    name = f"torch{buildenv.TORCH_VERSION}-ds{buildenv.deepspeed_version()}"
+    key = tree_key()
+    return buildenv.cache_root() / "source-mutation" / (name + (f"-tree-{key}" if key else ""))
 
 
 def site_dir() -> Path:
