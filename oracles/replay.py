@@ -43,6 +43,14 @@ def momentum_storage(conv: Conventions, model_dtype: str, emulated: bool) -> str
     return model_dtype if conv.momentum_dtype == "model" and not emulated else "fp32"
 
 
+def ns_input_storage(conv: Conventions, model_dtype: str, emulated: bool) -> str:
+    """The dtype whose rounding separates the Nesterov blend Newton-Schulz reads from the replay's: the
+    momentum's storage (``momentum_storage``), except where the blend is fused (``fused_blend``): it then
+    reads the new momentum before its 16-bit rounding and is itself unrounded, so it is as close to the
+    replay's as fp32 arithmetic, while the stored momentum still carries its own rounding."""
+    return "fp32" if conv.fused_blend else momentum_storage(conv, model_dtype, emulated)
+
+
 def state_momentum(conv: Conventions, raw: torch.Tensor, raw_scale: float) -> torch.Tensor:
     """A captured momentum (``raw``, carrying ``raw_scale``) in the units the oracle's state holds."""
     return raw if conv.momentum_units == "scaled" else raw / raw_scale
@@ -93,6 +101,25 @@ def stepped_gradients(conv: Conventions, G: Mapping[str, torch.Tensor], use_muon
             if left is not None:  # nothing captured to predict from: the gradient check holds it to zero
                 out[n] = left
     return out
+
+
+def with_carried(conv: Conventions, G: Mapping[str, torch.Tensor], carried: Mapping[str, torch.Tensor],
+                 backward_scale: float) -> dict:
+    """The gradient each parameter is stepped on where skipped steps' Adam gradients stayed in the buffer
+    (``adam_grads_kept_on_skip``): ``carried`` holds them in the units the buffer kept them (each step's
+    backward scale), which this step's unscale divides by its own."""
+    if not conv.adam_grads_kept_on_skip or not carried:
+        return dict(G)
+    return {n: (g + carried[n] / backward_scale if n in carried else g) for n, g in G.items()}
+
+
+def carried_after(conv: Conventions, stepped: Mapping[str, torch.Tensor], use_muon: Mapping[str, bool],
+                  skipped: bool, backward_scale: float) -> dict:
+    """What the Adam half's buffer keeps for the next step: nothing after an applied step; after a skipped
+    one (``adam_grads_kept_on_skip``), everything it was stepped on, in the buffer's units."""
+    if not (conv.adam_grads_kept_on_skip and skipped):
+        return {}
+    return {n: g * backward_scale for n, g in stepped.items() if not use_muon[n]}
 
 
 def clip_before_muon(conv: Conventions, clipping: float, reported: Optional[float], scale: float) -> Optional[float]:

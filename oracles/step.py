@@ -176,6 +176,13 @@ class Conventions:
         ``"float64"`` (default, the oracle), ``"fp32"`` (ZeRO-1/2 offload), ``"model"`` (accident of
         ZeRO-1/2 non-offload and ZeRO-3, ``stage_1_and_2.py`` docstring near ``_muon_momentum_buffer``,
         ``stage3.py`` ``_create_momentum_buffer``: fp16/bf16 momentum for half models).
+    fused_blend: False (default) or True -- how ``torch.compile`` evaluates a 16-bit Muon state
+        (``momentum_dtype="model"``): inductor fuses ``muon_update``'s two lerps into Newton-Schulz's
+        normalisation at fp32 or wider, so the Nesterov blend ``U`` reads the new momentum before it is
+        rounded into its 16-bit buffer and is never rounded itself; only the stored momentum is (measured:
+        compiled ZeRO-1/2/3 fp16/bf16 with float64 Newton-Schulz, ``U`` from float64 blends reproduces
+        DeepSpeed's update bit for bit, a rounded ``U`` misses it by a 16-bit ulp in most elements). Read
+        outside emulation only (``emulate`` follows eager's rounding points).
     grad_dtype: the dtype the averaged accumulated gradient is stored in (in DeepSpeed's units, i.e.
         multiplied by ``S``) before the optimizer reads it: ``"float64"`` (default), ``"fp32"``, or
         ``"model"`` (DeepSpeed's default ``communication_data_type`` / ``gradient_accumulation_dtype``,
@@ -324,6 +331,11 @@ class Conventions:
     # scaler runs with this hysteresis whatever the config says (1: every overflow halves). None: the
     # configured one (``StepConfig.loss_scaler``).
     loss_scaler_hysteresis: Optional[int] = None
+    fused_blend: bool = False
+    # Accident of ZeRO-1/2 with optimizer offload, a 16-bit model and fp32 gradient accumulation (DSM-029):
+    # a skipped step leaves the auxiliary Adam's accumulated gradients in place, so the next step's Adam
+    # gradient adds every skipped step's since the last applied one (``oracles.replay.with_carried``).
+    adam_grads_kept_on_skip: bool = False
 
     def __post_init__(self):
         checks = {"reported_norm": ("norm", "clip_norm", "raw"), "scaled_update_dtype": ("float64", "model"),
@@ -673,15 +685,19 @@ def _muon_direction(state: OracleState, cfg: StepConfig, conv: Conventions, spec
     beta = hp["momentum"]
     g = g * (float(state.scaler.scale) if conv.momentum_units == "scaled" else 1.0)
     heads = spec.num_heads if conv.honor_num_heads else None
+    if ns_mode == "emulated" and conv.fused_blend:
+        raise ValueError("Conventions.fused_blend is compiled arithmetic; emulation follows eager's rounding")
     if ns_mode == "emulated" and mdt != torch.float64:
         m_new, U, _ = emulate.emulated_momentum(state.momentum[n].to(mdt), g.to(mdt), beta)
     elif mdt == torch.float64:
         m_new, U = muon_momentum(state.momentum[n].to(torch.float64), g, beta)
     else:
-        # storage rounding: the gradient is held in mdt, each of the two blends is rounded once
+        # storage rounding: the gradient is held in mdt, each of the two blends is rounded once, unless
+        # the blend is fused (then only the stored momentum is)
         g = round_to(g, mdt)
-        m_new = round_to(beta * state.momentum[n].to(torch.float64) + (1.0 - beta) * g, mdt)
-        U = round_to((1.0 - beta) * g + beta * m_new, mdt)
+        m_wide, U = muon_momentum(state.momentum[n].to(torch.float64), g, beta)
+        m_new = round_to(m_wide, mdt)
+        U = U if conv.fused_blend else round_to((1.0 - beta) * g + beta * m_new, mdt)
     if conv.gram_input_dtype is not None and hp["ns_method"] == "gram":
         U = round_to(U, MODEL_DTYPES[conv.gram_input_dtype])  # DSM-119: cast before the normalisation
     if ns_mode == "emulated":

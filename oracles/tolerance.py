@@ -84,7 +84,12 @@ Unit round-offs ``u``: fp64 2^-53, fp32 2^-24, fp16 2^-11, bf16 2^-8. ``W`` rank
   relative (Frobenius) error of its parts: ``max(rtol_NS/KAPPA, rtol_g)`` plus float64 summation.
 * Adam direction ``m_hat/(sqrt(v_hat)+eps)``: ``2 (rtol_g + rtol_k)`` from the moments plus about
   ten fp32 roundings (two lerps each, sqrt, divisions, bias corrections) and ``2 u_w min(T, 1/(1-beta2))``
-  of state rounding carried over steps.
+  of state rounding carried over steps; plus the betas held as fp32 scalars (CPU Adam's C++ floats, a
+  fp32 kernel's scalar arguments): ``beta`` off by ``u_w beta`` moves each weight ``(1-beta) beta^(t-i) /
+  (1-beta^t)`` of ``m_hat`` by at most ``u_w beta (1/(1-beta) + t/beta + t beta^(t-1)/(1-beta^t))`` <=
+  ``u_w (2 beta/(1-beta) + t)`` relative (``t``: Adam's step count), and ``sqrt`` halves ``v_hat``'s:
+  ``u_w (2 b1/(1-b1) + t) + u_w (b2/(1-b2) + t/2)``. With ``beta2 = 0.999`` that is ~1000 ``u_w``: measured
+  1.3e-5 of the step (220 ``u_w``) on ZeRO-2 CPU offload at t = 3.
 * applied update ``Delta theta`` (Muon ``-lr wd theta - lr O/k``, Adam likewise): ``rtol_O + rtol_k +
   2 u_w``; ``atol = 2 u_w * weight_scale`` when the update is read back as a difference of fp32 masters.
 * master weights (fp32): per step two roundings (DeepSpeed's ``mul_`` and ``add_``) ``2 u_w`` of the
@@ -493,7 +498,8 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
                grad_to_momentum: Optional[float] = None, weight_scale: float = 0.0,
                step_to_weight: float = 1.0, backward_rel_err: float = 0.0, backward_term_err: float = 0.0,
                clipping_active: bool = True, use_muon: Optional[bool] = None,
-               grad_units: float = 1.0) -> Allowances:
+               grad_units: float = 1.0, adam_step: int = 1,
+               backward_units: Optional[float] = None) -> Allowances:
     """The allowance per quantity for one Muon parameter of ``shape`` (see the module docstring).
 
     ``use_muon``: which update the parameter's weights take, for the master and model allowances:
@@ -505,6 +511,10 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
     (0 = rank-deficient, the worst case). ``grad_units``: the factor the stored gradient carries (the loss
     scale where DeepSpeed keeps it scaled, else 1): each of the ``n + 1`` roundings of a subnormal is off
     by up to half the subnormal spacing in those units, which ``u`` times the value does not bound.
+    ``backward_units``: the factor the model-dtype backward's own output carried (its loss scale; None: the
+    same as ``grad_units``); where the gradient is then stored in another dtype or other units (an offload
+    path's fp32, unscaled), each of the ``n`` addends was already rounded to the model dtype's subnormal
+    spacing in the backward's units.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
@@ -520,6 +530,11 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
 
     grad = _grad_allowance(n, u_g, grad_dtype or model_dtype, backward_rel_err, backward_term_err, grad_term_scale,
                            grad_units)
+    if (backward_units is not None and (grad_dtype or model_dtype, grad_units) != (model_dtype, backward_units)
+            and model_dtype != "fp32"):
+        sub_bw = n * subnormal_half_spacing(model_dtype) / backward_units
+        grad = Allowance(grad.atol + sub_bw, grad.rtol, grad.derivation + f" + backward subnormals W*GAS "
+                         f"{subnormal_half_spacing(model_dtype):.3g} / {backward_units:g}")
     rtol_g = grad.rtol
 
     # -- momentum
@@ -545,9 +560,12 @@ def allowances(mode: str, *, model_dtype: str = "fp32", shape: Sequence[int] = (
                           if clipping_active else "no clipping: k = 1 exactly")
 
     # -- Adam
-    b2 = adam_betas[1]
-    rtol_ad = 2.0 * (rtol_g + rtol_k) + 10.0 * u_w + 2.0 * u_w * min(T, 1.0 / (1.0 - b2))
-    adam_direction = Allowance(0.0, rtol_ad, "2(rtol_g + rtol_k) + 10 u_w + 2 u_w min(T, 1/(1-b2))")
+    b1, b2 = adam_betas
+    t = max(adam_step, 1)
+    rtol_betas = u_w * (2.0 * b1 / (1.0 - b1) + t) + u_w * (b2 / (1.0 - b2) + 0.5 * t)
+    rtol_ad = 2.0 * (rtol_g + rtol_k) + 10.0 * u_w + 2.0 * u_w * min(T, 1.0 / (1.0 - b2)) + rtol_betas
+    adam_direction = Allowance(0.0, rtol_ad, "2(rtol_g + rtol_k) + 10 u_w + 2 u_w min(T, 1/(1-b2)) + fp32 betas "
+                                             f"(b=({b1:g}, {b2:g}), t={t})")
 
     # -- applied updates
     atol_u = 2.0 * u_w * weight_scale

@@ -397,3 +397,14 @@ def test_a_number_written_another_way_is_read_as_deepspeeds_config_classes_read_
             dsconfig.resolve({"zero_optimization": {"stage": written}})
         return
     assert dsconfig.resolve({"zero_optimization": {"stage": written}}).zero.stage == want
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offload_is_where_deepspeed_puts_the_optimizer_state_and_stage_0_puts_it_nowhere(device):
+    """Only a ZeRO optimizer reads ``offload_optimizer``: at stage 0 the section is accepted and ignored
+    (the pairs family's ``z0-nvme-`` cases swap nothing), so the view's ``offload`` is "none" there, while
+    the section itself is kept as written."""
+    for stage in (0, 1, 2, 3):
+        v = dsconfig.resolve({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": device}}})
+        assert v.zero.offload_optimizer.device == device
+        assert v.offload == ("none" if stage == 0 else device)

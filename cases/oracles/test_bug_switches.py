@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from oracles import Conventions, LossScalerConfig, ParamSpec, StepConfig, initial_state, oracle_step, round_to
+from oracles.newton_schulz import muon_direction
 
 SPECS = (ParamSpec("w", (7, 3), True), ParamSpec("b", (5,), False))
 
@@ -89,6 +90,25 @@ def test_update_stored_in_a_16_bit_partition_rounds_the_applied_update_only():
     assert torch.equal(s.master, round_to(st.master["w"] - 0.05 * s.direction, torch.float32))
     assert stored.params["b"].master.equal(exact.params["b"].master)  # Adam is not a Muon update
     assert stored.global_norm != exact.global_norm  # the norm reads the rounded update
+
+
+def test_a_fused_blend_rounds_the_stored_momentum_only():
+    """DSM-001 compiled: the momentum is stored in bf16, but Newton-Schulz reads the blend of the gradient
+    and the new momentum before that rounding, itself unrounded; only the returned direction is bf16."""
+    cfg = StepConfig(SPECS, model_dtype="bf16")
+    sixteen = Conventions(momentum_dtype="model")
+    st = initial_state(cfg, _weights(), sixteen)
+    m = round_to(_grads(seed=9, scale=1e-2)[0][0]["w"], torch.bfloat16)  # an earlier step's stored momentum
+    st = replace(st, momentum={**st.momentum, "w": m})
+    _, eager = oracle_step(st, _grads(), cfg, sixteen)
+    _, fused = oracle_step(st, _grads(), cfg, replace(sixteen, fused_blend=True))
+    beta, g = cfg.momentum, round_to(_grads()[0][0]["w"], torch.bfloat16)
+    wide = beta * m + (1.0 - beta) * g
+    assert torch.equal(fused.params["w"].momentum, round_to(wide, torch.bfloat16))
+    assert torch.equal(fused.params["w"].momentum, eager.params["w"].momentum)
+    U = (1.0 - beta) * g + beta * wide
+    assert torch.equal(fused.params["w"].direction, round_to(muon_direction(U, cfg.ns_method), torch.bfloat16))
+    assert not torch.equal(fused.params["w"].direction, eager.params["w"].direction)
 
 
 def test_warmup_step_at_init_starts_adam_at_step_one_and_decays_the_masters_once():

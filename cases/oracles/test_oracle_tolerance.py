@@ -349,3 +349,58 @@ def test_the_element_map_is_made_only_for_a_comparison_that_fails():
     rec, emap = compare(np.array([0.0, 2.0, 0.5]), np.zeros(3), allow, keep_map=True)
     assert not rec.ok and emap.dtype == np.float32 and emap.tolist() == [0.0, 2.0, 0.5]
 
+
+
+@given(st.sampled_from([(0.9, 0.95), (0.9, 0.999), (0.8, 0.99), (0.95, 0.9999)]), st.integers(1, 12),
+       st.integers(0, 2 ** 16))
+@settings(max_examples=60, deadline=None)
+def test_betas_held_in_fp32_move_the_adam_direction_within_their_term(betas, t, seed):
+    """An Adam direction over ``t`` steps with the betas rounded to fp32 (what a C++ float or a fp32 kernel's
+    scalar holds) against the same in float64, relative to the largest element: inside the fp32-betas term of
+    the Adam allowance (the other
+    terms, rounding of the arithmetic, are left out here: float64 throughout), and the term is needed, since
+    with beta2 = 0.999 the shift exceeds the allowance without it."""
+    from oracles import adam_step
+
+    gen = torch.Generator().manual_seed(seed)
+    grads = torch.randn(t, 256, generator=gen, dtype=torch.float64) * torch.rand(t, 1, generator=gen,
+                                                                               dtype=torch.float64)
+    b32 = tuple(float(torch.tensor(b, dtype=torch.float32)) for b in betas)
+
+    def direction(b):
+        m = v = torch.zeros(256, dtype=torch.float64)
+        for k in range(t):
+            res = adam_step(torch.zeros(256, dtype=torch.float64), grads[k], m, v, k + 1, lr=1.0, betas=b, eps=0.0)
+            m, v = res.m, res.v
+        return res.direction
+
+    exact, held = direction(betas), direction(b32)
+    kw = dict(grad_dtype="fp64", clipping_active=False)
+    a = allowances("exact", adam_betas=betas, adam_step=t, **kw).adam_direction
+    # relative to the largest element: the scale the master's allowance applies it at (``step_to_weight``
+    # is the largest step over the largest weight); an element whose m_hat cancels has no relative bound
+    rel = float((held - exact).abs().max() / exact.abs().max())
+    assert rel <= a.rtol
+    without = allowances("exact", adam_betas=(betas[0], 0.95), adam_step=1, **kw).adam_direction.rtol
+    if betas[1] == 0.999 and t >= 3:
+        assert a.rtol > 5 * without
+
+
+def test_an_offload_gradient_read_unscaled_in_fp32_keeps_the_backwards_16bit_subnormal_rounding():
+    """The fp16 backward stores each addend as a subnormal at the loss scale S; an offload path then hands
+    Muon the sum unscaled in fp32, whose own subnormals are negligible. The allowance keeps the backward's
+    rounding (W*GAS half spacings over S), and only where the storage differs from the backward's."""
+    from oracles import subnormal_half_spacing
+
+    S, n = 128.0, 3
+    kept = allowances("exact", model_dtype="fp16", world_size=n, grad_dtype="fp32", grad_units=1.0,
+                      backward_units=S).grad
+    bare = allowances("exact", model_dtype="fp16", world_size=n, grad_dtype="fp32", grad_units=1.0).grad
+    assert kept.atol - bare.atol == pytest.approx(n * subnormal_half_spacing("fp16") / S, rel=1e-12)
+    same = allowances("exact", model_dtype="fp16", world_size=n, grad_units=S, backward_units=S).grad
+    assert same.atol == allowances("exact", model_dtype="fp16", world_size=n, grad_units=S).grad.atol
+    # a gradient of 1e-9 (the backward stores 1.28e-7, an fp16 subnormal): its rounding needs the term
+    G = torch.full((64,), 1e-9, dtype=torch.float64) * torch.linspace(1.0, 3.0, 64, dtype=torch.float64)
+    stored = sum((G / n * S).to(torch.float16).to(torch.float64) for _ in range(n)) / S
+    assert ((stored - G).abs() <= kept.atol + kept.rtol * G.abs()).all()
+    assert not ((stored - G).abs() <= bare.atol + bare.rtol * G.abs()).all()

@@ -59,3 +59,20 @@ def test_the_norm_leaves_out_unused_adam_terms_only_where_the_conventions_say():
     assert replay.step_conventions(Conventions(), names).norm_excluded == frozenset()
     assert replay.step_conventions(Conventions(stale_unused_grads="norm-drops-adam"), names).norm_excluded == names
     assert replay.muon_calls(Conventions(muon_as_sgd=True), 4) == 0 and replay.muon_calls(Conventions(), 4) == 4
+
+
+def test_a_skipped_step_leaves_the_adam_half_its_gradient_for_the_next_step_in_the_buffers_units():
+    """DSM-029's reading: after a skip the Adam gradients stay in the buffer at the skipped step's backward
+    scale and are added (unscaled by this step's) to the next; Muon's are not; an applied step, or the
+    intended conventions, carry nothing."""
+    conv = Conventions(adam_grads_kept_on_skip=True)
+    kept = replay.carried_after(conv, _grads(), USE_MUON, True, 4.0)
+    assert set(kept) == {"b"} and float(kept["b"][0]) == 20.0
+    assert replay.carried_after(conv, _grads(), USE_MUON, False, 4.0) == {}
+    assert replay.carried_after(Conventions(), _grads(), USE_MUON, True, 4.0) == {}
+    out = replay.with_carried(conv, _grads(), kept, 2.0)
+    assert float(out["b"][0]) == 5.0 + 10.0 and float(out["w"][0, 0]) == 3.0
+    assert float(replay.with_carried(Conventions(), _grads(), kept, 2.0)["b"][0]) == 5.0
+    # two skips in a row: the buffer holds both, each in its own units
+    twice = replay.carried_after(conv, out, USE_MUON, True, 2.0)
+    assert float(twice["b"][0]) == (5.0 + 10.0) * 2.0

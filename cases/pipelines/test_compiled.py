@@ -9,6 +9,7 @@ import pytest
 from cases.pipelines._support import gate_params, settle
 from harness.catalog import matrix
 from harness.gate.decide import evaluate
+from harness.registry.bugs import bugs_for
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.compiled]
 
@@ -30,6 +31,22 @@ def test_compiled(case, column, pool_manager, seed, request):
     want = "hpns" if case.name.endswith("-hpns") else "exact"
     assert o.verdict is None or o.verdict.mode == want
     settle(o, request)
+
+
+def _excused_on_stock() -> list:
+    """The CI compiled cases a modelled stock bug makes xfail (the 16-bit ones: DSM-001)."""
+    return [c for c in matrix.compiled_cases(False)
+            if any(b.model is not None and b.model(c) is not None for b in bugs_for(c, patched=False))]
+
+
+@pytest.mark.parametrize("case", _excused_on_stock(), ids=lambda c: c.name)
+def test_a_broken_update_is_not_excused_by_the_bug_model(case, pool_manager, seed):
+    """A bug excuses only what its model predicts: with the Nesterov blend dropped in the compiled
+    ``muon_update`` (``compiled-nesterov-dropped``) the Muon update leaves the model of the case's stock bug,
+    and the case fails on that update instead of staying an xfail."""
+    o = evaluate(case.replace(seed=seed, mutant="compiled-nesterov-dropped"), "stock", pool_manager)
+    assert o.status == "failed", o.message
+    assert "update" in {q for _, q in o.unexplained}, o.message
 
 
 def test_ci_subset_has_a_compiled_case_per_stage_and_offload():

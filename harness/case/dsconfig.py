@@ -488,7 +488,10 @@ class DSConfig:
 
     @property
     def offload(self) -> str:
-        return self.zero.offload_optimizer.device
+        """Where the optimizer state lives as DeepSpeed builds it. Only a ZeRO optimizer reads
+        ``offload_optimizer`` (engine.py ``_configure_zero_optimizer``; Muon's basic optimizer at stage 0 is
+        built without it), so at stage 0 the section is accepted and ignored: no offload, no swap."""
+        return self.zero.offload_optimizer.device if self.zero.stage > 0 else "none"
 
     @property
     def bf16_optimizer_route(self) -> bool:

@@ -44,6 +44,9 @@ class StepRecord:
     notes: list[str] = field(default_factory=list)  # capture-side observations (rank disagreement, ...)
     group_lr: dict = field(default_factory=dict)  # optimizer param-group name -> lr it used in this step
     buffers: list[dict] = field(default_factory=list)  # model cases: per rank, buffer name -> values after the step
+    # the norm the engine's own clip computed where get_global_grad_norm() reports none (stage 0 fp32:
+    # clip_fp32_gradients); None where the engine did not clip
+    engine_clip_norm: float | None = None
 
 
 @dataclass

@@ -10,7 +10,7 @@ them: no check names a bug or a bug's switch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -90,7 +90,7 @@ def grad_store_dtype(case: Case) -> str:
 
 
 def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: str,
-                   magnitudes=None, grad_units: float = 1.0) -> oracles.Allowance:
+                   magnitudes=None, grad_units: float = 1.0, backward_units: float | None = None) -> oracles.Allowance:
     """The allowance of the averaged gradient of parameter ``name`` (``grads[rank][micro][name]``: the
     float64 per-micro gradients), from that parameter's own addends (``oracles.tolerance``, "grad").
     ``magnitudes`` (same layout): the cancellation-free scale of each addend where the model can give
@@ -106,25 +106,32 @@ def grad_allowance(case: Case, sc: oracles.StepConfig, name: str, grads, mode: s
                            # of the term scale, doubled for the two terms of a matrix loss.
                            grad_term_scale=term, backward_term_err=8.0 * oracles.unit_roundoff(case.dtype),
                            ns_method=next(sc.hyper(p) for p in sc.params if p.name == name).get(
-                               "ns_method", sc.ns_method), grad_units=grad_units)
+                               "ns_method", sc.ns_method), grad_units=grad_units,
+                           backward_units=grad_units if backward_units is None else backward_units)
     return a.grad
 
 
 def exact_at_spectrum(a, case: Case, sc, p, g, m_new, shape, weight_scale: float, step_size: float,
-                      momentum_dtype: str = "fp32"):
+                      momentum_dtype: str = "fp32", stored_dtype: str | None = None):
     """Exact mode's allowances at the step's own spectrum: the Newton-Schulz gain taken over the
     singular values the NS input can have (``oracles.perturbed_sigma_lo`` of the oracle's Nesterov blend
     ``U = lerp(g, M', beta)``, widened by the momentum allowance plus the blend's rounding), instead of
-    the rank-deficient worst case 0, which puts the 16-bit allowance near its cap."""
+    the rank-deficient worst case 0, which puts the 16-bit allowance near its cap. ``momentum_dtype``: the
+    rounding between the blend Newton-Schulz read and the oracle's (``replay.ns_input_storage``);
+    ``stored_dtype``, where the stored ``M'`` carries a rounding that blend never read (a fused blend), widens
+    the spectrum's perturbation by it, since ``U`` here is formed from the stored ``M'``."""
     beta = sc.hyper(p)["momentum"]
     U = torch.lerp(_t(g).to(torch.float64), _t(m_new).to(torch.float64), beta)
+    rel_err = a.momentum.rtol + 2.0 * oracles.unit_roundoff(momentum_dtype)
+    if stored_dtype not in (None, momentum_dtype) and bool(U.any()):
+        rel_err += beta * oracles.unit_roundoff(stored_dtype) * float(_t(m_new).abs().max() / U.abs().max())
     if p.num_heads:
         U = U.reshape(p.num_heads, -1, U.shape[-1])
     elif U.ndim == 4:
         U = U.reshape(U.shape[0], -1)
     elif U.ndim < 2:
         return a
-    sigma = oracles.perturbed_sigma_lo(U, a.momentum.rtol + 2.0 * oracles.unit_roundoff(momentum_dtype))
+    sigma = oracles.perturbed_sigma_lo(U, rel_err)
     if sigma <= 0.0:
         return a
     return oracles.allowances("exact", model_dtype=case.dtype, shape=shape, world_size=case.dp_size,
@@ -152,6 +159,8 @@ class Run:
     reports_norm: bool = True
     norm_disabled: bool = False
     muon_calls: int = 0
+    # the Adam gradients skipped steps left in DeepSpeed's buffer (``oracles.replay.carried_after``)
+    carried: dict = field(default_factory=dict)
 
     @property
     def ns_mode(self) -> str:
@@ -164,6 +173,10 @@ class Run:
     @property
     def mom_store(self) -> str:
         return replay.momentum_storage(self.conv, self.case.dtype, self.mode == "emulated")
+
+    @property
+    def ns_in_store(self) -> str:
+        return replay.ns_input_storage(self.conv, self.case.dtype, self.mode == "emulated")
 
     def ns_of(self, p) -> str:
         return self.sc.hyper(p)["ns_method"] if p.use_muon else self.sc.ns_method
@@ -216,6 +229,12 @@ def held_buffers(case: Case, step: int, prev, spec: dict) -> dict:
     return out
 
 
+def clip_norm_seen(rec) -> float | None:
+    """The norm DeepSpeed clipped with: the one it reports, else the one its engine's clip computed and
+    dropped (stage 0 fp32, ``StepRecord.engine_clip_norm``)."""
+    return rec.global_norm if rec.global_norm is not None else rec.engine_clip_norm
+
+
 def teacher_forced(run: Run, rec, state) -> tuple[dict, float | None]:
     """DeepSpeed's own averaged gradient, in true units, where it captured one (teacher forcing), and the
     clip coefficient it applied before Muon where it did (undone here, so the gradient check and the
@@ -224,7 +243,7 @@ def teacher_forced(run: Run, rec, state) -> tuple[dict, float | None]:
     S = float(state.scaler.scale)
     units = replay.read_in_true_units(run.conv, S)
     forced = {n: _t(ps.grad) / float(ps.grad_scale) * units for n, ps in rec.params.items() if ps.grad is not None}
-    k = replay.clip_before_muon(run.conv, run.sc.gradient_clipping, rec.global_norm, S)
+    k = replay.clip_before_muon(run.conv, run.sc.gradient_clipping, clip_norm_seen(rec), S)
     use_muon = {n: p.use_muon for n, p in run.spec.items()}
     return replay.unclip(run.conv, forced, use_muon, k), k
 
@@ -246,9 +265,12 @@ def capture_notes(run: Run, rec, s: int) -> bool:
     return rank_split
 
 
-def check_gradients(run: Run, rec, s: int, forced: dict, true_G: dict, grads, mags) -> set[str]:
+def check_gradients(run: Run, rec, s: int, forced: dict, true_G: dict, grads, mags,
+                    backward_scale: float) -> set[str]:
     """DeepSpeed's gradient against the float64 one where that is finite; returns the captured gradients
-    left unjudged because the oracle's is not (``unjudged_gradients`` says "cannot judge" where applied)."""
+    left unjudged because the oracle's is not (``unjudged_gradients`` says "cannot judge" where applied).
+    ``backward_scale``: the units the model-dtype backward stored each addend in, whatever units the
+    capture later reads the sum in (an offload path hands Muon the gradient unscaled in fp32)."""
     unjudged = set()
     for n in run.spec:
         if n not in forced:
@@ -256,7 +278,8 @@ def check_gradients(run: Run, rec, s: int, forced: dict, true_G: dict, grads, ma
         if not bool(torch.isfinite(true_G[n]).all()):
             unjudged.add(n)
             continue
-        a = grad_allowance(run.case, run.sc, n, grads, run.mode, mags, float(rec.params[n].grad_scale))
+        a = grad_allowance(run.case, run.sc, n, grads, run.mode, mags, float(rec.params[n].grad_scale),
+                           backward_scale)
         run.add(n, "grad", s, forced[n].numpy(), true_G[n].numpy(),
                 a if run.mo is None else run.mo.grad_allowance(n, a))
     return unjudged
@@ -301,16 +324,24 @@ def check_step(run: Run, rec, orec, s: int, forced: dict) -> None:
         run.add("<step>", "global_norm_reported", s, [float(rec.global_norm is not None)], [0.0], EXACT)
     if not orec.skipped and rec.global_norm is not None and orec.global_norm is not None:
         check_norm(run, rec, orec, s)
+    if not orec.skipped and rec.global_norm is None and rec.engine_clip_norm is not None:
+        check_engine_clip_norm(run, rec, orec, s)
     if not orec.skipped:
         run.add("<step>", "muon_calls", s, [rec.muon_calls], [run.muon_calls], EXACT)
 
 
-def check_norm(run: Run, rec, orec, s: int) -> None:
+def norm_allowances(run: Run):
+    """The allowances a global norm of this run is judged by (its widest Muon matrix's)."""
     case, sc = run.case, run.sc
     widest = max((p.shape for p in sc.params if p.use_muon), key=lambda sh: math.prod(sh), default=(1, 1))
-    a = oracles.allowances(run.mode, model_dtype=case.dtype, shape=widest, world_size=case.dp_size,
-                           gas=case.grad_accum, ns_method=run.ns_norm, grad_dtype=run.grad_store,
-                           momentum_dtype="fp32")
+    return oracles.allowances(run.mode, model_dtype=case.dtype, shape=widest, world_size=case.dp_size,
+                              gas=case.grad_accum, ns_method=run.ns_norm, grad_dtype=run.grad_store,
+                              momentum_dtype="fp32")
+
+
+def check_norm(run: Run, rec, orec, s: int) -> None:
+    case, sc = run.case, run.sc
+    a = norm_allowances(run)
     run.add("<step>", "global_norm", s, [rec.global_norm], [orec.reported_norm], a.norm)
     if orec.reported_norm_own is not None:
         # the same norm from DeepSpeed's own updates: its norm arithmetic only (a norm over the raw
@@ -318,6 +349,13 @@ def check_norm(run: Run, rec, orec, s: int) -> None:
         n_el = sum(math.prod(p.shape) for p in sc.params)
         run.add("<step>", "global_norm", s, [rec.global_norm], [orec.reported_norm_own],
                 oracles.own_norm_allowance(n_el, case.dtype, case.dtype))
+
+
+def check_engine_clip_norm(run: Run, rec, orec, s: int) -> None:
+    """The norm the engine's own clip took (it reports none) against the oracle's global norm: the norm
+    the step's clip must read, by the same allowance as a reported one."""
+    a = norm_allowances(run)
+    run.add("<step>", "global_norm", s, [rec.engine_clip_norm], [orec.global_norm], a.norm)
 
 
 def param_allowances(run: Run, p, o, state, feed_g) -> tuple:
@@ -328,21 +366,30 @@ def param_allowances(run: Run, p, o, state, feed_g) -> tuple:
     storage of the momentum and masters, and Newton-Schulz. A 16-bit Muon momentum outside emulation:
     the oracle rounds each blend to 16 bit as DeepSpeed does, but from a float64 value, not from
     torch.lerp's fp32 one, so a stored element may land on the neighbouring 16-bit value (2 u_m;
-    measured on 0.19.6, exact mode: gpt2 and llama ZeRO-1/2 bf16, 1-2 elements of 1024 one bf16 ulp apart)."""
+    measured on 0.19.6, exact mode: gpt2 and llama ZeRO-1/2 bf16, 1-2 elements of 1024 one bf16 ulp apart).
+    A fused blend (compiled) never rounds what Newton-Schulz reads to that storage: the direction and what
+    follows from it are allowed only the blend's own fp32 arithmetic (``Run.ns_in_store``), the stored
+    momentum its 16-bit rounding; allowing the direction the 16-bit one would let the worst-case
+    Newton-Schulz gain cover a changed update."""
     case, sc, mode = run.case, run.sc, run.mode
     weight_scale = float(state.master[p.name].abs().max())
     step_size = float(o.update.abs().max())
     to_weight = step_size / weight_scale if weight_scale > 0 else 1.0
     shape = p.shape if len(p.shape) >= 2 else (1,) + tuple(p.shape)
     newton_schulz = replay.runs_muon_update(run.conv, p.use_muon)  # else no Newton-Schulz error in its step
-    a = oracles.allowances(mode, model_dtype=case.dtype, shape=shape, world_size=case.dp_size,
-                           gas=case.grad_accum, ns_method=run.ns_of(p), grad_dtype="fp64",
-                           momentum_dtype=run.mom_store, num_heads=p.num_heads, weight_scale=weight_scale,
-                           step_to_weight=to_weight, clipping_active=sc.gradient_clipping > 0,
-                           use_muon=None if newton_schulz else False)
+    # a replay that starts before initialize applies the warm-up step there too: the first step's masters
+    # carry two steps' roundings from the weights it started from
+    steps = 2 if replay.starts_before_initialize(run.conv) and state.step_count == 0 else 1
+    kw = dict(model_dtype=case.dtype, shape=shape, world_size=case.dp_size, gas=case.grad_accum, steps=steps,
+              ns_method=run.ns_of(p), grad_dtype="fp64", num_heads=p.num_heads, weight_scale=weight_scale,
+              step_to_weight=to_weight, clipping_active=sc.gradient_clipping > 0,
+              use_muon=None if newton_schulz else False, adam_betas=tuple(sc.betas), adam_step=state.adam_step + 1)
+    a = oracles.allowances(mode, momentum_dtype=run.ns_in_store, **kw)
     if mode == "exact" and newton_schulz and o.direction is not None:
         a = exact_at_spectrum(a, case, sc, p, feed_g, o.momentum, shape, weight_scale, step_size,
-                              momentum_dtype=run.mom_store)
+                              momentum_dtype=run.ns_in_store, stored_dtype=run.mom_store)
+    if run.ns_in_store != run.mom_store:
+        a = replace(a, momentum=oracles.allowances(mode, momentum_dtype=run.mom_store, **kw).momentum)
     # muon_update hands back O in the dtype of the gradient buffer it is written into (the model
     # dtype on the non-offload paths): one rounding there is storage, not error (+2 u_store).
     u_store = oracles.unit_roundoff(run.grad_store)

@@ -509,8 +509,10 @@ def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: 
     case, conv, sc, spec, s = run.case, run.conv, run.sc, run.spec, rec.step
     state, grads, mags = _step_gradients(run, traj, state, s, data_rank, mp_rank)
     use_muon = {n: p.use_muon for n, p in spec.items()}
+    bscale = replay.backward_scale(conv, float(state.scaler.scale))
     true_G = replay.stepped_gradients(conv, oracles.accumulate(grads, sc), use_muon,
                                       checks.held_buffers(case, s, prev, spec), oracles.scale_ratio(state, sc, conv))
+    true_G = replay.with_carried(conv, true_G, run.carried, bscale)
     forced, k_ds = checks.teacher_forced(run, rec, state)
     feed = {n: forced.get(n, true_G[n]) for n in true_G}
     feed_grads = [[feed] * case.grad_accum] * case.dp_size  # averages to exactly ``feed``
@@ -518,7 +520,7 @@ def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: 
     # forcing; oracles.step ``norm_directions``), unless ranks kept different copies of an update.
     own_updates = {n: checks._t(ps.update) for n, ps in rec.params.items() if ps.update is not None}
     rank_split = checks.capture_notes(run, rec, s)
-    unjudged = checks.check_gradients(run, rec, s, forced, true_G, grads, mags)
+    unjudged = checks.check_gradients(run, rec, s, forced, true_G, grads, mags, bscale)
     # With an lr schedule the step's lrs follow the applied steps so far (the oracle's own count); the
     # replay clips with DeepSpeed's own k, so Newton-Schulz reads its exact input. A model-parallel
     # replica clips with (and reports) replica 0's norm (docs/deepspeed-0.19.8.md section 14).
@@ -527,6 +529,7 @@ def _judge_step(run: checks.Run, traj: Trajectory, rec, prev, state, data_rank: 
     new_state, orec = oracles.oracle_step(state, feed_grads, sc_s, conv_s, ns_mode=run.ns_mode, forced_clip_coef=k_ds,
                                           shared_norm=None if norm_of is None else norm_of.get(s),
                                           norm_directions=None if rank_split else own_updates)
+    run.carried = replay.carried_after(conv, true_G, use_muon, orec.skipped, bscale)
     checks.check_group_lrs(run, rec, s, expected_group_lrs(case, sc_s))
     checks.check_step(run, rec, orec, s, forced)
     checks.unjudged_gradients(run, unjudged, orec, s, replay.backward_scale(conv, float(state.scaler.scale)))

@@ -235,6 +235,11 @@ class MuonCallRecorder:
     function (``stage_1_and_2.py`` get_flat_partition / _apply_muon_updates_cpu_offload,
     ``stage3.py`` _muon_update_sub_group / _apply_muon_updates_cpu_offload, ``bf16_optimizer.py``
     _prepare_muon_updates), so replacing the module attribute reaches all of them.
+
+    Also keeps the norm the engine's own clip computed (``engine_clip_norm``): without ZeRO in fp32,
+    ``clip_fp32_gradients`` clips the gradients before Muon reads them and drops the norm
+    ``clip_grad_norm_`` returned, so ``get_global_grad_norm()`` is None and the clip could not be undone
+    from the captured gradient otherwise. The engine's binding is wrapped, the call itself unchanged.
     """
 
     CALLER_PARAM_LOCALS = ("param", "tensor", "p")
@@ -248,8 +253,10 @@ class MuonCallRecorder:
         self.keep_values = keep_values
         self.calls: list[MuonCall] = []
         self.count = 0
+        self.engine_clip_norm: float | None = None
         self._orig = None
         self._module = None
+        self._engine_clip = None
 
     def set_params(self, named_params) -> None:
         self.id_to_name = {id(p): n for n, p in named_params}
@@ -257,6 +264,7 @@ class MuonCallRecorder:
     def reset(self) -> None:
         self.calls = []
         self.count = 0
+        self.engine_clip_norm = None
 
     def _identify(self, frame, grad) -> str:
         if not self.id_to_name:
@@ -336,7 +344,23 @@ class MuonCallRecorder:
                 continue
             self._extra.append((mod, cur))
             mod.muon_update = self._make_extra(cur)
+        self._wrap_engine_clip()
         return self
+
+    def _wrap_engine_clip(self) -> None:
+        from deepspeed.runtime import engine as ds_engine  # late: DeepSpeed, rank side
+
+        cur = getattr(ds_engine, "clip_grad_norm_", None)
+        if cur is None:
+            return
+
+        def clip_grad_norm_(*args, **kwargs):
+            norm = cur(*args, **kwargs)
+            self.engine_clip_norm = None if norm is None else float(norm)
+            return norm
+
+        self._engine_clip = (ds_engine, cur)
+        ds_engine.clip_grad_norm_ = clip_grad_norm_
 
     def _make_extra(self, cur):
         """A wrapper for a module's own binding of ``muon_update`` (which may be a mutant or a fix, not
@@ -357,6 +381,10 @@ class MuonCallRecorder:
         for mod, cur in reversed(getattr(self, "_extra", [])):
             mod.muon_update = cur
         self._extra = []
+        if self._engine_clip is not None:
+            mod, cur = self._engine_clip
+            mod.clip_grad_norm_ = cur
+            self._engine_clip = None
         self._module = None
         return False
 
@@ -957,9 +985,9 @@ def _step_common(engine, recorder: MuonCallRecorder, swap: SwapCounter):
     gn = engine.get_global_grad_norm()
     gn = None if gn is None else float(gn)
     written, read = swap.reset()
-    calls, ncalls = recorder.calls, recorder.count
+    calls, ncalls, clip_norm = recorder.calls, recorder.count, recorder.engine_clip_norm
     recorder.reset()
-    return skipped, scale_after, gn, written, read, calls, ncalls
+    return skipped, scale_after, (gn, clip_norm), written, read, calls, ncalls
 
 
 def read_step(engine, case, step: int, rank: int, *, named: dict, id_to_name: dict, info: PathInfo,
@@ -1091,7 +1119,9 @@ def calls_by_param(gathered: list[dict], step: int) -> tuple[dict[str, list[tupl
 def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true_units: bool, muon_names,
                   S: float, adam_grads: dict, masters: dict, model_w: dict, mom_full: dict, mom_dtypes: dict,
                   skipped: bool, scale_after: float, gn, group_lr: dict | None = None) -> StepRecord:
-    """Rank 0, both modes: the StepRecord from the full values and every rank's calls/fragments."""
+    """Rank 0, both modes: the StepRecord from the full values and every rank's calls/fragments. ``gn``:
+    (the norm ``get_global_grad_norm()`` reported, the norm the engine's own clip computed)."""
+    gn, engine_clip_norm = gn
     notes = [f"rank {loc['rank']}: {n}" for loc in gathered for n in loc.get("extra_notes", ())]
     muon_scale = 1.0 if muon_true_units else S
     per_param_calls, call_notes = calls_by_param(gathered, step)
@@ -1155,6 +1185,7 @@ def _build_record(case, gathered: list[dict], *, step: int, kind: str, muon_true
         loss_scale_after=scale_after,
         skipped=skipped,
         global_norm=gn,
+        engine_clip_norm=engine_clip_norm,
         muon_calls=sum(loc["ncalls"] for loc in gathered),
         params=params,
         swap_bytes_written=sum(loc["swap"][0] for loc in gathered),

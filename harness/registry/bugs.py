@@ -388,9 +388,13 @@ BUGS: tuple[Bug, ...] = (
         # reads the fp32 gather, but its update is copied back into the gradient partition of
         # gradient_accumulation_dtype (stage3.py:1855-1859) and rounded there before the norm and the
         # step (measured on z3-none-bf16-ws2-comm32: masters ~330x off the intended oracle).
+        # Compiled, inductor fuses the two lerps: only the stored momentum is rounded to 16 bit, the
+        # Nesterov blend Newton-Schulz reads is not (``Conventions.fused_blend``), so the update is held to
+        # the blend's fp32 arithmetic instead of a 16-bit rounding amplified by Newton-Schulz.
         model=lambda c: {"update_store_dtype": _gad(c)} if (c.stage == 3 and c.offload == "none"
                                                             and _comm(c) == "fp32") else
-        {"momentum_dtype": "model", **({"momentum_units": "scaled"} if c.offload == "none" else {})},
+        {"momentum_dtype": "model", **({"momentum_units": "scaled"} if c.offload == "none" else {}),
+         **({"fused_blend": True} if c.compiled else {})},
         where="stage_1_and_2.py _muon_momentum_buffer (buffer follows the grad dtype); "
               "stage3.py _create_momentum_buffer (communication_data_type), _apply_muon_to_accumulated_grads "
               "(update copied into the gradient partition), _apply_muon_updates_cpu_offload (gather in "
@@ -666,10 +670,10 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"global_norm", "grad"}),
         # The clip before Muon over the raw gradients, and their norm reported as the backward left them
         # (times the loss scale, where the backward was scaled: DSM-015 fixed). fp32 stage 0 reports no
-        # norm, so the clip DeepSpeed applied to the captured gradient cannot be undone from its own
-        # coefficient: not modelled there (no gate case takes that route).
-        model=lambda c: {"clip_norm_source": "gradient", "reported_norm": "raw"} if c.dtype in ("fp16", "bf16")
-        else None,
+        # norm; the clip is undone with the norm its engine's clip computed (the capture keeps it:
+        # ``StepRecord.engine_clip_norm``), judged against the raw-gradient norm.
+        model=lambda c: ({"clip_norm_source": "gradient", "reported_norm": "raw"} if c.dtype in ("fp16", "bf16")
+                         else {"clip_norm_source": "gradient"}),
         where="fp16/unfused_optimizer.py step (:209-228); engine.py _take_model_step (:3505-3510)",
         fix="z0-muon-update-norm",
         # the fix is FP16_UnfusedOptimizer's; fp32 stage 0 clips in the engine (clip_fp32_gradients)
@@ -918,6 +922,76 @@ BUGS: tuple[Bug, ...] = (
               "fp16/unfused_optimizer.py _update_scale (halves on every skip)",
         fix="z0-fp16-hysteresis",
         reproducer="python -m harness gate --only z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault",
+    ),
+    Bug(
+        id="DSM-028",
+        releases=measured(yes="0.19.8"),
+        title="ZeRO-1/2 with optimizer offload in fp32: Muon's momentum advances on a step skipped for a "
+              "non-finite gradient",
+        symptom="DSM-025's mechanism on the ZeRO-1/2 offload path: in fp32 no test looks at the gradients "
+                "before the step (check_grad_overflow is False unless fp16/bf16), and "
+                "_apply_muon_updates_cpu_offload runs Muon and writes each matrix's momentum into the optimizer "
+                "state before the invalid-norm test skips the step; the path without offload stages the "
+                "momentum and commits it only on a step that survives. Measured (z1-cpu-fp32-ws3-pair-033, a "
+                "NaN in the Adam vector layer0.bias on rank 2 at steps 2 and 3): the clean layer0.weight "
+                "momentum 1.554 where it must stay 1.192 (all 5 elements) after step 2; weights unchanged, as "
+                "on a correct skip.",
+        trigger=lambda c: (c.stage in (1, 2) and c.offload != "none" and c.dtype == "fp32" and _has_muon(c)
+                           and c.overflow_leaves_muon_clean),
+        quantities=WEIGHTS | frozenset({"skipped"}),
+        model=lambda c: {"skip_on_nonfinite": "fp16_only", "momentum_committed_on_invalid_norm": True},
+        where="stage_1_and_2.py step (check_overflow only under check_grad_overflow) and "
+              "_apply_muon_updates_cpu_offload (momentum.narrow(...).copy_ before the norm test)",
+        reproducer="python -m harness gate --only z1-cpu-fp32-ws3-pair-033",
+    ),
+    Bug(
+        id="DSM-029",
+        releases=measured(yes="0.19.8"),
+        title="ZeRO-1/2 offload, 16-bit model, fp32 gradient accumulation: a skipped step's Adam gradients "
+              "are added to the next step's",
+        symptom="With the optimizer offloaded, a fp16/bf16 model and data_types.grad_accum_dtype fp32, a step "
+                "skipped for a non-finite gradient leaves the auxiliary Adam's accumulated gradients in place: "
+                "the next applied step reads their sum with its own. Muon's matrices are unaffected. Measured "
+                "(z2-cpu-bf16-ws3-pair-021, an inf in layer0.weight on rank 2 at step 2): layer0.bias's "
+                "gradient at step 3 is 1.0762 where it must be 0.3379, exactly step 2's 0.7383 plus step 3's; "
+                "the same at ZeRO-1 and with fp16, not without offload or without grad_accum_dtype fp32.",
+        trigger=lambda c: (c.stage in (1, 2) and c.offload != "none" and c.dtype in ("fp16", "bf16")
+                           and _gad(c) == "fp32" and _has_adam(c)
+                           and any(sk for _, _, sk in scale_plan(c)[:-1])),
+        quantities=WEIGHTS | frozenset({"grad"}),
+        model=lambda c: {"adam_grads_kept_on_skip": True},
+        where="stage_1_and_2.py step's overflow branch (reset_cpu_buffers / averaged_gradients) with the fp32 "
+              "accumulation buffer of the offload path",
+        reproducer="python -m harness gate --only z2-cpu-bf16-ws3-pair-021",
+    ),
+    Bug(
+        id="DSM-027",
+        releases=measured(yes="0.19.8"),
+        title="fp32 where no norm is taken (no ZeRO, or ZeRO-1/2 with compute_grad_norm false) applies a "
+              "non-finite gradient: the weights become inf/NaN",
+        symptom="In fp32 nothing tests the gradients for inf/NaN (engine.py passes check_grad_overflow=False "
+                "to ZeRO-1/2 unless fp16/bf16); only the invalid-norm test skips such a step. Where no norm is "
+                "taken, nothing does: without ZeRO no loss scaler or test stands between the backward and "
+                "MuonWithAuxAdam, and ZeRO-1/2 with compute_grad_norm false (documented only as 'disable when "
+                "clipping is off and get_global_grad_norm() is not used') skip the norm and with it the test. "
+                "A single non-finite element is stepped into the weights, and ZeRO-1/2 commit the clean Muon "
+                "matrices' momentum. Measured (one inf on rank 3 at step 2): z0-cpu-fp32-ws4-pair-028, "
+                "layer0.weight inf and layer0.bias NaN after step 2; z1-none-fp32-ws4-pair-040, layer0.weight "
+                "NaN and the clean layer1.weight momentum 0.0600 where it must stay 0.0357. Every step must "
+                "be skipped.",
+        trigger=lambda c: (c.dtype == "fp32" and _has_muon(c) and (c.stage == 0 or c.ds.zero.compute_grad_norm is
+                                                                    False and c.stage in (1, 2))
+                           and any(not math.isfinite(o.value) for o in c.overflows)),
+        # lr: the scheduler advances on the step the intended oracle skips, so every later lr is one step on;
+        # grad: with a clip, clip_grad_norm_'s coefficient of an infinite norm is 0, and 0 x inf turns every
+        # gradient Muon reads NaN
+        quantities=WEIGHTS | frozenset({"skipped", "lr", "grad"}),
+        unmodelled="the step writes inf/NaN into the weights; which non-finite values Newton-Schulz makes of an "
+                   "inf matrix (DeepSpeed's kernels give -inf where a float64 iteration gives NaN) is no "
+                   "reference worth modelling, so the case is excused by quantity",
+        where="engine.py _configure_zero_optimizer (check_grad_overflow False in fp32) and _take_model_step (no "
+              "test without ZeRO); stage_1_and_2.py step (the invalid-norm test only under compute_grad_norm)",
+        reproducer="python -m harness gate --only z1-none-fp32-ws4-pair-040",
     ),
 )
 

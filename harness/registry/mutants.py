@@ -799,7 +799,27 @@ def _tall_muon(c: Case) -> bool:
                for p in c.params)
 
 
+def _muon_update_compiled() -> bool:
+    """Whether DeepSpeed's ``muon_update`` runs under torch.compile in this rank: ``compiler.compile()``
+    wrapped ``original_muon``'s functions at import (``TORCHDYNAMO_DISABLE`` unset); an eager rank holds the
+    plain functions. Read from the Newton-Schulz kernel, which no fix or recorder replaces."""
+    from deepspeed.runtime.zero.muon import original_muon  # late: DeepSpeed, rank side
+
+    return hasattr(original_muon.zeropower_via_newtonschulz5, "_torchdynamo_orig_callable")
+
+
+def _m_compiled_nesterov_dropped(inner, a):
+    return inner(**dict(a, nesterov=False)) if _muon_update_compiled() else inner(**a)
+
+
 MUTANTS.update({m.name: m for m in (
+    Mutant("compiled-nesterov-dropped",
+           "Where muon_update runs compiled, it is called without the Nesterov blend: the plain momentum "
+           "goes to Newton-Schulz (eager unchanged).",
+           _wrap_muon_update(_m_compiled_nesterov_dropped),
+           lambda c: c.compiled and bool(_muon(c)) and c.steps >= 2,
+           "plausible: a compiled call path that runs muon_update with nesterov=False (the Nesterov switch in "
+           "DeepSpeed's source, which DSM-001's model once excused in the compiled 16-bit cases)"),
     Mutant("compiled-aspect-truncated",
            "Under torch.compile only, the aspect scale sqrt(rows/cols) of a tall Muon matrix is taken of the "
            "integer quotient rows//cols (eager unchanged).",

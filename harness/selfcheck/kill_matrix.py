@@ -205,7 +205,7 @@ class KillMatrix:
 
 NOT_RUN = "not run (compiled case: only the compiled path's mutants)"
 SAME_AS_BASELINE = "pass (every bit the judge reads is the passing baseline's)"
-COMPILED_MUTANTS = ("compiled-aspect-truncated",)
+COMPILED_MUTANTS = ("compiled-aspect-truncated", "compiled-nesterov-dropped")
 # A model-parallel case (world size 4) runs only the mutants about the data-parallel group -- its
 # own, and those of the partition layout and the average it changes -- (~1.5 s each here); the
 # world-size 1-2 cases show every other mutant's reach, at a quarter of the ranks.
