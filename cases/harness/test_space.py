@@ -118,14 +118,15 @@ def test_no_row_breaks_a_rule_or_is_refused():
             assert refusals.expected(case) == [], (case.name, [r.name for r in refusals.expected(case)])
 
 
-def test_pair_rows_are_cases_of_their_own_group_beside_the_gates():
-    """Ready for ``matrix.gate_cases`` (their own path group, no name taken): they join it once the stock
-    failures no bug explains are registered or fixed (docs/checks.md)."""
-    ci = pairs.pairs_cases(False)
-    gate = {c.name for c in matrix.gate_cases(False)}
-    assert ci and all("-pair-" in c.name and c.name not in gate for c in ci)
-    assert {matrix.group_of(c.name) for c in ci} == {"pairs"}
-    assert len({c.ds_config for c in ci}) > 1
+def test_every_pair_row_is_a_ci_gate_case_and_every_triple_row_a_full_one():
+    """The covering array's rows are gate cases of their own path group: the pairs in CI, the triples
+    (which hold every pair too) in ``--full``."""
+    for full, tag in ((False, "-pair-"), (True, "-triple-")):
+        rows = pairs.pairs_cases(full)
+        gate = {c.name for c in matrix.gate_cases(full)}
+        assert rows and all(tag in c.name and c.name in gate for c in rows)
+        assert {matrix.group_of(c.name) for c in rows} == {"pairs"}
+        assert len({c.ds_config for c in rows}) > 1
 
 
 def test_a_knob_added_to_the_space_enters_the_array(monkeypatch):

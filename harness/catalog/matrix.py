@@ -30,6 +30,7 @@ from harness.models import BUILTIN
 from harness.catalog import sweep
 from harness.catalog.models import gate_model_cases
 from harness.catalog.departures import departure_cases
+from harness.catalog.pairs import pairs_cases
 
 STAGES = (1, 2, 3)
 DTYPES = ("fp32", "fp16", "bf16")
@@ -1167,7 +1168,7 @@ def gate_cases(full: bool = False) -> list[Case]:
              + non_muon_cases(full) + low_momentum_cases(full) + tiny_grad_cases(full)
              + ds_refusal_cases(full)
              + square_cases(full) + tp_cases(full) + departure_cases(full))
-    cases += sweep_cases(full)
+    cases += sweep_cases(full) + pairs_cases(full)
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
