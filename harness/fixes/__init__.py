@@ -20,7 +20,7 @@ Engines already built keep working with whatever is installed at the time of eac
 """
 from __future__ import annotations
 
-from harness.fixes import bf16opt, ckpt, muon, overflow, scaler, swapin, z0, z3, z12
+from harness.fixes import bf16opt, ckpt, muon, overflow, scaler, swapin, z0, z3, z12, z12offload
 from harness.fixes._registry import (ACTIVE, EXPECTED_DEEPSPEED, Fix, PatchedRuntimeError, Target, _LOCK, check_version,
                                      install_target, installed_keys, prime_source_hashes, source_hash,
                                      uninstall_target, verify)
@@ -29,7 +29,7 @@ __all__ = ["apply", "remove", "applied", "fix_names", "fixes_for", "FIXES", "Fix
            "EXPECTED_DEEPSPEED", "source_hash"]
 
 _ORDER = (z12.FIXES + z3.FIXES + scaler.FIXES + ckpt.FIXES + muon.FIXES + z0.FIXES + bf16opt.FIXES + swapin.FIXES
-          + overflow.FIXES)
+          + overflow.FIXES + z12offload.FIXES)
 FIXES: dict[str, Fix] = {f.name: f for f in _ORDER}
 
 

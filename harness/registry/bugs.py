@@ -942,6 +942,7 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"skip_on_nonfinite": "fp16_only", "momentum_committed_on_invalid_norm": True},
         where="stage_1_and_2.py step (check_overflow only under check_grad_overflow) and "
               "_apply_muon_updates_cpu_offload (momentum.narrow(...).copy_ before the norm test)",
+        fix="z12-offload-momentum-on-skip",
         reproducer="python -m harness gate --only z1-cpu-fp32-ws3-pair-033",
     ),
     Bug(
