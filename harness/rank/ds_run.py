@@ -486,25 +486,31 @@ def _step_reading_at_optimizer_entry(engine, read):
     Unmanaged accumulation reduces (stage 0/1) or finalizes (stage 2/3, the offload copy) inside
     ``engine.step()``, so before the call the accumulated gradient is not where DeepSpeed keeps it;
     at the optimizer's ``step`` it is, and the loss scale, clipping and the scheduler have not yet acted:
-    the point the managed window reads before its boundary ``engine.step()``."""
+    the point the managed window reads before its boundary ``engine.step()``. Except the engine's own
+    fp32 clip without ZeRO (``clip_fp32_gradients``), which scales the gradients in place before the
+    optimizer's ``step``: where it runs, the read is taken just before it."""
     opt = engine.optimizer
-    own = opt.__dict__.get("step")
-    original = opt.step
+    saved = [(obj, name, obj.__dict__.get(name), getattr(obj, name))
+             for obj, name in ((opt, "step"), (engine, "clip_fp32_gradients"))]
     taken = []
 
-    def step(*args, **kwargs):
-        if not taken:
-            taken.append(read())
-        return original(*args, **kwargs)
+    def reading(original):
+        def call(*args, **kwargs):
+            if not taken:
+                taken.append(read())
+            return original(*args, **kwargs)
+        return call
 
-    opt.step = step
+    for obj, name, _, original in saved:
+        setattr(obj, name, reading(original))
     try:
         engine.step()
     finally:
-        if own is None:
-            del opt.step
-        else:
-            opt.step = own
+        for obj, name, own, _ in saved:
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
     if not taken:
         raise RuntimeError("engine.step() never called its optimizer's step: nothing was read for this step")
     return taken[0]

@@ -185,6 +185,26 @@ def scale_plan(c: Case, restart_at: int | None = None) -> tuple:
     return _scale_plan_cached(c.replace(name="plan").to_json(), restart_at)
 
 
+def _z1_fp32_accumulated(c: Case) -> bool:
+    """ZeRO-1 accumulating in fp32 without contiguous gradients: ``get_param_gradient_attribute`` hands Muon
+    the fp32 ``grad_accum`` and ``_muon_momentum_buffer`` follows it, so the momentum is fp32 (measured:
+    z1-none-fp16-ws3-triple-049 passes the intended oracle, and with contiguous_gradients on, or without
+    grad_accum_dtype fp32, DSM-001 shows)."""
+    return c.stage == 1 and _gad(c) == "fp32" and not c.ds.zero.contiguous_gradients
+
+
+# Below this, every scaled fp16 gradient element of magnitude up to 4 rounds to zero (half of fp16's
+# smallest subnormal, 2^-24, is 2^-25 = 4 * 2^-27)
+FP16_FLUSHED_SCALE = 2.0 ** -27
+
+
+def _fp16_flushed(c: Case) -> bool:
+    """fp16 whose backward at the first loss scale flushes the gradients to zero: no momentum for a 16-bit
+    buffer to round (measured: z2-none-fp16-ws3-triple-075, grad_scale 1e-8 at a static scale 0.5, passes
+    the intended oracle; at grad_scale 1, or the dynamic 2^12, DSM-001 shows)."""
+    return c.dtype == "fp16" and c.grad_scale * scale_plan(c)[0][0] < FP16_FLUSHED_SCALE
+
+
 def _grows(c: Case) -> bool:
     return _fp16_dynamic(c) and any(not sk and after > used for used, after, sk in scale_plan(c))
 
@@ -374,8 +394,8 @@ BUGS: tuple[Bug, ...] = (
                 "(1.98e4x the fp32-storage allowance), master 2.7e-4 off (2.4e3x). Scope: ZeRO-1/2 without "
                 "offload (grad_accum_dtype / communication_data_type fp32 do not help) and ZeRO-3 with any "
                 "offload; not ZeRO-1/2 cpu/nvme offload (fp32 momentum), not BF16_Optimizer.",
-        trigger=lambda c: _half(c) and _has_muon(c) and not _bf16_optimizer(c) and (
-            (c.stage in (1, 2) and c.offload == "none")
+        trigger=lambda c: _half(c) and _has_muon(c) and not _bf16_optimizer(c) and not _fp16_flushed(c) and (
+            (c.stage in (1, 2) and c.offload == "none" and not _z1_fp32_accumulated(c))
             or (c.stage == 3 and c.offload == "none"
                 and not (_comm(c) == "fp32" and (c.dtype == "fp16" or _gad(c) == "fp32")))
             or (c.stage == 3 and c.offload != "none" and not (_comm(c) == "fp32" and _gad(c) == "fp32"))),
@@ -409,6 +429,9 @@ BUGS: tuple[Bug, ...] = (
         symptom="offload_optimizer.device=nvme at stage 1/2 never writes to the swap folder; the user "
                 "believes the optimizer state is on NVMe.",
         trigger=lambda c: c.offload == "nvme" and c.stage in (1, 2),
+        # the refusal sits in DeepSpeedZeroOptimizer.__init__; the BF16_Optimizer route (an nvme device is
+        # not the "cpu" that would keep ZeRO-1 bf16 + fp32 accumulation off it) never builds one
+        fix_covers=lambda c: not _bf16_optimizer(c),
         quantities=frozenset({"swap"}),
         model=lambda c: {},  # runs as CPU offload: the numbers are the intended ones, only "swap" differs
         where="stage_1_and_2.py __init__ (cpu_offload = device in (cpu, nvme))",
@@ -957,13 +980,29 @@ BUGS: tuple[Bug, ...] = (
                 "gradient at step 3 is 1.0762 where it must be 0.3379, exactly step 2's 0.7383 plus step 3's; "
                 "the same at ZeRO-1 and with fp16, not without offload or without grad_accum_dtype fp32.",
         trigger=lambda c: (c.stage in (1, 2) and c.offload != "none" and c.dtype in ("fp16", "bf16")
-                           and _gad(c) == "fp32" and _has_adam(c)
+                           and _gad(c) == "fp32" and _has_adam(c) and not _bf16_optimizer(c)
                            and any(sk for _, _, sk in scale_plan(c)[:-1])),
         quantities=WEIGHTS | frozenset({"grad"}),
         model=lambda c: {"adam_grads_kept_on_skip": True},
         where="stage_1_and_2.py step's overflow branch (reset_cpu_buffers / averaged_gradients) with the fp32 "
               "accumulation buffer of the offload path",
         reproducer="python -m harness gate --only z2-cpu-bf16-ws3-pair-021",
+    ),
+    Bug(
+        id="DSM-030",
+        releases=measured(yes="0.19.8"),
+        title="The BF16_Optimizer route drops per-head Muon",
+        symptom="bf16 + grad_accum_dtype fp32 + ZeRO-1 runs BF16_Optimizer, whose _prepare_muon_updates calls "
+                "muon_update without num_heads: a parameter tagged per-head (muon_num_heads) is orthogonalised "
+                "as one matrix, as on stage 0 (DSM-020); the ZeRO optimizers pass it. Measured "
+                "(z1-nvme-bf16-ws1-triple-073, attn.qkv.weight 12x5 in 3 heads): its update 0.129 where the "
+                "per-head one is -0.428, all 60 elements.",
+        trigger=lambda c: _bf16_optimizer(c) and any(_is_muon(p) and (p.num_heads or 1) > 1 for p in c.params),
+        quantities=frozenset({"update", "master", "model", "global_norm"}),
+        model=lambda c: {"honor_num_heads": False},
+        where="bf16_optimizer.py _prepare_muon_updates (:486-489: muon_update(..., beta=..., ns_method=...) "
+              "with no num_heads)",
+        reproducer="python -m harness gate --full --only z1-nvme-bf16-ws1-triple-073",
     ),
     Bug(
         id="DSM-027",
@@ -1104,4 +1143,5 @@ def refusals_for(case: Case) -> list[Bug]:
     """Bugs whose patched fix refuses this case (with the text each refusal must carry)."""
 
     fixed = set(fixes.fix_names())
-    return [b for b in BUGS if b.refused_when_patched and b.fix in fixed and b.trigger(case)]
+    return [b for b in BUGS if b.refused_when_patched and b.fix in fixed and b.trigger(case)
+            and (b.fix_covers is None or b.fix_covers(case))]
