@@ -107,6 +107,10 @@ class StepConfig:
     gradient_accumulation_steps: int = 1
     world_size: int = 1
     model_dtype: str = "fp32"          # "fp32" | "fp16" | "bf16"
+    # The data-parallel all-reduce sums the ranks' model-dtype gradients before dividing by the world size
+    # (stage 0 without ``prescale_gradients``, ``engine.py`` ``allreduce_bucket``): the undivided sum can
+    # overflow fp16 where no rank's own gradient does (``fp16_overflow``).
+    reduction_sums_ranks: bool = False
     loss_scaler: Optional[LossScalerConfig] = None  # None: DeepSpeed's default for model_dtype
     # Per-parameter hyper-parameters where the user's param groups set their own:
     # ((name, (("lr", x), ("momentum", y), ("weight_decay", z), ("ns_method", m))), ...); anything a
@@ -528,11 +532,13 @@ def accumulate(grads: Sequence[Sequence[Mapping[str, torch.Tensor]]], cfg: StepC
 def fp16_overflow(grads, cfg: StepConfig, scale: float) -> bool:
     """Does any loss-scaled per-micro gradient ``S g / GAS``, or the running accumulated average, reach
     fp16's overflow threshold? Models the pre-divided reduction (``reduce_scatter``: each rank's term
-    is divided by ``W`` before summing); with post-division (``gradient_reduction_w_predivide``) the
-    undivided rank sum can overflow earlier -- pass that as an inf in ``grads`` if it matters."""
+    is divided by ``W`` before summing); where the reduction sums first (``StepConfig.reduction_sums_ranks``:
+    each rank accumulates its micro-batches, then the ranks' sums are added before the division), also the
+    undivided sum of the ranks' accumulated gradients."""
     W, GAS = cfg.world_size, cfg.gradient_accumulation_steps
     for spec in cfg.params:
         running = torch.zeros(spec.shape, dtype=torch.float64)
+        local = [torch.zeros(spec.shape, dtype=torch.float64) for _ in range(W)]
         for mu in range(GAS):
             step_avg = torch.zeros(spec.shape, dtype=torch.float64)
             for r in range(W):
@@ -540,9 +546,12 @@ def fp16_overflow(grads, cfg: StepConfig, scale: float) -> bool:
                 if bool((term.abs() >= FP16_OVERFLOW).any()):
                     return True
                 step_avg = step_avg + term / W
+                local[r] = local[r] + term
             running = running + step_avg
             if bool((running.abs() >= FP16_OVERFLOW).any()):
                 return True
+        if cfg.reduction_sums_ranks and bool((sum(local).abs() >= FP16_OVERFLOW).any()):
+            return True
     return False
 
 

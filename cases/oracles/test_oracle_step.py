@@ -267,3 +267,20 @@ def test_clip_coefficient_puts_the_epsilon_on_the_norm():
     assert clip_coefficient(0.5 * c, c) == 1.0
     assert clip_coefficient(123.0, 0.0) == 1.0 and clip_coefficient(123.0, -1.0) == 1.0
     assert clip_coefficient(float("inf"), 1.0) == float("inf")
+
+
+def test_a_reduction_that_sums_before_dividing_overflows_where_no_rank_does():
+    """Two ranks each at 0.6 of fp16's overflow threshold: their average is finite, their sum is not. Only
+    a reduction that sums first (stage 0 without prescale_gradients) overflows."""
+    import torch
+
+    from oracles import ParamSpec, StepConfig
+    from oracles.step import FP16_OVERFLOW, fp16_overflow
+
+    spec = ParamSpec("w", (2, 2), use_muon=True)
+    g = {"w": torch.full((2, 2), 0.6 * FP16_OVERFLOW, dtype=torch.float64)}
+    grads = [[g], [g]]
+    predivided = StepConfig(params=(spec,), world_size=2, model_dtype="fp16")
+    assert not fp16_overflow(grads, predivided, 1.0)
+    assert fp16_overflow(grads, StepConfig(params=(spec,), world_size=2, model_dtype="fp16",
+                                           reduction_sums_ranks=True), 1.0)

@@ -51,6 +51,7 @@ _CONSTS = {"gradient_clipping": "GRADIENT_CLIPPING_DEFAULT",
            "communication_data_type": "COMMUNICATION_DATA_TYPE_DEFAULT",
            "data_types.grad_accum_dtype": "GRAD_ACCUM_DTYPE_DEFAULT",
            "managed_gradient_accumulation": "MANAGED_GRADIENT_ACCUMULATION_DEFAULT",
+           "prescale_gradients": "PRESCALE_GRADIENTS_DEFAULT",
            "fp16.enabled": "FP16_ENABLED_DEFAULT", "bf16.enabled": "BFLOAT16_ENABLED_DEFAULT"}
 _FP16_CONSTS = {"loss_scale": "FP16_LOSS_SCALE_DEFAULT", "initial_scale_power": "FP16_INITIAL_SCALE_POWER_DEFAULT",
                 "loss_scale_window": "FP16_LOSS_SCALE_WINDOW_DEFAULT", "hysteresis": "FP16_HYSTERESIS_DEFAULT",
@@ -470,6 +471,7 @@ class DSConfig:
     gradient_clipping: float
     gradient_accumulation_steps: int | None  # None: not resolvable (``Setting.source`` says why)
     managed_gradient_accumulation: bool | None  # None: the release has no such option
+    prescale_gradients: bool  # divide by the data-parallel size before the all-reduce (stage 0's), not after
     optimizer: Optimizer
     aio_block_size: int
     autotp_size: int  # tensor_parallel.autotp_size as DeepSpeed holds it (0: AutoTP off); see ``tp_size``
@@ -702,6 +704,7 @@ class _Resolver:
             gradient_accumulation_steps=self.accumulation(),
             managed_gradient_accumulation=self.take("managed_gradient_accumulation", cfg,
                                                     "managed_gradient_accumulation", bool),
+            prescale_gradients=bool(self.take("prescale_gradients", cfg, "prescale_gradients", bool)),
             optimizer=self.optimizer(),
             aio_block_size=self.take("aio.block_size", _section(cfg, "aio"), "block_size", int),
             autotp_size=self.take("tensor_parallel.autotp_size", _section(cfg, "tensor_parallel"), "autotp_size",

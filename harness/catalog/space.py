@@ -105,6 +105,8 @@ CONFIG_KNOBS = (
          "every step of this model"),
     _key("gradient_accumulation_steps", (2,), "two micro-batches per step"),
     _key("managed_gradient_accumulation", (False,), "the client owns the accumulation boundary"),
+    _key("prescale_gradients", (True,), "stage 0 divides each rank's gradient before the all-reduce, not the "
+         "sum after it"),
     _key("optimizer.params.muon_lr", (0.01,), "a Muon lr beside the default 0.02", ("optimizer.muon.lr",)),
     _key("optimizer.params.momentum", (0.9, 0.3), "0.9 as SGD recipes set; 0.3 is below 0.5, where 1 - b and "
          "1 % b differ", ("optimizer.muon.momentum",)),
@@ -264,6 +266,10 @@ RULES = (
     Rule((ST, "zero_optimization.reduce_scatter"),
          lambda r: resolved(r, ST) == 3 and resolved(r, "zero_optimization.reduce_scatter"), "registry",
          "z3-muon-reduce-scatter"),
+    Rule((ST, "zero_optimization.reduce_scatter", "prescale_gradients"),
+         lambda r: resolved(r, ST) == 2 and resolved(r, "zero_optimization.reduce_scatter")
+         and resolved(r, "prescale_gradients"), "deepspeed",
+         "runtime/zero/stage_1_and_2.py:pre-scale gradients is not yet supported with"),
     Rule((ST, "zero_optimization.zero_quantized_gradients"),
          lambda r: resolved(r, ST) == 3 and resolved(r, "zero_optimization.zero_quantized_gradients"), "registry",
          "z3-muon-all2all"),

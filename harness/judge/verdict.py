@@ -135,7 +135,10 @@ def step_config(case: Case, applied: int | None = None,
     sc = oracles.StepConfig(
         params=specs, **hyper, device_fp16=fp16_ok, device_bf16=bf16_ok,
         gradient_clipping=ds.gradient_clipping, gradient_accumulation_steps=case.grad_accum,
-        world_size=case.dp_size, model_dtype=case.dtype, loss_scaler=_loss_scaler(case), param_hyper=param_hyper)
+        world_size=case.dp_size, model_dtype=case.dtype, loss_scaler=_loss_scaler(case), param_hyper=param_hyper,
+        # stage 0's all-reduce (engine.py allreduce_bucket) divides after summing unless prescale_gradients;
+        # the ZeRO optimizers reduce their own way (pre-divided)
+        reduction_sums_ranks=case.stage == 0 and not ds.prescale_gradients and ds.communication_data_type == "fp16")
     if case.model:  # a real module's parameter groups (harness.judge.module_oracle)
         sc = _module_oracle().with_param_groups(case, sc)
     if applied is not None and case.schedule:
