@@ -333,5 +333,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             if engine != args.engine and given:
                 need = f"--engine {engine}" if engine else "no --engine"
                 ap.error(f"mutate: {', '.join(given)} needs {need}")
-        del args.engine_options
+        # the options as plain data (flag, dest, default, kind) for a run handed to another interpreter
+        args.engine_options = {engine: tuple((a.option_strings[0], a.dest, a.default, type(a).__name__)
+                                             for a in actions) for engine, actions in args.engine_options.items()}
+    if args.cmd == "watch":
+        args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not args.command and not args.judge:
+            ap.error("watch: no command after --; e.g. python -m harness watch -- torchrun --nproc_per_node 2 train.py")
+        if args.command and args.judge:
+            ap.error("watch: --judge DIR judges records already written; give it no command")
     return args

@@ -17,7 +17,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-from harness.cli.parser import _SOURCE_MUTATION_OPTIONS
 from harness.env import buildenv
 from harness.selfcheck.source_mutation import scope
 
@@ -77,18 +76,19 @@ def interpreter(checkout: Path) -> Path:
 
 
 def forwarded(args) -> list[str]:
-    """The command line of this run, rebuilt from its parsed options (the same run, in another interpreter)."""
+    """The command line of this run, rebuilt from its parsed options (the same run, in another interpreter):
+    the source-mutation engine's options as the parser lists them (``engine_options``: flag, dest, default,
+    the argparse action's kind)."""
     out = ["mutate", "--engine", "cosmic-ray"] + ([f"--only={args.only}"] if args.only else [])
-    for flags, kw in _SOURCE_MUTATION_OPTIONS:
-        flag = flags[0]
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value == kw.get("default", False if kw.get("action") == "store_true" else None):
+    for flag, dest, default, kind in args.engine_options["cosmic-ray"]:
+        value = getattr(args, dest)
+        if value == default:
             continue
-        if kw.get("action") == "store_true":
+        if kind == "_StoreTrueAction":
             out.append(flag)
-        elif kw.get("action") == "append":
+        elif kind == "_AppendAction":
             out += [f"{flag}={v}" for v in value]
-        elif kw.get("action") is not None:  # BooleanOptionalAction
+        elif kind == "BooleanOptionalAction":
             out.append(flag if value else "--no-" + flag[2:])
         else:
             out.append(f"{flag}={value}")
