@@ -45,7 +45,7 @@ def _probe(args: list[str]) -> tuple[dict, str, str]:
 
 
 def test_the_tree_has_every_subcommand():
-    assert set(subcommands()) == {"gate", "run", "compare", "bench", "report", "mutate", "gpu", "check"}
+    assert set(subcommands()) == {"gate", "run", "compare", "bench", "report", "mutate", "gpu", "check", "watch"}
 
 
 @pytest.mark.parametrize("args", [[]] + [[name] for name in sorted(subcommands())], ids=lambda a: a[0] if a else "top")
@@ -165,7 +165,7 @@ def test_the_cuda_refusal_of_gpu_is_its_listed_code_2(capsys):
 
 
 def test_every_listed_exit_code_of_a_handler_is_one_it_returns():
-    """The codes each subcommand lists are exactly 0, 1, 2, check's 3 and 4, the incomplete folder's 4
+    """The codes each subcommand lists are exactly 0, 1, 2, check's and watch's 3 and 4, the incomplete folder's 4
     of gate, report and compare (a side's gate incomplete), and 130/143 of a stopped command (every one
     but report, which starts no process): a listed code no handler returns, or a handler's code that is
     not listed, fails here."""
@@ -174,7 +174,7 @@ def test_every_listed_exit_code_of_a_handler_is_one_it_returns():
 
     stopped = {Interrupted(signal.SIGINT).exit_code, Interrupted(signal.SIGTERM).exit_code}
     for name, sp in subcommands().items():
-        want = {0, 1, 2} | ({check.EXIT_RUN_FAILED, check.EXIT_CANNOT_JUDGE} if name == "check" else set())
+        want = {0, 1, 2} | ({check.EXIT_RUN_FAILED, check.EXIT_CANNOT_JUDGE} if name in ("check", "watch") else set())
         want |= {4} if name in ("gate", "report", "compare") else set()
         want |= set() if name == "report" else stopped
         assert set(listed_codes(sp)) == want, (name, listed_codes(sp))

@@ -6,6 +6,7 @@ reach torch and DeepSpeed (seconds to import), and ``--help`` must answer withou
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -138,8 +139,14 @@ def _compare(args: argparse.Namespace) -> int:
         return _error(str(exc))
 
 
+def _watch(args: argparse.Namespace) -> int:
+    from harness.cli.watch import run_watch  # late: torch and DeepSpeed (see the module doc)
+
+    return run_watch(args)
+
+
 HANDLERS = {"gate": _gate, "run": _run, "compare": _compare, "report": _report, "bench": _bench, "mutate": _mutate,
-            "gpu": _gpu, "check": _check}
+            "gpu": _gpu, "check": _check, "watch": _watch}
 
 
 def main(argv=None) -> int:
@@ -148,6 +155,8 @@ def main(argv=None) -> int:
     # OMP_NUM_THREADS=1 after that judged on two threads contending with its own ranks and, having two,
     # never forked a rank pool (``harness.launch.pool._fork_is_safe``).
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.cmd == "watch":  # the user's command runs in the user's environment, not the harness's
+        args.user_env = dict(os.environ)
     buildenv.apply_base_env()
     if args.cmd == "report":  # starts no process
         return HANDLERS[args.cmd](args)

@@ -308,6 +308,79 @@ def _check(sub) -> None:
     add_check_arguments(ck)
 
 
+WATCH_MAX_STEPS = 50
+WATCH_DESCRIPTION = """\
+Run your own training command unchanged (torchrun, the deepspeed launcher, plain python), record the
+first --steps optimizer steps of every rank and judge them against the oracle, teacher-forced from
+DeepSpeed's own previous state, with check's per-quantity verdict, report and exit codes. The capture is
+installed in every Python process of the command through a sitecustomize on PYTHONPATH; it wraps
+deepspeed.initialize and is taken out after the watched steps, and the training goes on (--stop-after
+ends it there). Watching does not change the run: the weights are bit-identical with and without it.
+
+Watched by default: a Muon matrix straddling a partition boundary, one next to padding, the first and a
+non-first parameter of a ZeRO-3 sub-group, an Adam vector; --params replaces the set. Each rank keeps
+float64 copies of the watched parameters only, within --max-mib (parameters past it are left out and
+named). Several nodes: run watch on every node with the same --out on a shared folder; the node that
+finds every rank's file judges. A script can install the same capture itself:
+harness.rank.watch_hook.install(out=DIR, steps=K) before deepspeed.initialize, then
+python -m harness watch --judge DIR. Details: docs/watch.md."""
+
+WATCH_EXIT_CODES = (
+    "0  within tolerance on every recorded quantity",
+    "1  diverged (the message names tensor, quantity, step, rank and region), including a divergence a known "
+    "stock DeepSpeed bug explains",
+    "2  bad input: no command after --, --steps outside 1..50, --max-mib not positive, an unknown --mutant",
+    "3  no verdict: the command failed or ended before the watched steps, the capture failed on a rank, or "
+    "the command failed after them (the verdict is printed)",
+    "4  cannot judge: nothing diverged, but a recorded quantity has no finite reference, or no applied step "
+    "moved a weight",
+)
+
+
+def _watch_steps(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= WATCH_MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer from 1 to {WATCH_MAX_STEPS}")
+    return k
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive number")
+    return v
+
+
+def _watch(sub) -> None:
+    w = _sub(sub, "watch", "watch the first steps of your own training command and judge them",
+             WATCH_EXIT_CODES, description=WATCH_DESCRIPTION)
+    w.add_argument("--steps", type=_watch_steps, default=DEFAULT_STEPS,
+                   help=f"optimizer steps recorded, 1..{WATCH_MAX_STEPS} (default %(default)s)")
+    w.add_argument("--params", action="append", default=[], metavar="GLOB",
+                   help="watch the parameters whose names match (fnmatch, repeatable) instead of the default set")
+    w.add_argument("--max-mib", type=_positive, default=512.0,
+                   help="memory bound of the capture per rank, MiB (default %(default)s)")
+    w.add_argument("--out", default=None, help="folder for the ranks' records (default: a temporary one)")
+    w.add_argument("--stop-after", action="store_true", help="end the training after the watched steps")
+    w.add_argument("--patched", action="store_true",
+                   help="apply the bundled fixes in every rank (as harness.fixes.apply() in the script)")
+    w.add_argument("--mutant", default=None,
+                   help="install a catalogued mutant (harness.registry.mutants) in every rank: a broken Muon "
+                        "path, to see that watch catches it")
+    w.add_argument("--judge", default=None, metavar="DIR",
+                   help="judge the records in DIR (a script that installed the capture itself); runs nothing")
+    w.add_argument("--timeout", type=_positive, default=None, help="seconds the command may run (default: no limit)")
+    w.add_argument("--report", default=None, help="HTML report path (default reports/<case>.html)")
+    w.add_argument("--no-report", action="store_true", help="write no report")
+    w.add_argument("command", nargs=argparse.REMAINDER, help="-- then your launch command, as you run it")
+
+
 TOP_EPILOG = ("exit codes:\n  those of the subcommand, which its --help lists; 2 also for an unknown command, "
               f"{USAGE_ERROR.replace('an unknown ', '')}")
 
@@ -317,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog=TOP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
                             help="the subcommand; python -m harness COMMAND --help gives its options and exit codes")
-    for add in (_gate, _run, _compare, _bench, _report, _mutate, _gpu, _check):
+    for add in (_gate, _run, _compare, _bench, _report, _mutate, _gpu, _check, _watch):
         add(sub)
     return ap
 

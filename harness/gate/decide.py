@@ -22,6 +22,7 @@ the two can never disagree about what passed:
 """
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass, field, replace
 
@@ -117,6 +118,9 @@ def model_changes(case: Case, bugs) -> dict:
 # parent's memory flat (one case's verdicts, intended and bug-model, and the runs they were judged on).
 _VERDICTS: list = []  # (case and conventions key, RunBits, Verdict), oldest first
 _VERDICTS_KEPT = 4
+# The judge ``judged`` calls: ``verdict.judge`` unless a run captured outside the harness's cases brings
+# its own (``decide_captured``: ``harness.watch`` judges a user's ranks without a model to differentiate).
+JUDGE: contextvars.ContextVar = contextvars.ContextVar("judge", default=None)
 
 
 def judged(c: Case, traj, conventions=None, *, bits: RunBits | None = None) -> Verdict:
@@ -125,11 +129,12 @@ def judged(c: Case, traj, conventions=None, *, bits: RunBits | None = None) -> V
     one). The bits are compared only where the rest of the key matches: a patched run against the stock
     run of its case."""
     bits = bits if bits is not None else traj.judged_bits()
-    key = (c.replace(patched=False).to_json(), repr(conventions),
+    fn = JUDGE.get() or judge
+    key = (c.replace(patched=False).to_json(), repr(conventions), id(fn),
            tuple((k, id(f)) for k, f in ORACLE_HOOKS.items()))  # a test's deliberately wrong oracle
     hit = next((v for k, b, v in _VERDICTS if k == key and b.same(bits)), None)
     if hit is None:
-        hit = judge(c, traj) if conventions is None else judge(c, traj, conventions=conventions)
+        hit = fn(c, traj) if conventions is None else fn(c, traj, conventions=conventions)
         _VERDICTS.append((key, bits, hit))
         del _VERDICTS[:-_VERDICTS_KEPT]
     # the verdict names its case (record key, reproducer): this column's
@@ -260,6 +265,17 @@ def _decide(case: Case, column: str, manager: Launcher) -> Outcome:
                        f"({', '.join(b.id for b in refusals)}) but ran it\n  reproduce: {reproduce_command(c)}",
                        time.perf_counter() - t0, trajectory=out.result)
     return _judge_trajectory(c, column, bugs, out.result, t0)
+
+
+def decide_captured(c: Case, column: str, traj, judge_fn) -> Outcome:
+    """A run captured elsewhere (a user's own ranks, ``harness.watch``) decided exactly as a case the gate
+    ran: against the intended oracle, then against the models of the bugs registered for its pipeline,
+    with ``judge_fn`` (``verdict.judge``'s signature) in place of ``verdict.judge``."""
+    token = JUDGE.set(judge_fn)
+    try:
+        return _judge_trajectory(c, column, bugs_for(c, patched=column == "patched"), traj, time.perf_counter())
+    finally:
+        JUDGE.reset(token)
 
 
 def _judge_failure(c: Case, column: str, bugs, refusals, exc: CaseFailure, t0: float) -> Outcome:

@@ -593,9 +593,10 @@ def _z12_momentum_fragments(engine, info: PathInfo, id_to_name, rank: int):
             off = 0
             for p in params:
                 n = p.numel()
-                name = id_to_name[id(p)]
-                frags.append((name, 0, to_np(buf.narrow(0, off, n))))
-                dtypes[name] = str(buf.dtype).replace("torch.", "")
+                name = id_to_name.get(id(p))  # None: a parameter the capture does not follow (watch)
+                if name is not None:
+                    frags.append((name, 0, to_np(buf.narrow(0, off, n))))
+                    dtypes[name] = str(buf.dtype).replace("torch.", "")
                 off += n
         return frags, dtypes
     # partition layout: z12_offload (single_partition_of_fp32_groups) or bf16_opt (fp32_groups_flat_partition)
@@ -613,7 +614,9 @@ def _z12_momentum_fragments(engine, info: PathInfo, id_to_name, rank: int):
             if m is None:
                 continue
             hp, lp = m.hp_fragment_address, m.lp_fragment_address  # INTERNAL: (start, numel) in partition / param
-            name = id_to_name[id(p)]
+            name = id_to_name.get(id(p))
+            if name is None:  # a parameter the capture does not follow (watch)
+                continue
             frags.append((name, int(lp.start), to_np(buf.narrow(0, int(hp.start), int(hp.numel)))))
             dtypes[name] = str(buf.dtype).replace("torch.", "")
     return frags, dtypes
