@@ -225,7 +225,9 @@ def test_a_row_needing_one_value_shrinks_to_that_value_alone(knob):
     """Hypothesis shrinks a failure to the baseline plus what it needs: a row that must hold one value of one
     knob shrinks to exactly that knob set (where the rules allow it alone)."""
     value = knob.domain[-1]
-    shrunk = find(SS.rows(), lambda r: repr(r[knob.name]) == repr(value), settings=settings(database=None))
+    # derandomized: a shrink that depends on the draw order of the random start could stop at a local minimum
+    shrunk = find(SS.rows(), lambda r: repr(r[knob.name]) == repr(value),
+                  settings=settings(database=None, derandomize=True))
     assert SS.non_default(shrunk) == {knob.name: value}
 
 

@@ -451,8 +451,10 @@ BUGS: tuple[Bug, ...] = (
         trigger=lambda c: _grows(c) and not _clip_undoes_growth(c) and (_has_adam(c) or c.offload != "none"
                                                                         or c.stage == 3 or _clip_of(c) > 0),
         quantities=frozenset({"master", "model", "global_norm", "update"}),
+        # reported_norm only where it changes (ZeRO-3 reports the clip norm); elsewhere another model's
+        # reading of the norm (DSM-016's raw one without ZeRO) stands
         model=lambda c: {"scale_update_before_unscale": True, "muon_update_in_old_scale": c.offload != "none",
-                         "reported_norm": "clip_norm" if c.stage == 3 else "norm"},
+                         **({"reported_norm": "clip_norm"} if c.stage == 3 else {})},
         # Code that runs Muon after the scale update (tree.muon_after_scale_update; DeepSpeed PR #8464's
         # _apply_muon_updates_cpu_offload, after _update_scale in its stage_1_and_2.py step and from
         # _get_norm_groups in its stage3.py step): Muon reads G S / S' and the norm counts O S' / S
