@@ -453,8 +453,11 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"master", "model", "global_norm", "update"}),
         # reported_norm only where it changes (ZeRO-3 reports the clip norm); elsewhere another model's
         # reading of the norm (DSM-016's raw one without ZeRO) stands
-        model=lambda c: {"scale_update_before_unscale": True, "muon_update_in_old_scale": c.offload != "none",
-                         **({"reported_norm": "clip_norm"} if c.stage == 3 else {})},
+        # Without ZeRO, FP16_UnfusedOptimizer unscales every gradient, Muon's too, by the grown scale before
+        # the inner step: Muon reads G S / S' (its update unchanged by the scale), Adam G S / S'
+        model=lambda c: ({"scale_update_before_unscale": True, "muon_in_new_scale": True} if c.stage == 0 else
+                         {"scale_update_before_unscale": True, "muon_update_in_old_scale": c.offload != "none",
+                          **({"reported_norm": "clip_norm"} if c.stage == 3 else {})}),
         # Code that runs Muon after the scale update (tree.muon_after_scale_update; DeepSpeed PR #8464's
         # _apply_muon_updates_cpu_offload, after _update_scale in its stage_1_and_2.py step and from
         # _get_norm_groups in its stage3.py step): Muon reads G S / S' and the norm counts O S' / S
