@@ -464,7 +464,8 @@ BUGS: tuple[Bug, ...] = (
         variants=(_muon_in_new_scale,),
         where="stage_1_and_2.py step (_update_scale at :3047 before :3121 and unscale_and_clip_grads); "
               "stage3.py step (_loss_scale_update_and_overflow_cleanup at :2891 before :2915/:2918, "
-              "_global_grad_norm = N / new scale at :2897)",
+              "_global_grad_norm = N / new scale at :2897); fp16/unfused_optimizer.py step (_update_scale at "
+              ":227 before unscale_and_clip_grads at :228, without ZeRO)",
         fix="loss-scale-update-after-unscale",
         reproducer="pipeline_case(st, off, 'fp16', 1, steps=5, loss_scale_window=2)",
     ),
