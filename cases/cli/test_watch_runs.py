@@ -133,3 +133,11 @@ def test_a_script_that_installs_the_capture_itself_is_judged_with_judge(tmp_path
                          env=user_env(), capture_output=True, text=True, timeout=TIMEOUT_S, cwd=buildenv.PROJECT_ROOT)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
     assert verdict_line(res).startswith("verdict (patched): PASS")
+
+
+def test_param_groups_of_the_scripts_own_give_no_verdict_rather_than_a_false_one(tmp_path):
+    """The judged case holds one setting per half; a script's own param groups (two weight decays here)
+    are said and exit 3, never judged against the wrong settings."""
+    res = watch(tmp_path, torchrun("--own-groups"), "--steps", "1")
+    assert res.returncode == 3, res.stdout[-4000:] + res.stderr[-3000:]
+    assert "param groups of your own" in res.stdout + res.stderr

@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--gas", type=int, default=2)
     ap.add_argument("--patched", action="store_true")
     ap.add_argument("--save", default=None)
+    ap.add_argument("--own-groups", action="store_true", help="two param groups of the script's own")
     ap.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -57,7 +58,10 @@ def main() -> None:
         apply()
     torch.manual_seed(0)
     model = Net()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    params = list(model.parameters())
+    if args.own_groups:
+        params = [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params,
                                       config=config(args.stage, args.dtype, args.gas))
     dtype = next(engine.module.parameters()).dtype
     data = torch.Generator().manual_seed(1000 + dist.get_rank())
