@@ -24,8 +24,9 @@ def test_every_bug_has_its_section_and_every_0198_bug_its_table_row():
 def test_a_modelled_bug_lists_the_switches_its_model_sets():
     by_id = {b.id: b for b in BUGS + HISTORICAL}
     assert docs.switches(by_id["DSM-023"]) == ["stale_unused_grads"]
+    # both branches of the model (the ZeRO paths', and without ZeRO the unscale by the grown scale)
     assert set(docs.switches(by_id["DSM-003"])) == {"scale_update_before_unscale", "muon_update_in_old_scale",
-                                                    "reported_norm"}
+                                                    "muon_in_new_scale", "reported_norm"}
     assert docs.switches(by_id["DSM-012"]) == []  # a crash bug: no model
 
 
