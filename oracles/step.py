@@ -620,9 +620,9 @@ def step(state: OracleState, grads: Sequence[Sequence[Mapping[str, torch.Tensor]
     # -- 3. textbook clipping happens before Muon (clip_norm_source="gradient") -------------------
     pre_k, norm = 1.0, None
     if conv.clip_norm_source == "gradient":
-        norm = global_norm(Gs.values()) if shared_norm is None else shared_norm
         # the growth-step accident divides by S' where S was meant
         grow = scale_ratio(state, cfg, conv)
+        norm = global_norm(_raw_norm_terms(Gs, cfg, conv, grow)) if shared_norm is None else shared_norm
         pre_k = clip_coefficient(norm * grow, cfg.gradient_clipping) if forced_clip_coef is None else forced_clip_coef
     new_mom, directions = _muon_directions(state, cfg, conv, Gs, pre_k, ns_mode)
     S = float(state.scaler.scale)
@@ -655,6 +655,15 @@ def _raw_skip_reason(G: Mapping[str, torch.Tensor], grads, cfg: StepConfig, conv
     if cfg.model_dtype == "fp16" and conv.detect_fp16_overflow and fp16_overflow(grads, cfg, backward_scale):
         return "fp16_overflow"
     return None
+
+
+def _raw_norm_terms(Gs: Mapping[str, torch.Tensor], cfg: StepConfig, conv: Conventions, grow: float) -> list:
+    """The gradients a clip before Muon takes its norm over: as read, except that a Muon matrix read in the
+    grown scale (``muon_in_new_scale``: ``G S / S'``) entered that norm before the unscale, at ``G``."""
+    if not conv.muon_in_new_scale or grow == 1.0:
+        return list(Gs.values())
+    muon = {p.name for p in cfg.params if p.use_muon}
+    return [g / grow if n in muon else g for n, g in Gs.items()]
 
 
 def _gradient_read(G: Mapping[str, torch.Tensor], cfg: StepConfig, conv: Conventions,

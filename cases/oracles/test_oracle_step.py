@@ -284,3 +284,20 @@ def test_a_reduction_that_sums_before_dividing_overflows_where_no_rank_does():
     assert not fp16_overflow(grads, predivided, 1.0)
     assert fp16_overflow(grads, StepConfig(params=(spec,), world_size=2, model_dtype="fp16",
                                            reduction_sums_ranks=True), 1.0)
+
+
+def test_a_clip_before_muon_takes_its_norm_before_a_grown_scale_halves_the_muon_gradient():
+    """Without ZeRO on a growth step (DSM-003's stage-0 model) Muon reads ``G S / S'`` but the raw norm the
+    clip and the report read was taken before the unscale: the Muon terms count at ``G``, Adam's as read."""
+    import torch
+
+    from oracles import Conventions, ParamSpec, StepConfig
+    from oracles.step import _raw_norm_terms
+
+    cfg = StepConfig(params=(ParamSpec("w", (2, 2), use_muon=True), ParamSpec("b", (2,), use_muon=False)))
+    Gs = {"w": torch.full((2, 2), 1.0, dtype=torch.float64), "b": torch.full((2,), 3.0, dtype=torch.float64)}
+    grown = Conventions(clip_norm_source="gradient", scale_update_before_unscale=True, muon_in_new_scale=True)
+    w, b = _raw_norm_terms(Gs, cfg, grown, 0.5)
+    assert float(w[0, 0]) == 2.0 and float(b[0]) == 3.0
+    assert all(t is Gs[n] for t, n in zip(_raw_norm_terms(Gs, cfg, grown, 1.0), Gs))
+    assert all(t is Gs[n] for t, n in zip(_raw_norm_terms(Gs, cfg, Conventions(clip_norm_source="gradient"), 0.5), Gs))
