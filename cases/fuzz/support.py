@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, event, note, seed, settings, target
+from hypothesis import HealthCheck, Phase, event, given, note, seed, settings, target
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,6 +141,21 @@ def search_settings(**overrides) -> settings:
 
 # --------------------------------------------------------------------------------------------------
 # running and judging one case
+
+
+def draw(strategy, n: int, suppress=(HealthCheck.too_slow,)) -> list:
+    """``n`` derandomised draws of ``strategy`` (generation only, no database): what a test of the strategy
+    itself inspects. ``suppress``: the health checks the caller's strategy is known to trip."""
+    got: list = []
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(suppress))
+    @given(strategy)
+    def collect(example):
+        got.append(example)
+
+    collect()
+    return got
 
 
 def finite_score(x: float) -> float:

@@ -174,17 +174,8 @@ DRAWS = 300
 
 
 def draw_rows(strategy, n: int) -> list[dict]:
-    """``n`` derandomised draws (generation only, no database)."""
-    got: list[dict] = []
-
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow])  # filter_too_much stays: rejected rows would trip it
-    @given(strategy)
-    def collect(row):
-        got.append(row)
-
-    collect()
-    return got
+    # filter_too_much stays on: rejected rows would trip it
+    return support.draw(strategy, n, suppress=(HealthCheck.too_slow,))
 
 
 @pytest.fixture(scope="module")

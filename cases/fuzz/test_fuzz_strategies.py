@@ -12,10 +12,11 @@ import collections
 import math
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 from cases import strategies as S
+from cases.fuzz import support
 from harness.case.spec import Case
 from harness.case.synthetic import check_params
 
@@ -26,18 +27,8 @@ RUNTIMES = S.available_runtimes()
 
 
 def draw_cases(strategy: st.SearchStrategy, n: int) -> list[Case]:
-    """``n`` derandomised draws (generation only, no database)."""
-    got: list[Case] = []
-
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                     HealthCheck.data_too_large])
-    @given(strategy)
-    def collect(case):
-        got.append(case)
-
-    collect()
-    return got
+    return support.draw(strategy, n, suppress=(HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                              HealthCheck.data_too_large))
 
 
 @pytest.fixture(scope="module")

@@ -154,6 +154,16 @@ def _has_muon(c: Case) -> bool:
     return c.runs_muon
 
 
+def _per_head(c: Case) -> bool:
+    """A Muon matrix tagged with more than one head: what a path that drops ``num_heads`` changes."""
+    return any(_is_muon(p) and (p.num_heads or 1) > 1 for p in c.params)
+
+
+def _poisoned(c: Case) -> bool:
+    """Some injected gradient is inf or NaN (a finite injection only scales)."""
+    return any(not math.isfinite(o.value) for o in c.overflows)
+
+
 def _has_adam(c: Case) -> bool:
     return any(not _is_muon(p) for p in c.params)
 
@@ -777,7 +787,7 @@ BUGS: tuple[Bug, ...] = (
                 "(muon_num_heads) is orthogonalised as one matrix on the non-ZeRO path, in every dtype; "
                 "ZeRO-1/2/3 pass it. Measured on "
                 "z0-none-fp32-ws2-heads (update 0.675 off against 8.7e-08 allowed).",
-        trigger=lambda c: (c.stage == 0 and any(_is_muon(p) and (p.num_heads or 1) > 1 for p in c.params)),
+        trigger=lambda c: c.stage == 0 and _per_head(c),
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         model=lambda c: {"honor_num_heads": False},
         where="zero/muon/muon_optimizer.py MuonWithAuxAdam.step (:78-82: muon_update(grad, momentum, beta=..., "
@@ -944,7 +954,7 @@ BUGS: tuple[Bug, ...] = (
                 "DSM-015's unscaled backward the reported norm of step 3 halves (222 against 444). ZeRO-1/2/3 "
                 "honour it (DynamicLossScaler).",
         trigger=lambda c: (c.stage == 0 and _fp16_dynamic(c) and c.ds.fp16.hysteresis > 1
-                           and any(not math.isfinite(o.value) for o in c.overflows)),
+                           and _poisoned(c)),
         quantities=WEIGHTS | SCALER | frozenset({"grad"}),
         model=lambda c: {"loss_scaler_hysteresis": 1},
         where="fp16/loss_scaler.py LossScaleConfig (no delayed_shift kept from dynamic_loss_args); "
@@ -1003,7 +1013,7 @@ BUGS: tuple[Bug, ...] = (
                 "as one matrix, as on stage 0 (DSM-020); the ZeRO optimizers pass it. Measured "
                 "(z1-nvme-bf16-ws1-triple-073, attn.qkv.weight 12x5 in 3 heads): its update 0.129 where the "
                 "per-head one is -0.428, all 60 elements.",
-        trigger=lambda c: _bf16_optimizer(c) and any(_is_muon(p) and (p.num_heads or 1) > 1 for p in c.params),
+        trigger=lambda c: _bf16_optimizer(c) and _per_head(c),
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         model=lambda c: {"honor_num_heads": False},
         where="bf16_optimizer.py _prepare_muon_updates (:486-489: muon_update(..., beta=..., ns_method=...) "
@@ -1027,7 +1037,7 @@ BUGS: tuple[Bug, ...] = (
                 "be skipped.",
         trigger=lambda c: (c.dtype == "fp32" and _has_muon(c) and (c.stage == 0 or c.ds.zero.compute_grad_norm is
                                                                     False and c.stage in (1, 2))
-                           and any(not math.isfinite(o.value) for o in c.overflows)),
+                           and _poisoned(c)),
         # lr: the scheduler advances on the step the intended oracle skips, so every later lr is one step on;
         # grad: with a clip, clip_grad_norm_'s coefficient of an infinite norm is 0, and 0 x inf turns every
         # gradient Muon reads NaN
