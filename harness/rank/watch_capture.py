@@ -96,7 +96,7 @@ def initialize_watched(original, settings, args, kwargs):
     return result
 
 
-def _unwatched_setup(engine) -> str | None:
+def _unwatched_setup(engine, full: Case) -> str | None:
     """What of the engine the judge cannot take yet (None: nothing). Param groups of the user's own give
     each half several settings where the judged case holds one; an unmanaged accumulation window ends
     where the user calls ``step()``, which the recorder's window does not follow."""
@@ -104,8 +104,7 @@ def _unwatched_setup(engine) -> str | None:
     if len(groups) > 2:
         return (f"the optimizer has {len(groups)} param groups (DeepSpeed's own Muon/Adam split is 2): param groups "
                 "of your own")
-    managed = getattr(engine, "managed_gradient_accumulation", None)  # None: a release without the option
-    if managed is not None and managed() is False:
+    if full.ds.managed_gradient_accumulation is False:  # the typed view; None: a release without the option
         return "managed_gradient_accumulation false (the accumulation window is the script's own)"
     return None
 
@@ -154,15 +153,15 @@ class Session:
         if getattr(engine, "dp_world_size", self.world) != self.world:
             raise RuntimeError(f"data-parallel world {engine.dp_world_size} of {self.world} ranks: model and "
                                "tensor parallelism are not watched")
-        unsupported = _unwatched_setup(engine)
-        if unsupported:
-            raise RuntimeError(f"{unsupported}: not watched yet, so no verdict rather than a false one")
         self.named = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
         params = tuple(ParamShape(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.named.items())
         self.gas = engine.gradient_accumulation_steps()
         self.full = Case(name="watch", params=params, ds_config=canonical_json(resolved_config(engine)),
                          world_size=self.world, steps=settings.steps, patched=bool(fixes.applied()),
                          mutant=settings.mutant)
+        unsupported = _unwatched_setup(engine, self.full)
+        if unsupported:
+            raise RuntimeError(f"{unsupported}: not watched yet, so no verdict rather than a false one")
         self.reasons, self.dropped = watch_select.select(self.full, settings.params, settings.max_mib * 2**20,
                                                          self.gas)
         if not self.reasons:
