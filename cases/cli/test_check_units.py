@@ -317,11 +317,3 @@ def test_the_swap_quantity_follows_deepspeeds_swap_rule(tmp_path, monkeypatch):
     assert "NVMe swapping not exercised" in check.swap_not_exercised_text(small)
     assert check.swap_not_exercised_text(big) == "" and check.swap_not_exercised_text(z2) == ""
 
-
-def test_an_offload_deepspeed_ignores_at_stage_0_is_said():
-    notes: list[str] = []
-    check_plan._rewrite(_cfg(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}), 2, 1.0, notes)
-    assert any("does nothing at stage 0" in n for n in notes)
-    notes.clear()
-    check_plan._rewrite(_cfg(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}), 2, 1.0, notes)
-    assert not any("stage 0" in n for n in notes)

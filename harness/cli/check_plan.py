@@ -95,11 +95,6 @@ def _rewrite(cfg: dict, world_size: int, factor: float, notes: list[str], total_
         if off.get("nvme_path") in (None, ""):
             notes.append(f"{key}.nvme_path not given: a private swap folder per case")
         off["nvme_path"] = NVME_PATH_PLACEHOLDER  # the user's writable path is put back per run
-    v = view(cfg)
-    asked = v.zero.offload_optimizer.device
-    if asked != "none" and v.offload == "none":
-        notes.append(f"zero_optimization.offload_optimizer.device {asked!r} does nothing at stage 0 (only a ZeRO "
-                     "optimizer offloads): the optimizer state stays with the model, and the check runs it so")
     return cfg
 
 
