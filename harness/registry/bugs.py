@@ -198,7 +198,7 @@ def scale_plan(c: Case, restart_at: int | None = None) -> tuple:
 def _z1_fp32_accumulated(c: Case) -> bool:
     """ZeRO-1 accumulating in fp32 without contiguous gradients: ``get_param_gradient_attribute`` hands Muon
     the fp32 ``grad_accum`` and ``_muon_momentum_buffer`` follows it, so the momentum is fp32 (measured:
-    z1-none-fp16-ws3-triple-049 passes the intended oracle, and with contiguous_gradients on, or without
+    a triples row, ZeRO-1 fp16 at 3 ranks, passes the intended oracle, and with contiguous_gradients on, or without
     grad_accum_dtype fp32, DSM-001 shows)."""
     return c.stage == 1 and _gad(c) == "fp32" and not c.ds.zero.contiguous_gradients
 
@@ -210,7 +210,7 @@ FP16_FLUSHED_SCALE = 2.0 ** -27
 
 def _fp16_flushed(c: Case) -> bool:
     """fp16 whose backward at the first loss scale flushes the gradients to zero: no momentum for a 16-bit
-    buffer to round (measured: z2-none-fp16-ws3-triple-075, grad_scale 1e-8 at a static scale 0.5, passes
+    buffer to round (measured on a triples row, ZeRO-2 fp16 at 3 ranks, grad_scale 1e-8 at a static scale 0.5: it passes
     the intended oracle; at grad_scale 1, or the dynamic 2^12, DSM-001 shows)."""
     return c.dtype == "fp16" and c.grad_scale * scale_plan(c)[0][0] < FP16_FLUSHED_SCALE
 
@@ -1011,14 +1011,14 @@ BUGS: tuple[Bug, ...] = (
         symptom="bf16 + grad_accum_dtype fp32 + ZeRO-1 runs BF16_Optimizer, whose _prepare_muon_updates calls "
                 "muon_update without num_heads: a parameter tagged per-head (muon_num_heads) is orthogonalised "
                 "as one matrix, as on stage 0 (DSM-020); the ZeRO optimizers pass it. Measured "
-                "(z1-nvme-bf16-ws1-triple-073, attn.qkv.weight 12x5 in 3 heads): its update 0.129 where the "
+                "(a ZeRO-1 bf16 row of the triples, attn.qkv.weight 12x5 in 3 heads): its update 0.129 where the "
                 "per-head one is -0.428, all 60 elements.",
         trigger=lambda c: _bf16_optimizer(c) and _per_head(c),
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         model=lambda c: {"honor_num_heads": False},
         where="bf16_optimizer.py _prepare_muon_updates (:486-489: muon_update(..., beta=..., ns_method=...) "
               "with no num_heads)",
-        reproducer="python -m harness gate --full --only z1-nvme-bf16-ws1-triple-073",
+        reproducer="python -m harness gate --full --only z1-nvme-bf16-ws1-triple-075",
     ),
     Bug(
         id="DSM-027",
