@@ -51,10 +51,14 @@ def round_to_lp(w: torch.Tensor, case: Case) -> torch.Tensor:
 
 
 def lp_weights(case: Case, traj: Trajectory, step: int) -> dict[str, torch.Tensor]:
-    """The model-dtype weights DeepSpeed's forward saw in ``step`` (as float64)."""
+    """The model-dtype weights DeepSpeed's forward saw in ``step`` (as float64). Step 1 sees the module
+    as the harness built it, rounded: the captured masters after initialize are the same numbers, except
+    where an optimizer step at initialize moved them (DSM-014) and left the module as it was. Module
+    cases build their weights elsewhere and keep the captured masters."""
     if step == 1:
         lp = oracles.MODEL_DTYPES[case.dtype]
-        return {n: _t(a).to(lp).to(torch.float64) for n, a in traj.initial.items()}
+        start = traj.initial if case.model else synthetic.initial_weights(case)
+        return {n: _t(a).to(lp).to(torch.float64) for n, a in start.items()}
     return {n: _t(ps.model) for n, ps in traj.steps[step - 2].params.items()}
 
 
