@@ -14,9 +14,11 @@ for a ``ZeROOptimizer`` (``scale_if_loss``) or a torch-autocast grad scaler; ``F
 neither, so fp16 without ZeRO back-propagates the unscaled loss -- and then ``step`` divides the
 gradients by the scale anyway: every gradient the optimizer sees is 1/S of the true one, the overflow
 check and the reported norm are taken on unscaled fp16 gradients, and small fp16 gradients underflow as
-if no loss scaling were configured. The fix multiplies the loss by the optimizer's current scale before
-the stock ``backward`` (exactly what ``FP16_UnfusedOptimizer.backward`` would do) and returns the
-stock return value divided by it again (a power of two: exact), so callers see the loss they always saw.
+if no loss scaling were configured. The fix divides the loss by the accumulation steps and multiplies it by the optimizer's current
+scale in fp32 before the stock ``backward`` (exactly what ``FP16_UnfusedOptimizer.backward`` does with the
+engine's loss; scaling before the division would hand the fp16 graph ``S / GAS``, where ZeRO hands it ``S``,
+and step through an overflow every other path skips) and returns the stock return value divided by the
+scale again (a power of two: exact), so callers see the loss they always saw.
 
 ``z0-fp16-hysteresis`` (DSM-026). ``FP16_UnfusedOptimizer._update_scale`` halves the scale on every overflow:
 its ``LossScaleConfig`` keeps no ``delayed_shift``, so ``fp16.hysteresis`` (documented default 2) and
@@ -99,8 +101,11 @@ def make_backward(orig):
         if opt is None:
             return orig(self, loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         scale = float(opt.loss_scale_config.cur_scale)  # INTERNAL: the dynamic/static scale step() divides by
-        # as FP16_UnfusedOptimizer.backward scales it (unfused_optimizer.py:272): in fp32
-        out = orig(self, loss.float() * scale, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        # as FP16_UnfusedOptimizer.backward scales the engine's loss (unfused_optimizer.py:272): divided by
+        # the accumulation steps first, then times the scale in fp32, so the backward reaches the model's
+        # fp16 graph carrying S, as on every ZeRO path (scale_if_loss after the division)
+        per_micro = self._scale_loss_by_gas(loss) if scale_wrt_gas else loss
+        out = orig(self, per_micro.float() * scale, retain_graph=retain_graph, scale_wrt_gas=False)
         return (out / scale).to(loss.dtype)
 
     return backward
