@@ -2,8 +2,11 @@
 (``harness.registry.docs``); a committed copy that differs from what the entries give is stale."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from harness.catalog import matrix
 from harness.registry import docs
 from harness.registry.bugs import BUGS, HISTORICAL
 
@@ -33,3 +36,25 @@ def test_a_modelled_bug_lists_the_switches_its_model_sets():
 def test_a_readme_without_the_markers_is_refused():
     with pytest.raises(ValueError, match="bugs:begin"):
         docs.readme_with_table("# no table here\n")
+
+
+_GATE_REPRODUCER = re.compile(r"python -m harness gate (?P<full>--full )?--only[ =](?P<name>\S+)")
+
+
+def test_a_gate_reproducer_selects_a_case_its_bug_triggers_on():
+    """A reproducer that names gate cases (``--only SUBSTR``) must select, in the gate it names (CI, or
+    ``--full``), at least one case the bug's trigger selects: covering-array rows are renumbered when a
+    knob joins the space, and a reproducer left on a renumbered row reproduces nothing."""
+    gates = {False: matrix.gate_cases(False), True: matrix.gate_cases(True)}
+    named = []
+    for b in BUGS + HISTORICAL:
+        m = _GATE_REPRODUCER.search(b.reproducer or "")
+        if m is None:
+            continue
+        named.append(b.id)
+        hits = [c for c in gates[bool(m["full"])] if m["name"] in c.name]
+        assert hits, f"{b.id}: `{m[0]}` selects no case of that gate; point it at a case that shows the bug"
+        assert any(b.trigger(c) for c in hits), (
+            f"{b.id}: `{m[0]}` selects {[c.name for c in hits][:5]}, none of which its trigger selects; point "
+            "the reproducer at the row that now shows the bug")
+    assert len(named) >= 10, f"only {named} name gate cases: the reproducer pattern no longer matches them"

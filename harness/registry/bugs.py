@@ -960,7 +960,7 @@ BUGS: tuple[Bug, ...] = (
         where="fp16/loss_scaler.py LossScaleConfig (no delayed_shift kept from dynamic_loss_args); "
               "fp16/unfused_optimizer.py _update_scale (halves on every skip)",
         fix="z0-fp16-hysteresis",
-        reproducer="python -m harness gate --only z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault",
+        reproducer="python -m harness gate --full --only z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault",
     ),
     Bug(
         id="DSM-028",
