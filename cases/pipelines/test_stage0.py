@@ -59,8 +59,8 @@ def test_patched_fp16_backward_carries_the_scale_as_zero_does(pool_manager):
     step whose fp16 backward, run as ZeRO runs it, has no finite gradient: the judge could not judge it."""
     case = pipeline_case(0, "none", "fp16", 1, steps=3, grad_accum=2, initial_scale_power=16)
     o = evaluate(case, "patched", pool_manager)
-    assert o.trajectory is not None and o.trajectory.steps[0].skipped, "step 1 at S = 2^16 was applied: the scale reached " \
-        "the fp16 graph divided by the accumulation steps"
+    assert o.trajectory is not None and o.trajectory.steps[0].skipped, (
+        "step 1 at S = 2^16 was applied: the scale reached the fp16 graph divided by the accumulation steps")
     assert o.status == "passed", o.message
 
 

@@ -14,11 +14,12 @@ for a ``ZeROOptimizer`` (``scale_if_loss``) or a torch-autocast grad scaler; ``F
 neither, so fp16 without ZeRO back-propagates the unscaled loss -- and then ``step`` divides the
 gradients by the scale anyway: every gradient the optimizer sees is 1/S of the true one, the overflow
 check and the reported norm are taken on unscaled fp16 gradients, and small fp16 gradients underflow as
-if no loss scaling were configured. The fix divides the loss by the accumulation steps and multiplies it by the optimizer's current
-scale in fp32 before the stock ``backward`` (exactly what ``FP16_UnfusedOptimizer.backward`` does with the
-engine's loss; scaling before the division would hand the fp16 graph ``S / GAS``, where ZeRO hands it ``S``,
-and step through an overflow every other path skips) and returns the stock return value divided by the
-scale again (a power of two: exact), so callers see the loss they always saw.
+if no loss scaling were configured. The fix divides the loss by the accumulation steps and multiplies
+it by the optimizer's current scale in fp32 before the stock ``backward`` (exactly what
+``FP16_UnfusedOptimizer.backward`` does with the engine's loss; scaling before the division would hand the
+fp16 graph ``S / GAS``, where ZeRO hands it ``S``, and step through an overflow every other path skips) and
+returns the stock return value divided by the scale again (a power of two: exact), so callers see the
+loss they always saw.
 
 ``z0-fp16-hysteresis`` (DSM-026). ``FP16_UnfusedOptimizer._update_scale`` halves the scale on every overflow:
 its ``LossScaleConfig`` keeps no ``delayed_shift``, so ``fp16.hysteresis`` (documented default 2) and
