@@ -67,7 +67,7 @@ def test_stock_shows_the_bug_and_the_patched_runtime_removes_it(bug, case, pool_
     explained = set().union(*(b.quantities for b in hit))
     unexplained = {(f.param, f.quantity) for f in stock.failures if f.quantity not in explained}
     assert not unexplained, f"stock divergences no registered bug explains: {sorted(unexplained)}"
-    assert BY_ID[bug].fix is not None
+    assert BY_ID[bug].fixed_by
 
     p = case.replace(patched=True)
     assert bugs_for(p, patched=True) == []

@@ -267,7 +267,7 @@ def known_bug_info(case: Case) -> list[dict]:
     for b in bugs_for(case):
         # the fix that acts on this case's stage (DSM-001 has one for ZeRO-1/2 and one for ZeRO-3)
         fixes = patched_runtime.fixes_for(b.id, case.stage)
-        fix = " + ".join(fixes) if fixes else b.fix
+        fix = " + ".join(fixes or b.fixed_by) or None
         out.append({"id": b.id, "title": b.title, "symptom": b.symptom, "where": b.where, "fix": fix,
                     "fixed_by_patched": bool(fixes)})
     return out

@@ -8,9 +8,9 @@ case is a plain failure (``harness.gate.decide.evaluate``). A bug whose trigger 
 nothing is an XPASS, which strict mode turns into a failure: the registry must stay exact. A crash bug
 (``crash``) is accepted only for its exact exception type, message fragment and frame.
 
-``fix`` names the entry of ``harness.fixes`` that removes the bug (None: no fix yet); ``releases`` the
-releases it was measured on (``harness.registry.releases.measured``): only there does it excuse anything
-(``excuses``). docs/bugs.md and the README's bug table are generated from these entries
+``fixed_by`` reads the entries of ``harness.fixes`` that remove the bug (each fix names its bugs);
+``releases`` the releases it was measured on (``harness.registry.releases.measured``): only there does it
+excuse anything (``excuses``). docs/bugs.md and the README's bug table are generated from these entries
 (``python -m harness.registry.docs``).
 
 Triggers are pure functions of the case. Where a bug depends on the loss-scale trajectory they
@@ -52,7 +52,6 @@ class Bug:
     trigger: Callable[[Case], bool]
     quantities: frozenset  # quantities it may make diverge ("swap" = NVMe never touched, "crash" = the case raises)
     where: str  # the DeepSpeed 0.19.8 code responsible
-    fix: str | None = None
     reproducer: str = ""  # the case or test that shows it
     # Where the fix is a refusal rather than a repair: text the patched runtime's error must contain.
     # A patched case this bug triggers then passes when, and only when, it is refused with that text.
@@ -78,6 +77,12 @@ class Bug:
     # Why a numerical bug has no model (it then excuses its quantities by name, below full strength);
     # every bug is modelled, a crash, a refusal, or says this
     unmodelled: str | None = None
+
+    @property
+    def fixed_by(self) -> tuple[str, ...]:
+        """The patched runtime's fixes that remove this bug. Each fix names the bugs it removes
+        (``harness.fixes``), so the link is declared there, once."""
+        return tuple(fixes.fixes_for(self.id))
     # Where the tree's own source shows this bug's mechanism for a case (a probe of ``harness.env.tree``):
     # on a tree where the bug was not measured (a source checkout, a pull request), an unmodelled bug
     # excuses its quantities by name only where this says so (None: never)
@@ -429,7 +434,6 @@ BUGS: tuple[Bug, ...] = (
               "stage3.py _create_momentum_buffer (communication_data_type), _apply_muon_to_accumulated_grads "
               "(update copied into the gradient partition), _apply_muon_updates_cpu_offload (gather in "
               "gradient_accumulation_dtype)",
-        fix="z12-fp32-muon-state",  # ZeRO-3 part: z3-fp32-muon-state (both are applied together)
         reproducer="pipeline_case(2, 'none', 'bf16', 2, steps=3); pipeline_case(3, 'cpu', 'fp16', 1, steps=3)",
     ),
     Bug(
@@ -445,7 +449,6 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"swap"}),
         model=lambda c: {},  # runs as CPU offload: the numbers are the intended ones, only "swap" differs
         where="stage_1_and_2.py __init__ (cpu_offload = device in (cpu, nvme))",
-        fix="z12-nvme-refuse",
         refused_when_patched="ZeRO stage 1/2 do not implement NVMe optimizer offload",
     ),
     Bug(
@@ -476,7 +479,6 @@ BUGS: tuple[Bug, ...] = (
               "stage3.py step (_loss_scale_update_and_overflow_cleanup at :2891 before :2915/:2918, "
               "_global_grad_norm = N / new scale at :2897); fp16/unfused_optimizer.py step (_update_scale at "
               ":227 before unscale_and_clip_grads at :228, without ZeRO)",
-        fix="loss-scale-update-after-unscale",
         reproducer="pipeline_case(st, off, 'fp16', 1, steps=5, loss_scale_window=2)",
     ),
     Bug(
@@ -494,7 +496,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"momentum_units": "scaled"},
         where="stage_1_and_2.py get_flat_partition -> muon_update on the scaled gradient; stage3.py "
               "_apply_muon_to_accumulated_grads / _muon_update_sub_group (same)",
-        fix="muon-momentum-scale-units",
         reproducer="pipeline_case(2, 'none', 'fp16', 2, steps=4, hysteresis=1).replace(overflows=(Overflow(2, 1, 0),))",
     ),
     Bug(
@@ -512,7 +513,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"scaled_update_dtype": "model"},
         where="stage3.py _apply_muon_updates_cpu_offload (:2628-2636 gather in gradient_accumulation_dtype, "
               ":2662 scaled_local_update = local_update * loss_scale)",
-        fix="z3-fp32-muon-state",
         reproducer="pipeline_case(3, 'cpu', 'fp16', 1, steps=3, initial_scale_power=14, loss_scale_window=1, "
                    "params=(ParamShape('w.weight', (4096, 1)), ParamShape('b.bias', (4,))))",
     ),
@@ -527,7 +527,6 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         where="stage3.py _create_fp16_partitions_with_defragmentation (:919-933), _muon_update_sub_group (:1758)",
         model=lambda c: {"muon_ns_method": _last_muon_group_ns_method(c)},
-        fix="z3-per-group-ns-method",
         reproducer="cases/patched/test_plain_script.py (two Muon param groups, gram and standard)",
     ),
     Bug(
@@ -547,7 +546,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"muon_momentum_lost_after": c.checkpoint_at},
         where="stage3.py _rigid_load_state_dict (optimizer.load_state_dict replaces the state tensor; nothing "
               "relinks muon_momentum_buffer_partitioned_groups_flat)",
-        fix="z3-inmemory-momentum-resume",
         reproducer="pipeline_case(3, 'none', 'fp32', 2, steps=3, save_muon_momentum_buffer_in_memory=True)"
                    ".replace(checkpoint_at=1)",
     ),
@@ -563,7 +561,6 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"update", "master", "model", "global_norm"}),
         model=lambda c: {"honor_num_heads": False},
         where="stage_1_and_2.py get_flat_partition (:2756-2760; compare _get_flat_partition_unpadded :2865-2870)",
-        fix="z12-per-head-with-alignment",
         reproducer="pipeline_case(1, 'none', 'fp32', 2, steps=2, extra_zero={'parameter_alignment': True}, "
                    "params=(ParamShape('attn.weight', (6, 5), num_heads=2), ParamShape('proj.weight', (3, 3)), "
                    "ParamShape('attn.bias', (6,))))",
@@ -582,7 +579,6 @@ BUGS: tuple[Bug, ...] = (
         quantities=WEIGHTS,
         model=lambda c: {"padded_tail_momentum_dtype": _gad(c)},
         where="stage3.py _muon_update_sub_group (:1805 torch.zeros(chunk_sz, dtype=gradient_accumulation_dtype))",
-        fix="z3-fp32-muon-state",
     ),
     Bug(
         id="DSM-010",
@@ -596,7 +592,6 @@ BUGS: tuple[Bug, ...] = (
         quantities=WEIGHTS | SCALER | frozenset({"grad"}),
         model=_nvme_resume_model,
         where="engine.py load_checkpoint (:4456 'not self.zero_nvme_offload_optimizer()', :4469-4482)",
-        fix="nvme-resume-unswapped-state",
         reproducer="pipeline_case(3, 'nvme', 'fp32', 2, steps=3).replace(checkpoint_at=1); "
                    "cases/harness/test_capture_reuse.py::test_nvme_resume_restores_in_memory_subgroups",
     ),
@@ -612,7 +607,6 @@ BUGS: tuple[Bug, ...] = (
         # the swap folder after destroy() directly.
         quantities=frozenset({"swap-files"}),
         where="stage3.py destroy (:539-550) never removes optimizer_swapper.swap_folder",
-        fix="nvme-swap-cleanup",
         reproducer="cases/patched/test_fixes.py::test_nvme_swap_files_removed_by_destroy",
     ),
     Bug(
@@ -637,7 +631,6 @@ BUGS: tuple[Bug, ...] = (
                     # reduce (z3-cpu-fp32-ws2-conv2d: "size of tensor a (3) must match ... b (18)")
                     ("RuntimeError", "must match the size of tensor", "_apply_distributed_muon_update")),
         where="original_muon.py muon_update (:223-235)",
-        fix="muon-conv-kernels",
         reproducer="pipeline_case(2, 'none', 'fp32', 1, params=(ParamShape('conv.weight', (4, 2, 3, 3)), "
                    "ParamShape('conv.bias', (4,))))",
     ),
@@ -658,7 +651,6 @@ BUGS: tuple[Bug, ...] = (
         # oracle's norm moved that input by an fp32 ulp and the emulated update by 1e3x its allowance.
         model=lambda c: {"clip_norm_source": "gradient"},
         where="bf16_optimizer.py step (:383-420) and _prepare_muon_updates",
-        fix="bf16-optimizer-muon-norm",
         reproducer="pipeline_case(1, 'none', 'bf16', 2) with data_types.grad_accum_dtype fp32 "
                    "(harness.catalog.matrix.bf16opt_cases)",
     ),
@@ -675,7 +667,6 @@ BUGS: tuple[Bug, ...] = (
         quantities=frozenset({"master", "model"}),
         model=lambda c: {"warmup_step_at_init": True},
         where="fp16/unfused_optimizer.py initialize_optimizer_states (:412-433), called from __init__ (:108)",
-        fix="z0-no-init-step",
         reproducer="pipeline_case(0, 'none', 'bf16', 1, steps=3)",
     ),
     Bug(
@@ -692,7 +683,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"backward_loss_scaled": False},
         where="engine.py backward (:3415-3418, scale only for ZeROOptimizer); fp16/unfused_optimizer.py "
               "unscale_and_clip_grads (:243-258)",
-        fix="z0-fp16-loss-scale",
         reproducer="pipeline_case(0, 'none', 'fp16', 2, steps=3)",
     ),
     Bug(
@@ -714,7 +704,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: ({"clip_norm_source": "gradient", "reported_norm": "raw"} if c.dtype in ("fp16", "bf16")
                          else {"clip_norm_source": "gradient"}),
         where="fp16/unfused_optimizer.py step (:209-228); engine.py _take_model_step (:3505-3510)",
-        fix="z0-muon-update-norm",
         # the fix is FP16_UnfusedOptimizer's; fp32 stage 0 clips in the engine (clip_fp32_gradients)
         fix_covers=lambda c: c.dtype in ("fp16", "bf16"),
         reproducer="pipeline_case(0, 'none', 'bf16', 2, steps=3)",
@@ -732,7 +721,6 @@ BUGS: tuple[Bug, ...] = (
         trigger=_z3_momentum_tail_past_end,
         quantities=frozenset({"crash"}),
         where="stage3.py _muon_update_sub_group (:1795-1801, buffer_to_update[:grad.numel() - start_offset])",
-        fix="z3-momentum-tail-past-end",
         reproducer="pipeline_case(3, 'none', 'fp32', 4, params=(ParamShape('w.weight', (1, 5)),))",
         crash=("RuntimeError", "The expanded size of the tensor", "_muon_update_sub_group"),
         # 0.19.0-0.19.7: the same slice in the reduce's Muon update (z3-none/cpu-fp32-ws4-emptyshare)
@@ -754,7 +742,6 @@ BUGS: tuple[Bug, ...] = (
         where="checkpoint/ds_to_universal.py extract_zero_shards (:153-156) and extract_zero_shards_stage3 "
               "(:195-198) index state['exp_avg']; _merge_zero_shards callers iterate ('fp32', 'exp_avg', "
               "'exp_avg_sq') only (:381, :547)",
-        fix=None,
         reproducer="cases/pipelines/test_universal.py::test_universal_checkpoint_cannot_convert_muon",
         crash=("KeyError", "'exp_avg'", "extract_zero_shards"),
     ),
@@ -775,7 +762,6 @@ BUGS: tuple[Bug, ...] = (
         where="stage_1_and_2.py (separate fp32 gradient accumulation, use_separate_grad_accum, at a "
               "data-parallel world of 1): the non-Muon gradient partitions the step and the tensor_fragment "
               "helpers read stay zero; the exact line is not located",
-        fix=None,
         reproducer="python -m harness gate --full --only z2-none-bf16-ws1-knob-gad32",
         model=lambda c: {"adam_grads_lost": True},
     ),
@@ -792,7 +778,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"honor_num_heads": False},
         where="zero/muon/muon_optimizer.py MuonWithAuxAdam.step (:78-82: muon_update(grad, momentum, beta=..., "
               "ns_method=...) with no num_heads)",
-        fix="z0-per-head",
         reproducer="python -m harness gate --only z0-none-fp32-ws2-heads",
     ),
     Bug(
@@ -822,7 +807,6 @@ BUGS: tuple[Bug, ...] = (
               "at a nonzero offset moves nothing (measured standalone; at offset 0, or with a plain tensor, it "
               "works). After the swap-in the region holds what the pooled buffer held (the gradient as the "
               "swap-out staged it, from offset 0); the Muon update written back never reaches the file",
-        fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-sortedlast",
         # Muon in the step reads the swapped-in gradient; with Muon in the reduce it is DSM-123
         present=lambda c: historical.swap_reads_views(c) and versions.z3_muon_placement(True) == "step",
@@ -848,7 +832,6 @@ BUGS: tuple[Bug, ...] = (
         where="the same reads as DSM-021 (swap_tensor/partitioned_optimizer_swapper.py _swap_in_pinned_gradients "
               ":195): the swapped gradient read into parameter.grad.narrow(0, offset, length) at a nonzero offset "
               "moves nothing on this CPU build",
-        fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-part-fp32-ws1-bigadam",
         present=historical.swap_reads_views,
     ),
@@ -879,7 +862,6 @@ BUGS: tuple[Bug, ...] = (
               "offset moves nothing on this CPU build); with a prefetched sub-group the region Adam reads holds "
               "zeros rather than the staged gradient the capture sees (pipelined_optimizer_swapper.py "
               "swap_in_optimizer_state, its asynchronous swap-in)",
-        fix="nvme-grad-offset-io",
         reproducer="python -m harness gate --only z3-nvme-pipe-fp32-ws1-bigadam",
         present=historical.swap_reads_views,
     ),
@@ -912,7 +894,6 @@ BUGS: tuple[Bug, ...] = (
               "which skips a parameter not in _offload_accumulated_param_ids); nothing zeroes it for a parameter "
               "without a gradient. stage3.py: the same for the gradient partition, into which the Muon update "
               "is written (_apply_muon_to_accumulated_grads)",
-        fix="unused-param-zero-grad",
         fix_covers=lambda c: c.offload != "nvme",  # harness/fixes/stale.py: why NVMe is left alone
         reproducer="python -m harness gate --only skiplayer",
     ),
@@ -938,7 +919,6 @@ BUGS: tuple[Bug, ...] = (
         where="stage3.py _overflow_check_and_loss_scale_update (check_overflow only when self.dtype is "
               "float16; engine.py _configure_zero_optimizer passes check_grad_overflow to ZeRO-1/2 only), then "
               "step: _apply_muon_to_accumulated_grads writes the momentum before is_invalid_grad_norm skips",
-        fix="z3-bf16-gradient-overflow-check",
         fix_covers=lambda c: c.dtype == "bf16",  # the bundled fix tests bf16 gradients only
         reproducer="python -m harness gate --only z3-none-bf16-ws2-ga2-ovfloc-adaminf",
     ),
@@ -959,7 +939,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"loss_scaler_hysteresis": 1},
         where="fp16/loss_scaler.py LossScaleConfig (no delayed_shift kept from dynamic_loss_args); "
               "fp16/unfused_optimizer.py _update_scale (halves on every skip)",
-        fix="z0-fp16-hysteresis",
         reproducer="python -m harness gate --full --only z0-none-fp16-ws2-ga2-ovfloc-adaminf-hdefault",
     ),
     Bug(
@@ -981,7 +960,6 @@ BUGS: tuple[Bug, ...] = (
         model=lambda c: {"skip_on_nonfinite": "fp16_only", "momentum_committed_on_invalid_norm": True},
         where="stage_1_and_2.py step (check_overflow only under check_grad_overflow) and "
               "_apply_muon_updates_cpu_offload (momentum.narrow(...).copy_ before the norm test)",
-        fix="z12-offload-momentum-on-skip",
         reproducer="python -m harness gate --only z1-cpu-fp32-ws3-pair-033",
     ),
     Bug(
@@ -1150,7 +1128,7 @@ def _reachable(hits: list[Bug], case: Case, patched: bool) -> list[Bug]:
         from harness import fixes
 
         fixed = set(fixes.fix_names())
-        hits = [b for b in hits if b.fix is None or b.fix not in fixed
+        hits = [b for b in hits if not set(b.fixed_by) & fixed
                 or (b.fix_covers is not None and not b.fix_covers(case))]
     return hits
 
@@ -1159,5 +1137,5 @@ def refusals_for(case: Case) -> list[Bug]:
     """Bugs whose patched fix refuses this case (with the text each refusal must carry)."""
 
     fixed = set(fixes.fix_names())
-    return [b for b in BUGS if b.refused_when_patched and b.fix in fixed and b.trigger(case)
+    return [b for b in BUGS if b.refused_when_patched and set(b.fixed_by) & fixed and b.trigger(case)
             and (b.fix_covers is None or b.fix_covers(case))]

@@ -78,16 +78,19 @@ def modelled_text(b: Bug) -> str:
 
 
 def fix_text(b: Bug) -> str:
-    if b.fix is None:
+    if not b.fixed_by:
         return "none"
-    fix = fixes.FIXES[b.fix]
-    others = [f for f in fixes.fixes_for(b.id) if f != b.fix]
-    out = f"`{b.fix}`" + "".join(f", `{f}`" for f in others)
+    out = ", ".join(f"`{f}`" for f in b.fixed_by)
     if b.refused_when_patched:
         out += f" (a refusal: the patched runtime raises ValueError \"{b.refused_when_patched}...\")"
     if b.fix_covers is not None:
         out += f"; covers only where {_code_text(b.fix_covers)}"
-    return out + (f". {fix.notes}" if fix.notes else "")
+    notes = [(f, fixes.FIXES[f].notes.strip().rstrip(".")) for f in b.fixed_by if fixes.FIXES[f].notes]
+    if not notes:
+        return out
+    if len(b.fixed_by) == 1:
+        return f"{out}. {notes[0][1]}."
+    return out + "." + "".join(f" `{f}`: {n}." for f, n in notes)
 
 
 def bug_section(b: Bug) -> str:
@@ -110,8 +113,7 @@ def bugs_md() -> str:
 def readme_table() -> str:
     lines = ["| id | bug | releases | fix in `harness.fixes` | modelled |", "|---|---|---|---|---|"]
     for b in BUGS:
-        fix = "none" if b.fix is None else ", ".join(f"`{f}`" for f in [b.fix] + [
-            f for f in fixes.fixes_for(b.id) if f != b.fix])
+        fix = ", ".join(f"`{f}`" for f in b.fixed_by) or "none"
         lines.append(f"| {b.id} | {b.title} | {releases_text(b)} | {fix} | {modelled_text(b)} |")
     return "\n".join(lines)
 
