@@ -53,6 +53,9 @@ CASES = [
     ("DSM-009", _comm32(pipeline_case(3, "none", "fp16", 2, steps=3))),
     ("DSM-010", pipeline_case(3, "nvme", "fp32", 1, steps=3).replace(name="z3-nvme-fp32-ws1-ckpt1", checkpoint_at=1)),
     ("DSM-025", next(c for c in local_overflow_cases() if c.name == "z3-none-bf16-ws2-ga2-ovfloc-adaminf")),
+    # fp32 without ZeRO: one rank's gradient inf at step 2, the weights stepped into inf/NaN
+    ("DSM-027", pipeline_case(0, "none", "fp32", 2, steps=3).replace(name="z0-none-fp32-ws2-inf",
+                                                                     overflows=(Overflow(step=2, rank=1),))),
     # the clip acts at every step (0.05), so the norm's source moves the step, not only the reported norm
     ("DSM-016", pipeline_case(0, "none", "bf16", 2, steps=3, clip=0.05)),
 ]

@@ -41,6 +41,15 @@ divides the Adam gradients by the clip coefficient ``k`` and, for the inner step
 with ``lr / k`` and ``weight_decay * k`` (the decay ``lr * wd`` unchanged, the update ``lr * O / k``).
 It reports that norm in true units, as ZeRO does. Any other inner optimizer keeps the stock step.
 
+``z0-fp32-skip-nonfinite`` (DSM-027, its stage-0 part). In fp32 without ZeRO nothing stands between the
+backward and ``MuonWithAuxAdam.step``: no loss scaler, no overflow test, no norm (the engine's own clip, where
+configured, turns an infinite norm into a zero coefficient and every gradient NaN). The fix asks, before the
+engine's model step, whether any rank holds a non-finite gradient (one max all-reduce of a flag over the
+world, so model-parallel ranks agree too); if so it marks the optimizer ``overflow`` and lets the stock
+``_take_model_step`` run with the inner step made a no-op: the gradients are zeroed, ``skipped_steps`` counts
+the step and the lr scheduler does not advance, as on an fp16 overflow. ZeRO-1/2 with ``compute_grad_norm:
+false`` keep stock behaviour (their Muon pass commits momentum before any test could run).
+
 ``z0-per-head`` (DSM-020). Without ZeRO, ``MuonWithAuxAdam.step`` orthogonalises each 2-D weight itself
 and calls ``muon_update`` without ``num_heads``, so a parameter tagged per-head (``muon_num_heads``, the
 attribute ZeRO-1/2/3's call sites read) gets one whole-matrix Newton-Schulz. The stock step is kept
@@ -60,6 +69,7 @@ from harness.fixes.muon import _Z0_STEP, MODEL_PARAM_ATTR, T_MUON_UPDATE_Z0, T_Z
 
 INIT_STEP = "z0-no-init-step"
 MUON_NORM = "z0-muon-update-norm"
+SKIP_NONFINITE = "z0-fp32-skip-nonfinite"
 LOSS_SCALE = "z0-fp16-loss-scale"
 HYSTERESIS = "z0-fp16-hysteresis"
 _LEFT = "_dsm_hysteresis_left"  # the hysteresis still to spend, on the optimizer (None: not read yet)
@@ -238,6 +248,43 @@ def make_unfused_step(orig):
     return step
 
 
+def _bare_muon(engine):
+    """The engine's optimizer where nothing tests the gradients before ``MuonWithAuxAdam.step`` (stage 0,
+    fp32, no autocast scaler), or None."""
+    opt = engine.optimizer
+    if engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled() or not _is_muon(opt):
+        return None
+    return None if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None else opt
+
+
+def _any_rank_nonfinite(opt) -> bool:
+    from deepspeed import comm as dist  # late: DeepSpeed, rank side
+    from deepspeed.accelerator import get_accelerator  # late: DeepSpeed, rank side
+
+    bad = any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+              for g in opt.param_groups for p in g["params"])
+    flag = torch.tensor([float(bad)], device=get_accelerator().current_device_name())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def make_take_model_step(orig):
+    def _take_model_step(self, lr_kwargs):
+        opt = _bare_muon(self) if active(SKIP_NONFINITE) else None
+        if opt is None:
+            return orig(self, lr_kwargs)
+        opt.overflow = _any_rank_nonfinite(opt)  # read by the stock step after the optimizer's step
+        if not opt.overflow:
+            return orig(self, lr_kwargs)
+        opt.step = lambda *args, **kwargs: None  # the rest is stock: zero_grad, skipped_steps, no lr step
+        try:
+            return orig(self, lr_kwargs)
+        finally:
+            del opt.step
+
+    return _take_model_step
+
+
 T_UNFUSED_STEP = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer.step", "e06fd288a7cc55a2",
                         make_unfused_step)
 T_UPDATE_SCALE = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer._update_scale",
@@ -245,6 +292,8 @@ T_UPDATE_SCALE = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_Unfuse
 T_INIT_STATES = Target("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer.initialize_optimizer_states",
                        "62fb3a529065019a", make_initialize_optimizer_states)
 T_BACKWARD = Target("deepspeed.runtime.engine", "DeepSpeedEngine.backward", "99280baf44808c23", make_backward)
+T_MODEL_STEP = Target("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_step", "b5e1145cf37b0f2a",
+                      make_take_model_step)
 
 FIXES = (
     Fix(name=INIT_STEP, bugs=("DSM-014",),
@@ -255,6 +304,8 @@ FIXES = (
         targets=(T_UPDATE_SCALE,)),
     Fix(name=MUON_NORM, bugs=("DSM-016",),
         targets=(T_UNFUSED_STEP,)),
+    Fix(name=SKIP_NONFINITE, bugs=("DSM-027",),
+        targets=(T_MODEL_STEP,)),
     Fix(name=Z0_HEADS, bugs=("DSM-020",),
         targets=(T_MUON_UPDATE_Z0, T_Z0_STEP, T_INIT_STATES)),
 )
