@@ -29,6 +29,14 @@ HEADS_PA = (ParamShape("attn.weight", (6, 5), num_heads=2), ParamShape("proj.wei
 BIG_O = (ParamShape("w.weight", (4096, 1)), ParamShape("b.bias", (4,)))
 
 
+def _gad32(c):
+    cfg = c.config
+    cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    from harness.case.spec import canonical_json
+
+    return c.replace(name=c.name + "-gad32", ds_config=canonical_json(cfg))
+
+
 def _comm32(c):
     cfg = c.config
     cfg["communication_data_type"] = "fp32"
@@ -56,6 +64,9 @@ CASES = [
     # fp32 without ZeRO: one rank's gradient inf at step 2, the weights stepped into inf/NaN
     ("DSM-027", pipeline_case(0, "none", "fp32", 2, steps=3).replace(name="z0-none-fp32-ws2-inf",
                                                                      overflows=(Overflow(step=2, rank=1),))),
+    # ZeRO-2 offload, bf16 + fp32 accumulation: step 2 skipped for an inf in a Muon matrix on rank 1
+    ("DSM-029", _gad32(pipeline_case(2, "cpu", "bf16", 2, steps=3)).replace(
+        overflows=(Overflow(step=2, rank=1, param="layer0.weight"),))),
     # the clip acts at every step (0.05), so the norm's source moves the step, not only the reported norm
     ("DSM-016", pipeline_case(0, "none", "bf16", 2, steps=3, clip=0.05)),
 ]

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 with optimizer offload: Muon's momentum on a skipped step.
+"""ZeRO-1/2 with optimizer offload: what a skipped step leaves behind.
 
 ``z12-offload-momentum-on-skip`` (DSM-028). Without offload, ZeRO-1/2 stage each step's Muon momentum and
 commit it only once the step survives its overflow and norm tests (``_stage_muon_momentum`` /
@@ -8,12 +8,20 @@ looks at the gradients first) a step the invalid-norm test then skips keeps that
 copy of each offloaded momentum partition as it was before Muon ran and puts it back when the step turns
 out skipped (``reset_cpu_buffers``, which the offload path calls at the end of every step, the skipped
 ones included, with ``self.overflow`` saying which).
+
+``z12-offload-grads-on-skip`` (DSM-029). With a 16-bit model and ``grad_accum_dtype: fp32`` the non-Muon
+groups accumulate into a compact fp32 partition buffer held in ``averaged_gradients``. An applied offload
+step drops it after the optimizer step (a fresh zeroed buffer next time), and the skipped step without
+offload drops it too; the skipped offload step only calls ``reset_cpu_buffers``, so the next step adds its
+gradients to the skipped one's. The fix drops every group's buffer there on a skipped step, as the applied
+step does.
 """
 from __future__ import annotations
 
 from harness.fixes._registry import Fix, Target, active
 
 MOMENTUM_ON_SKIP = "z12-offload-momentum-on-skip"
+GRADS_ON_SKIP = "z12-offload-grads-on-skip"
 
 MOD, CLS = "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"
 _SAVED = "_dsm_momentum_before_muon"
@@ -52,7 +60,11 @@ def make_reset_cpu_buffers(orig):
                         state["momentum_buffer"].copy_(saved[id(flat)][1])
                     else:  # created by this skipped step: as if never written (zero, Muon's start)
                         state.get("momentum_buffer", flat.new_zeros(0)).zero_()
-        return orig(self)
+        out = orig(self)  # waits for the offload copies, which may still read the buffers
+        if active(GRADS_ON_SKIP) and self.overflow:
+            for group_idx in list(self.averaged_gradients):
+                self.averaged_gradients[group_idx] = None
+        return out
 
     return reset_cpu_buffers
 
@@ -64,4 +76,5 @@ FIXES = (
     Fix(name=MOMENTUM_ON_SKIP, bugs=("DSM-028",), targets=(T_APPLY, T_RESET),
         notes="One copy of each rank's offloaded Muon momentum partition per step, in host memory, held from "
               "Muon's update to the end of the step."),
+    Fix(name=GRADS_ON_SKIP, bugs=("DSM-029",), targets=(T_RESET,)),
 )
