@@ -67,6 +67,9 @@ CASES = [
     # ZeRO-2 offload, bf16 + fp32 accumulation: step 2 skipped for an inf in a Muon matrix on rank 1
     ("DSM-029", _gad32(pipeline_case(2, "cpu", "bf16", 2, steps=3)).replace(
         overflows=(Overflow(step=2, rank=1, param="layer0.weight"),))),
+    # bf16 + fp32 accumulation at ZeRO-1: the BF16_Optimizer route, a matrix tagged with 2 heads
+    ("DSM-030", _gad32(pipeline_case(1, "none", "bf16", 2, steps=3, params=HEADS_PA).replace(
+        name="z1-none-bf16-ws2-heads"))),
     # the clip acts at every step (0.05), so the norm's source moves the step, not only the reported norm
     ("DSM-016", pipeline_case(0, "none", "bf16", 2, steps=3, clip=0.05)),
 ]

@@ -11,14 +11,23 @@ flat groups without overlap (padding zeroed), so one all-reduce of the squared l
 data-parallel group gives the global norm of the Muon updates and Adam gradients. That norm is
 reported and clips the partitions (``clip_tensors_by_global_norm``: max_norm / (norm + 1e-6), as the
 ZeRO paths scale). Then the inner step and the rest of stock ``step``. MoE layers keep stock behaviour.
+
+``bf16-optimizer-per-head`` (DSM-030): ``_prepare_muon_updates`` calls ``muon_update`` without
+``num_heads``, so a matrix tagged ``muon_num_heads`` is orthogonalised whole. The stock loop is kept: while
+it runs, the head counts of its matrices are published in its own call order (its Muon groups, then each
+group's ``local_matrices`` of the exchange layout, tags read from the model parameters as ZeRO's call sites
+read them, at the step), and ``original_muon``'s binding of ``muon_update`` (``harness.fixes.muon``) passes
+the next one, checking the matrix's shape against it.
 """
 from __future__ import annotations
 
 import torch
 
 from harness.fixes._registry import Fix, Target, active
+from harness.fixes.muon import BF16_HEADS, T_MUON_UPDATE
 
 NAME = "bf16-optimizer-muon-norm"
+HEADS = "bf16-optimizer-per-head"
 
 
 def make_step(orig):
@@ -62,9 +71,40 @@ def make_step(orig):
     return step
 
 
+def _heads_in_call_order(self) -> list:
+    """(shape, head count) of each matrix ``_prepare_muon_updates`` orthogonalises, in its loop's order."""
+    out = []
+    for group_index, group in enumerate(self.optimizer.param_groups):
+        if not group.get("use_muon", False):
+            continue
+        params = self.bf16_groups[group_index]
+        for param_index, *_ in self._muon_exchange_layouts[group_index]["local_matrices"]:
+            p = params[param_index]
+            out.append((tuple(p.shape), getattr(p, "muon_num_heads", None)))
+    return out
+
+
+def make_prepare_muon_updates(orig):
+    def _prepare_muon_updates(self):
+        if not active(HEADS):
+            return orig(self)
+        outer, BF16_HEADS[0] = BF16_HEADS[0], iter(_heads_in_call_order(self))
+        try:
+            return orig(self)
+        finally:
+            BF16_HEADS[0] = outer
+
+    return _prepare_muon_updates
+
+
 T_STEP = Target("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer.step", "2106bc88c518d5fb", make_step)
+T_PREPARE = Target("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer._prepare_muon_updates", "f89b0d1bea8b5b20",
+                   make_prepare_muon_updates)
 
 FIXES = (
     Fix(name=NAME, bugs=("DSM-013",),
         targets=(T_STEP,)),
+    # the binding that passes the head counts is original_muon's muon_update
+    Fix(name=HEADS, bugs=("DSM-030",),
+        targets=(T_PREPARE, T_MUON_UPDATE)),
 )

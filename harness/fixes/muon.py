@@ -19,7 +19,8 @@ patched stage-0 conv case crashed only in that order. The binding is a second ta
 first, while ``original_muon`` is still the original.
 
 Stage 0's binding also carries the lookup of the ``z0-per-head`` fix (DSM-020, registered in ``z0``):
-see ``_heads_of``.
+see ``_heads_of``; ``original_muon``'s that of ``bf16-optimizer-per-head`` (DSM-030, registered in
+``bf16opt``): see ``_next_bf16_heads``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ Z0_HEADS = "z0-per-head"
 
 # The MuonWithAuxAdam whose stage-0 step is running (None outside it); read by stage 0's muon_update.
 _Z0_STEP: list = [None]
+# While BF16_Optimizer's ``_prepare_muon_updates`` runs (None outside it): an iterator over (shape, head count)
+# of the matrices it orthogonalises, in the order it calls ``muon_update`` (set by ``bf16opt``).
+BF16_HEADS: list = [None]
 # On an fp32 master made by FP16_UnfusedOptimizer (a clone, without the model parameter's attributes):
 # the model parameter it stands for (set by ``z0``'s patched ``initialize_optimizer_states``).
 MODEL_PARAM_ATTR = "_dsm_model_param"
@@ -55,12 +59,25 @@ def _heads_of(momentum) -> int | None:
     return None
 
 
+def _next_bf16_heads(grad) -> int | None:
+    """The head count of the matrix BF16_Optimizer's ``_prepare_muon_updates`` hands ``muon_update`` now:
+    the next of its matrices in call order, which must have ``grad``'s shape (else the loop is not the one
+    the order was read from, and guessing a head count would be worse than stopping)."""
+    shape, heads = next(BF16_HEADS[0], (None, None))
+    if shape != tuple(grad.shape):
+        raise RuntimeError(f"bf16-optimizer-per-head: muon_update received a {tuple(grad.shape)} matrix where "
+                           f"_prepare_muon_updates' layout lists {shape}; the fix cannot tell its head count")
+    return heads
+
+
 def make_muon_update(orig, z0_binding=False):
 
     def muon_update(grad, momentum, beta=0.95, ns_steps=5, nesterov=True, ns_method="gram",
                     is_expert_group=False, num_heads=None):
         if z0_binding and num_heads is None and active(Z0_HEADS):
             num_heads = _heads_of(momentum)
+        if not z0_binding and num_heads is None and BF16_HEADS[0] is not None:
+            num_heads = _next_bf16_heads(grad)
         scale = MUON_INPUT_SCALE[0] if active(UNITS) else None
         if scale is not None and scale != 1.0:
             # The caller keeps gradient and momentum in units of the loss scale S (as stock does, and as
