@@ -37,6 +37,14 @@ def _gad32(c):
     return c.replace(name=c.name + "-gad32", ds_config=canonical_json(cfg))
 
 
+def _unmanaged(c):
+    cfg = c.config
+    cfg["managed_gradient_accumulation"] = False
+    from harness.case.spec import canonical_json
+
+    return c.replace(ds_config=canonical_json(cfg))
+
+
 def _comm32(c):
     cfg = c.config
     cfg["communication_data_type"] = "fp32"
@@ -64,6 +72,10 @@ CASES = [
     # fp32 without ZeRO: one rank's gradient inf at step 2, the weights stepped into inf/NaN
     ("DSM-027", pipeline_case(0, "none", "fp32", 2, steps=3).replace(name="z0-none-fp32-ws2-inf",
                                                                      overflows=(Overflow(step=2, rank=1),))),
+    # the same under unmanaged accumulation, where the capture reads at the optimizer's own step: the fix's skip
+    # must leave what is set on the instance in place
+    ("DSM-027", _unmanaged(pipeline_case(0, "none", "fp32", 2, steps=3, grad_accum=2)).replace(
+        name="z0-none-fp32-ws2-ga2-unmanaged-inf", overflows=(Overflow(step=2, rank=1),))),
     # ZeRO-2 offload, bf16 + fp32 accumulation: step 2 skipped for an inf in a Muon matrix on rank 1
     ("DSM-029", _gad32(pipeline_case(2, "cpu", "bf16", 2, steps=3)).replace(
         overflows=(Overflow(step=2, rank=1, param="layer0.weight"),))),

@@ -35,6 +35,9 @@ _Z0_STEP: list = [None]
 # While BF16_Optimizer's ``_prepare_muon_updates`` runs (None outside it): an iterator over (shape, head count)
 # of the matrices it orthogonalises, in the order it calls ``muon_update`` (set by ``bf16opt``).
 BF16_HEADS: list = [None]
+# On a MuonWithAuxAdam whose engine skips this model step (``z0-fp32-skip-nonfinite``): its step does nothing.
+# An instance flag, not a replaced ``step``: wrappers set on the instance (a capture's) still run first.
+Z0_SKIP_STEP = "_dsm_skip_step"
 # On an fp32 master made by FP16_UnfusedOptimizer (a clone, without the model parameter's attributes):
 # the model parameter it stands for (set by ``z0``'s patched ``initialize_optimizer_states``).
 MODEL_PARAM_ATTR = "_dsm_model_param"
@@ -111,6 +114,8 @@ T_MUON_UPDATE_Z0 = Target("deepspeed.runtime.zero.muon.muon_optimizer", "muon_up
 
 def make_z0_step(orig):
     def step(self, closure=None, step_id=None):
+        if self.__dict__.get(Z0_SKIP_STEP):  # set only while the engine's model step skips (``z0``)
+            return None
         if not active(Z0_HEADS):
             return orig(self, closure=closure, step_id=step_id)
         outer, _Z0_STEP[0] = _Z0_STEP[0], self

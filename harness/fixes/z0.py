@@ -46,7 +46,8 @@ backward and ``MuonWithAuxAdam.step``: no loss scaler, no overflow test, no norm
 configured, turns an infinite norm into a zero coefficient and every gradient NaN). The fix asks, before the
 engine's model step, whether any rank holds a non-finite gradient (one max all-reduce of a flag over the
 world, so model-parallel ranks agree too); if so it marks the optimizer ``overflow`` and lets the stock
-``_take_model_step`` run with the inner step made a no-op: the gradients are zeroed, ``skipped_steps`` counts
+``_take_model_step`` run with the inner step made a no-op (a flag its patched ``MuonWithAuxAdam.step`` reads,
+so wrappers set on the instance still run): the gradients are zeroed, ``skipped_steps`` counts
 the step and the lr scheduler does not advance, as on an fp16 overflow. ZeRO-1/2 with ``compute_grad_norm:
 false`` keep stock behaviour (their Muon pass commits momentum before any test could run).
 
@@ -65,7 +66,7 @@ from __future__ import annotations
 import torch
 
 from harness.fixes._registry import Fix, Target, active
-from harness.fixes.muon import _Z0_STEP, MODEL_PARAM_ATTR, T_MUON_UPDATE_Z0, T_Z0_STEP, Z0_HEADS
+from harness.fixes.muon import _Z0_STEP, MODEL_PARAM_ATTR, T_MUON_UPDATE_Z0, T_Z0_STEP, Z0_HEADS, Z0_SKIP_STEP
 
 INIT_STEP = "z0-no-init-step"
 MUON_NORM = "z0-muon-update-norm"
@@ -276,11 +277,11 @@ def make_take_model_step(orig):
         opt.overflow = _any_rank_nonfinite(opt)  # read by the stock step after the optimizer's step
         if not opt.overflow:
             return orig(self, lr_kwargs)
-        opt.step = lambda *args, **kwargs: None  # the rest is stock: zero_grad, skipped_steps, no lr step
-        try:
+        opt.__dict__[Z0_SKIP_STEP] = True  # the inner step does nothing; the rest is stock: zero_grad,
+        try:  # skipped_steps, no lr-scheduler step
             return orig(self, lr_kwargs)
         finally:
-            del opt.step
+            opt.__dict__.pop(Z0_SKIP_STEP, None)
 
     return _take_model_step
 
@@ -305,7 +306,7 @@ FIXES = (
     Fix(name=MUON_NORM, bugs=("DSM-016",),
         targets=(T_UNFUSED_STEP,)),
     Fix(name=SKIP_NONFINITE, bugs=("DSM-027",),
-        targets=(T_MODEL_STEP,)),
+        targets=(T_MODEL_STEP, T_Z0_STEP)),
     Fix(name=Z0_HEADS, bugs=("DSM-020",),
         targets=(T_MUON_UPDATE_Z0, T_Z0_STEP, T_INIT_STATES)),
 )
