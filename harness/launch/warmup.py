@@ -41,7 +41,11 @@ def fill_cpuinfo_cache() -> dict:
     import cpuinfo  # late: only when the machine is described
 
     info = cpuinfo.get_cpu_info()
-    path.write_text(json.dumps(info))
+    # written whole under another name, then renamed: the other lane (and any rank) reads it meanwhile,
+    # and a file truncated for writing read as empty JSON and failed that lane's set-up
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
     runtime_state.install_cpuinfo_cache()
     return info
 
