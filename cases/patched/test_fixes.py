@@ -79,6 +79,9 @@ CASES = [
     # ZeRO-2 offload, bf16 + fp32 accumulation: step 2 skipped for an inf in a Muon matrix on rank 1
     ("DSM-029", _gad32(pipeline_case(2, "cpu", "bf16", 2, steps=3)).replace(
         overflows=(Overflow(step=2, rank=1, param="layer0.weight"),))),
+    # ZeRO-1 fp32 without a norm (compute_grad_norm false): an inf in one Muon matrix's gradient at step 2
+    ("DSM-027", pipeline_case(1, "none", "fp32", 2, steps=3, extra_zero={"compute_grad_norm": False}).replace(
+        name="z1-none-fp32-ws2-nonorm-inf", overflows=(Overflow(step=2, rank=1, param="layer0.weight"),))),
     # bf16 + fp32 accumulation at ZeRO-1: the BF16_Optimizer route, a matrix tagged with 2 heads
     ("DSM-030", _gad32(pipeline_case(1, "none", "bf16", 2, steps=3, params=HEADS_PA).replace(
         name="z1-none-bf16-ws2-heads"))),

@@ -22,6 +22,14 @@ it by ``S_now/S_stored`` -- a power of two, so exact. It also runs ``muon_update
 units (the stored momentum stays S times the true one, which is what checkpoints and
 ``harness.rank.capture`` read). The record of which scale the momentum is in lives on the loss scaler
 object, which checkpoints pickle whole, so a resume keeps it.
+
+``z12-fp32-skip-nonfinite`` (DSM-027, its ZeRO-1/2 part). In fp32 the engine builds ZeRO-1/2 with
+``check_grad_overflow`` off, leaving the invalid-norm test as the only one; ``compute_grad_norm: false``
+drops that too, and a non-finite gradient is stepped into the weights (the clean Muon matrices' staged
+momentum committed with it). For such a step the fix turns ZeRO's own inf/NaN test of the averaged
+gradients on (``check_overflow``, all-reduced over the data- and model-parallel groups): the step is
+skipped as a 16-bit overflow is, the staged momentum left uncommitted. (Offload is excluded by DeepSpeed
+itself: it requires the norm.)
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ from harness.fixes.z3 import T_SUBGROUP
 from harness.fixes.z12 import GET_FLAT_PARTITION
 
 GROWTH = "loss-scale-update-after-unscale"
+Z12_NONFINITE = "z12-fp32-skip-nonfinite"
 
 Z12_MOD, Z12 = "deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"
 Z3_MOD, Z3 = "deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"
@@ -52,14 +61,24 @@ def make_update_scale(orig):
     return _update_scale
 
 
+def _tests_nothing(self) -> bool:
+    """ZeRO-1/2 where nothing looks at the gradients before the step: no inf/NaN test (fp32) and no norm."""
+    return getattr(self, "compute_grad_norm", True) is False and getattr(self, "check_grad_overflow", True) is False
+
+
 def make_step(sync):
 
     def make(orig):
 
         def step(self, closure=None):
+            tested = active(Z12_NONFINITE) and _tests_nothing(self)
+            if tested:
+                self.check_grad_overflow = True
             try:
                 return deferred(self, closure)
             finally:
+                if tested:
+                    self.check_grad_overflow = False
                 clear_gradient_stores(self)  # DSM-023's fix (harness.fixes.stale), when active
 
         def deferred(self, closure):
@@ -93,4 +112,6 @@ FIXES = (
         notes="Also runs Muon on the true-unit gradient (divides gradient and momentum by S around muon_update and "
               "multiplies the momentum back, exactly): Newton-Schulz normalises by ||X|| + 1e-7, so S*U and U "
               "round differently in the last fp32 bit, which 16-bit Newton-Schulz then amplifies."),
+    Fix(name=Z12_NONFINITE, bugs=("DSM-027",),
+        targets=(T_Z12_STEP,)),
 ) + stale_fixes((T_Z12_STEP, T_Z3_STEP))  # the step wrappers are these targets'; the fix is stale.py's

@@ -1025,8 +1025,6 @@ BUGS: tuple[Bug, ...] = (
                    "reference worth modelling, so the case is excused by quantity",
         where="engine.py _configure_zero_optimizer (check_grad_overflow False in fp32) and _take_model_step (no "
               "test without ZeRO); stage_1_and_2.py step (the invalid-norm test only under compute_grad_norm)",
-        # the fix is stage 0's (the engine's model step); ZeRO-1/2 commit momentum before any test could run
-        fix_covers=lambda c: c.stage == 0,
         reproducer="python -m harness gate --only z1-none-fp32-ws4-pair-040",
     ),
 )
