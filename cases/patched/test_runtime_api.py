@@ -94,7 +94,7 @@ def test_recorded_hashes_are_those_of_the_installed_deepspeed():
 
 def test_every_fix_names_a_registered_bug_which_reads_it_back():
     for f in patched_runtime.FIXES.values():
-        assert f.bugs and f.targets, f.name
+        assert f.bugs and f.targets and f.summary, f"{f.name}: a fix declares its bugs, targets and summary"
         for b in f.bugs:
             assert b in bugs.BY_ID, (f.name, b)
             assert f.name in bugs.BY_ID[b].fixed_by, (f.name, b)

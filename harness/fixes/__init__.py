@@ -113,6 +113,7 @@ def describe() -> str:
     for f in FIXES.values():
         state = "active" if f.name in ACTIVE else "inactive"
         lines.append(f"{f.name} [{', '.join(f.bugs)}] ({state})")
+        lines.append(f"    changes: {f.summary}")
         lines.append("    replaces: " + ", ".join(f.replaces))
         if f.notes:
             lines.append(f"    notes: {f.notes}")

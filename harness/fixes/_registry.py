@@ -95,6 +95,7 @@ class Fix:
     bugs: tuple[str, ...]  # the registered bug ids this change removes (harness.registry.bugs holds their text)
     targets: tuple[Target, ...]
     notes: str = ""  # about the change itself (how it acts, what it costs), never the bug's symptom
+    summary: str = ""  # what it changes, in a line: docs/patched-runtime.md's table is generated from it
 
     @property
     def replaces(self) -> tuple[str, ...]:

@@ -103,8 +103,13 @@ T_PREPARE = Target("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer._prepare_
 
 FIXES = (
     Fix(name=NAME, bugs=("DSM-013",),
+        summary=("the BF16_Optimizer route runs Muon on the unclipped gradients, then takes the norm (one all-reduce "
+                 "of the partitions' squared norms) and the clip over the Muon updates and Adam gradients, as the "
+                 "ZeRO paths do"),
         targets=(T_STEP,)),
     # the binding that passes the head counts is original_muon's muon_update
     Fix(name=HEADS, bugs=("DSM-030",),
+        summary=("the BF16_Optimizer route passes each matrix's `muon_num_heads` to `muon_update` (published in the "
+                 "stock loop's own call order, checked against the matrix's shape)"),
         targets=(T_PREPARE, T_MUON_UPDATE)),
 )

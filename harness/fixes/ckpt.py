@@ -233,9 +233,12 @@ T_DESTROY = Target(Z3_MOD, f"{Z3}.destroy", "1c8f6a96609fe60e", make_destroy)
 
 FIXES = (
     Fix(name=INMEM, bugs=("DSM-007",),
+        summary="`load_checkpoint` restores ZeRO-3's in-memory momentum",
         targets=(T_RIGID_LOAD,)),
     Fix(name=NVME_RESUME, bugs=("DSM-010", "DSM-007"),
+        summary="ZeRO-3 NVMe resume restores the unswapped sub-groups, the in-memory momentum and the loss scaler",
         targets=(T_LOAD_CKPT,)),
     Fix(name=SWAP_CLEANUP, bugs=("DSM-011",),
+        summary="`destroy()` removes the optimizer swap files",
         targets=(T_DESTROY,)),
 )

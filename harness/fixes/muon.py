@@ -132,5 +132,6 @@ T_Z0_STEP = Target("deepspeed.runtime.zero.muon.muon_optimizer", "MuonWithAuxAda
 
 FIXES = (
     Fix(name=CONV, bugs=("DSM-012",),
+        summary="4-D (conv) parameters go through `muon_update` without crashing",
         targets=(T_MUON_UPDATE_Z0, T_MUON_UPDATE)),
 )

@@ -39,7 +39,11 @@ T_Z3_OVERFLOW_CHECK = Target(Z3_MOD, f"{Z3}._overflow_check_and_loss_scale_updat
                              make_overflow_check)
 
 FIXES = (
-    Fix(name=BF16_CHECK, bugs=("DSM-025",), targets=(T_Z3_OVERFLOW_CHECK,),
+    Fix(name=BF16_CHECK, bugs=("DSM-025",),
+        summary=("ZeRO-3 runs its inf/NaN test of the partitioned gradients for bf16 models too, before Muon, as "
+                 "`bf16.check_grad_overflow`'s documented default says (ZeRO-3 is never given the setting, so `false`"
+                 " is not honoured there)"),
+        targets=(T_Z3_OVERFLOW_CHECK,),
         notes="One more inf/NaN test of the partitioned gradients per bf16 step (and its all-reduce), as "
               "fp16 models already run."),
 )

@@ -106,12 +106,16 @@ T_Z3_STEP = Target(Z3_MOD, f"{Z3}.step", "1dfecf4f2fb70970", make_step(sync_z3))
 
 FIXES = (
     Fix(name=GROWTH, bugs=("DSM-003",),
+        summary="the loss scale is updated after unscaling on a growth step",
         targets=(T_Z12_UPDATE, T_Z3_UPDATE, T_Z12_STEP, T_Z3_STEP)),
     Fix(name=UNITS, bugs=("DSM-004",),
+        summary="the momentum holds gradients in true units without offload",
         targets=(GET_FLAT_PARTITION, T_Z3_STEP, T_SUBGROUP, T_MUON_UPDATE),
         notes="Also runs Muon on the true-unit gradient (divides gradient and momentum by S around muon_update and "
               "multiplies the momentum back, exactly): Newton-Schulz normalises by ||X|| + 1e-7, so S*U and U "
               "round differently in the last fp32 bit, which 16-bit Newton-Schulz then amplifies."),
     Fix(name=Z12_NONFINITE, bugs=("DSM-027",),
+        summary=("fp32 ZeRO-1/2 with `compute_grad_norm: false` run ZeRO's own inf/NaN test of the averaged gradients"
+                 " before the step, so a non-finite gradient skips it and the staged Muon momentum stays uncommitted"),
         targets=(T_Z12_STEP,)),
 ) + stale_fixes((T_Z12_STEP, T_Z3_STEP))  # the step wrappers are these targets'; the fix is stale.py's

@@ -44,6 +44,9 @@ def clear_gradient_stores(opt) -> None:
 
 def fixes(step_targets) -> tuple:
     return (Fix(name=STALE, bugs=("DSM-023",),
+                summary=("after every `step()` of ZeRO-1/2 and ZeRO-3, the gradient buffers that only a parameter's "
+                         "own reduction writes are zeroed; not ZeRO-3 NVMe (the pooled swap buffer is reused by the "
+                         "step's own second swap-in)"),
                 targets=tuple(step_targets),
                 notes="Zeroes ZeRO-3's gradient partition buffer and the offload paths' fp32 gradient partitions "
                       "after each step(), so the next window's copies start from zeros."),)

@@ -85,5 +85,7 @@ T_WB_PIPELINED = Target(_Q, "PipelinedOptimizerSwapper.writeback_optimizer_state
 
 FIXES = (
     Fix(name=NAME, bugs=("DSM-021", "DSM-022", "DSM-024"),
+        summary=("after each stock swap-in and write-back, every swapped gradient at a nonzero offset is moved once "
+                 "more with ordinary file I/O"),
         targets=(T_IN_PARTITIONED, T_IN_PIPELINED, T_WB_PARTITIONED, T_WB_PIPELINED)),
 )

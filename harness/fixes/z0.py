@@ -298,15 +298,28 @@ T_MODEL_STEP = Target("deepspeed.runtime.engine", "DeepSpeedEngine._take_model_s
 
 FIXES = (
     Fix(name=INIT_STEP, bugs=("DSM-014",),
+        summary="no warm-up optimizer step at `initialize` without ZeRO",
         targets=(T_INIT_STATES,)),
     Fix(name=LOSS_SCALE, bugs=("DSM-015",),
+        summary="`engine.backward` applies the loss scale without ZeRO",
         targets=(T_BACKWARD,)),
     Fix(name=HYSTERESIS, bugs=("DSM-026",),
+        summary=("without ZeRO, fp16's loss scaler spends `hysteresis` before it halves (refilled on growth, or every"
+                 " clean step with `consecutive_hysteresis`); the remaining hysteresis is not checkpointed"),
         targets=(T_UPDATE_SCALE,)),
     Fix(name=MUON_NORM, bugs=("DSM-016",),
+        summary=("without ZeRO, `FP16_UnfusedOptimizer.step` with a `MuonWithAuxAdam` inside unscales, runs Muon "
+                 "first (the momentum fed the unclipped gradient), takes the norm over the Muon updates and the Adam "
+                 "gradients as every ZeRO path does, skips on a non-finite norm with the momentum put back, clips the"
+                 " Adam gradients and steps each Muon matrix by `lr O / k` after its decay; the inner step then runs "
+                 "for the Adam groups alone. fp32 stage 0 clips in the engine and keeps DSM-016"),
         targets=(T_UNFUSED_STEP,)),
     Fix(name=SKIP_NONFINITE, bugs=("DSM-027",),
+        summary=("fp32 without ZeRO skips the model step when any rank holds a non-finite gradient (one all-reduce of"
+                 " a flag): gradients zeroed, `skipped_steps` counted, no lr-scheduler step, as on an fp16 overflow"),
         targets=(T_MODEL_STEP, T_Z0_STEP)),
     Fix(name=Z0_HEADS, bugs=("DSM-020",),
+        summary=("stage 0 passes each per-head parameter's head count to `muon_update` (looked up from the momentum "
+                 "buffer the step hands it); fp16/bf16 masters linked to their model parameters"),
         targets=(T_MUON_UPDATE_Z0, T_Z0_STEP, T_INIT_STATES)),
 )

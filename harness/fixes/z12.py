@@ -149,13 +149,18 @@ INIT = Target(MOD, "DeepSpeedZeroOptimizer.__init__", "a381470af4e9e679", make_i
 
 FIXES = (
     Fix(name=NVME_REFUSE, bugs=("DSM-002",),
+        summary=("ZeRO-1/2 with `offload_optimizer.device: nvme` raise a `ValueError` naming the cause and the "
+                 "alternatives (a refusal, not an implementation)"),
         targets=(INIT,),
         notes="A refusal, not an implementation: the engine raises ValueError naming the cause before anything "
               "is allocated."),
     Fix(name=FP32, bugs=("DSM-001",),
+        summary=("ZeRO-1/2 without offload keep the Muon momentum, its blend and the update in fp32 "
+                 "(`get_flat_partition`)"),
         targets=(GET_FLAT_PARTITION,),
         notes="Costs one fp32 copy of each Muon matrix gradient per step on the owning ranks, and an fp32 "
               "momentum (2x the 16-bit one)."),
     Fix(name=HEADS, bugs=("DSM-008",),
+        summary="ZeRO-1/2 keep per-head Muon with `parameter_alignment`",
         targets=(GET_FLAT_PARTITION,)),
 )

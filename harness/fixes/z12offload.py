@@ -73,8 +73,14 @@ T_APPLY = Target(MOD, f"{CLS}._apply_muon_updates_cpu_offload", "edafbc95df5c357
 T_RESET = Target(MOD, f"{CLS}.reset_cpu_buffers", "62a77ea9256e3ed6", make_reset_cpu_buffers)
 
 FIXES = (
-    Fix(name=MOMENTUM_ON_SKIP, bugs=("DSM-028",), targets=(T_APPLY, T_RESET),
+    Fix(name=MOMENTUM_ON_SKIP, bugs=("DSM-028",),
+        summary=("ZeRO-1/2 with optimizer offload keep each rank's offloaded Muon momentum partition as it was before"
+                 " Muon ran and put it back when the step is skipped (one host copy per step)"),
+        targets=(T_APPLY, T_RESET),
         notes="One copy of each rank's offloaded Muon momentum partition per step, in host memory, held from "
               "Muon's update to the end of the step."),
-    Fix(name=GRADS_ON_SKIP, bugs=("DSM-029",), targets=(T_RESET,)),
+    Fix(name=GRADS_ON_SKIP, bugs=("DSM-029",),
+        summary=("a skipped ZeRO-1/2 offload step drops the fp32 accumulation buffers of the non-Muon groups, as an "
+                 "applied step does, so the next step does not add its gradients to the skipped one's"),
+        targets=(T_RESET,)),
 )

@@ -400,11 +400,14 @@ T_OFFLOAD = Target(MOD, f"{CLS}._apply_muon_updates_cpu_offload", "8bf7b89176bda
 
 FIXES = (
     Fix(name=FP32, bugs=("DSM-001", "DSM-005", "DSM-009"),
+        summary="ZeRO-3 keeps Muon's state and arithmetic in fp32 on every offload path",
         targets=(T_CREATE, T_SUBGROUP, T_ACCUM, T_OFFLOAD),
         notes="fp32 momentum doubles the 16-bit buffer; NVMe-swapped momentum was already swapped through fp32 "
               "buffers."),
     Fix(name=NS, bugs=("DSM-006",),
+        summary="ZeRO-3 applies each Muon group's own `ns_method`",
         targets=(T_SUBGROUP,)),
     Fix(name=TAIL, bugs=("DSM-017",),
+        summary="ZeRO-3 handles a rank whose share starts past a small Muon matrix's end",
         targets=(T_SUBGROUP,)),
 )

@@ -1,4 +1,5 @@
-"""docs/bugs.md, the README's bug table and docs/departures.md's table, generated from the registry entries.
+"""docs/bugs.md, the README's bug table, docs/departures.md's table and docs/patched-runtime.md's table of
+fixes, generated from the registry entries and the fixes' declarations.
 
 Why generated: a bug is declared once (``harness.registry.bugs.Bug``: trigger, model, symptom, fix,
 releases), and so is each departure of DeepSpeed's Muon from Muon as defined
@@ -27,8 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BUGS_MD = ROOT / "docs" / "bugs.md"
 README = ROOT / "README.md"
 DEPARTURES_MD = ROOT / "docs" / "departures.md"
+FIXES_MD = ROOT / "docs" / "patched-runtime.md"
 BEGIN, END = "<!-- bugs:begin -->", "<!-- bugs:end -->"
 DEP_BEGIN, DEP_END = "<!-- departures:begin -->", "<!-- departures:end -->"
+FIX_BEGIN, FIX_END = "<!-- fixes:begin -->", "<!-- fixes:end -->"
 COMMAND = "python -m harness.registry.docs"
 _SWITCHES = tuple(f.name for f in dataclasses.fields(oracles.Conventions))
 
@@ -156,6 +159,22 @@ def departures_with_table(text: str) -> str:
     return _between(text, DEP_BEGIN, DEP_END, departures_table(), "docs/departures.md")
 
 
+def fixes_table() -> str:
+    """One row per fix of ``harness.fixes``, in the order they are applied: what each declares."""
+    lines = ["| fix | bugs | what it changes |", "|---|---|---|"]
+    for f in fixes.FIXES.values():
+        lines.append(f"| `{f.name}` | {', '.join(f.bugs)} | {f.summary} |")
+    return "\n".join(lines)
+
+
+def fixes_with_table(text: str) -> str:
+    """``text`` (docs/patched-runtime.md) with the generated table of fixes between its markers."""
+    return _between(text, FIX_BEGIN, FIX_END, fixes_table(), "docs/patched-runtime.md")
+
+
+_PAGES = ((DEPARTURES_MD, departures_with_table), (FIXES_MD, fixes_with_table))
+
+
 def stale_files() -> list[str]:
     """The generated files whose committed text differs from what the registry gives."""
     out = []
@@ -164,9 +183,10 @@ def stale_files() -> list[str]:
     readme = README.read_text()
     if readme_with_table(readme) != readme:
         out.append(str(README.relative_to(ROOT)))
-    page = DEPARTURES_MD.read_text() if DEPARTURES_MD.exists() else ""
-    if not page or departures_with_table(page) != page:
-        out.append(str(DEPARTURES_MD.relative_to(ROOT)))
+    for path, with_table in _PAGES:
+        page = path.read_text() if path.exists() else ""
+        if not page or with_table(page) != page:
+            out.append(str(path.relative_to(ROOT)))
     return out
 
 
@@ -181,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if stale else 0
     BUGS_MD.write_text(bugs_md())
     README.write_text(readme_with_table(README.read_text()))
-    DEPARTURES_MD.write_text(departures_with_table(DEPARTURES_MD.read_text()))
+    for path, with_table in _PAGES:
+        path.write_text(with_table(path.read_text()))
     return 0
 
 
