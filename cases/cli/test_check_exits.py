@@ -190,8 +190,9 @@ def test_run_refuses_a_world_size_the_machine_cannot_host(capsys):
     assert f"world size {big.world_size}" in capsys.readouterr().err
 
 
-# Every refusal of harness/registry/refusals.py, as configs check can be handed, each also written the
-# other ways DeepSpeed's config classes accept (strings for numbers and booleans, other spellings).
+# Every refusal of harness/registry/refusals.py, as configs check can be handed (a zero_optimization section,
+# or one with top-level keys), each also written the other ways DeepSpeed's config classes accept (strings for
+# numbers and booleans, other spellings).
 _REFUSED_CONFIGS = {
     "z3-muon-reduce-scatter": [{"stage": 3}, {"stage": "3"}, {"stage": 3.0}, {"stage": "3", "reduce_scatter": "yes"},
                                {"stage": 3, "reduce_scatter": 1}, {"stage": 3, "reduce_scatter": "ON"}],
@@ -199,6 +200,14 @@ _REFUSED_CONFIGS = {
     "z3-muon-all2all": [{"stage": 3, "reduce_scatter": False, "zero_quantized_gradients": True},
                         {"stage": "3", "reduce_scatter": "false", "zero_quantized_gradients": "true"},
                         {"stage": 3.0, "reduce_scatter": 0, "zero_quantized_gradients": "y"}],
+    # gradient_clipping left out: DeepSpeed's default is 1.0
+    "no-norm-with-clipping": [{"stage": 1, "compute_grad_norm": False}, {"stage": "2", "compute_grad_norm": "false"}],
+    "no-norm-with-offload": [({"stage": 2, "compute_grad_norm": False, "offload_optimizer": {"device": "cpu"}},
+                              {"gradient_clipping": 0})],
+    "no-norm-on-bf16-optimizer": [({"stage": 1, "compute_grad_norm": 0},
+                                   {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})],
+    "z2-prescale-with-reduce-scatter": [({"stage": 2}, {"prescale_gradients": True}),
+                                        ({"stage": "2", "reduce_scatter": "true"}, {"prescale_gradients": True})],
 }
 # The refusals no config of check's can reach, each with the knob check's own model takes away (asserted
 # below, so a refusal that becomes reachable fails here until it has configs above).
@@ -223,7 +232,8 @@ BF16_ROUTE = ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp
 def _refused_cases():
     for name, zeros in _REFUSED_CONFIGS.items():
         for z in zeros:
-            yield name, _cfg(zero_optimization=z), ()
+            z, top = z if isinstance(z, tuple) else (z, {})  # a zero section, or (zero section, top-level keys)
+            yield name, _cfg(zero_optimization=z, **top), ()
     for top in BF16_ROUTE:
         yield "bf16opt-muon-not-2d", _cfg(zero_optimization={"stage": "1"}, **top), ("--shapes", "16x8,4x2x3x3")
 

@@ -718,7 +718,8 @@ def ds_refusal_cases(full: bool = False) -> list[Case]:
     on a 3-D tensor and on 8 rows in 3 heads, refused at the first step; and ZeRO-3 with two Muon groups
     of different momentum (rising, and falling), refused at construction. Each passes only when a rank raises
     DeepSpeed's own ValueError in the function that must raise it; and the BF16_Optimizer route with a 4-D kernel
-    on Muon, refused at construction. 7 cases, CI and --full."""
+    on Muon, refused at construction; and ``compute_grad_norm: false`` with clipping, with offload and on the
+    BF16_Optimizer route, and ZeRO-2's reduce-scatter with ``prescale_gradients``. 11 cases, CI and --full."""
     return [_case(3, "none", "fp32", 2, extra_zero={"reduce_scatter": True}, suffix="-rs-refused"),
             _case(3, "none", "fp32", 2, extra_zero={"zero_quantized_gradients": True}, suffix="-qg-refused"),
             _case(1, "none", "fp32", 2, params=tuple(TINY_PARAMS) + (HEADS_3D_PARAM,), suffix="-heads3d-refused"),
@@ -734,7 +735,14 @@ def ds_refusal_cases(full: bool = False) -> list[Case]:
                 ParamGroup(("layer1.weight", "layer1.bias"), momentum=0.9))),
             # the BF16_Optimizer route with a 4-D kernel on Muon, refused at construction
             _with_config(_case(1, "none", "bf16", 2, params=tuple(TINY_PARAMS) + (CONV_MUON_PARAM,)),
-                         "-bf16opt-conv-refused", data_types={"grad_accum_dtype": "fp32"})]
+                         "-bf16opt-conv-refused", data_types={"grad_accum_dtype": "fp32"}),
+            _case(1, "none", "fp32", 2, clip=CLIP, extra_zero={"compute_grad_norm": False},
+                  suffix="-nonorm-clip-refused"),
+            _case(2, "cpu", "fp32", 2, extra_zero={"compute_grad_norm": False}, suffix="-nonorm-offload-refused"),
+            _with_config(_case(1, "none", "bf16", 2, extra_zero={"compute_grad_norm": False}),
+                         "-bf16opt-nonorm-refused", data_types={"grad_accum_dtype": "fp32"}),
+            _with_config(_case(2, "none", "fp32", 2, extra_zero={"reduce_scatter": True}), "-prescale-refused",
+                         prescale_gradients=True)]
 
 
 def equal_betas_cases(full: bool = False) -> list[Case]:

@@ -227,6 +227,16 @@ def _gad(row: dict) -> str:
     return dsconfig.canonical_dtype(resolved(row, "data_types.grad_accum_dtype")) or model_dtype(row)
 
 
+GAD = "data_types.grad_accum_dtype"
+# what the ZeRO-1/2 constructor's norm checks read (refusals ``no-norm-with-clipping``, ``-offload``)
+_NO_NORM_KEYS = (CGN, "gradient_clipping", ST, *DT, GAD, OFF)
+
+
+def _no_norm(row: dict) -> bool:
+    """``compute_grad_norm: false`` reaching the ZeRO-1/2 optimizer (the registry's ``_no_norm`` off a row)."""
+    return resolved(row, CGN) is False and resolved(row, ST) in (1, 2) and not _bf16_optimizer_route(row)
+
+
 def _bf16_optimizer_route(row: dict) -> bool:
     """The view's ``DSConfig.bf16_optimizer_route`` read off a row: bf16 ZeRO-1, fp32 accumulation, no CPU offload."""
     return (resolved(row, ST) == 1 and model_dtype(row) == "bf16" and _gad(row) == "fp32"
@@ -251,13 +261,12 @@ RULES = (
          "runtime/config.py:bfloat16 and fp16 modes cannot be simultaneously enabled"),
     Rule((CGN, ST), lambda r: not resolved(r, CGN) and resolved(r, ST) not in (1, 2), "deepspeed",
          "runtime/zero/config.py:compute_grad_norm=false is supported only with ZeRO Stage 1 or 2"),
-    Rule((CGN, "gradient_clipping"), lambda r: not resolved(r, CGN) and resolved(r, "gradient_clipping") > 0,
-         "deepspeed", "runtime/zero/stage_1_and_2.py:compute_grad_norm=false requires gradient_clipping=0"),
-    Rule((CGN, OFF), lambda r: not resolved(r, CGN) and resolved(r, OFF) != "none", "deepspeed",
-         "runtime/zero/stage_1_and_2.py:compute_grad_norm=false does not support optimizer offload"),
-    Rule((CGN, ST, *DT, "data_types.grad_accum_dtype", OFF),
-         lambda r: not resolved(r, CGN) and _bf16_optimizer_route(r), "deepspeed",
-         "runtime/engine.py:does not support ZeRO Stage 1 with BF16 parameters and FP32 gradient accumulation"),
+    Rule(_NO_NORM_KEYS, lambda r: _no_norm(r) and resolved(r, "gradient_clipping") > 0, "registry",
+         "no-norm-with-clipping"),
+    Rule(_NO_NORM_KEYS, lambda r: _no_norm(r) and resolved(r, "gradient_clipping") == 0 and resolved(r, OFF) != "none",
+         "registry", "no-norm-with-offload"),
+    Rule((CGN, ST, *DT, GAD, OFF), lambda r: resolved(r, CGN) is False and _bf16_optimizer_route(r), "registry",
+         "no-norm-on-bf16-optimizer"),
     Rule((ST, *DT, "data_types.grad_accum_dtype"), lambda r: resolved(r, ST) == 0 and _gad(r) != model_dtype(r),
          "deepspeed", "runtime/engine.py:unsupported mix of"),
     Rule((ST, *DT, "data_types.grad_accum_dtype", OFF, "shapes"),
@@ -266,10 +275,11 @@ RULES = (
     Rule((ST, "zero_optimization.reduce_scatter"),
          lambda r: resolved(r, ST) == 3 and resolved(r, "zero_optimization.reduce_scatter"), "registry",
          "z3-muon-reduce-scatter"),
-    Rule((ST, "zero_optimization.reduce_scatter", "prescale_gradients"),
+    Rule(("zero_optimization.reduce_scatter", "prescale_gradients") + _NO_NORM_KEYS,
          lambda r: resolved(r, ST) == 2 and resolved(r, "zero_optimization.reduce_scatter")
-         and resolved(r, "prescale_gradients"), "deepspeed",
-         "runtime/zero/stage_1_and_2.py:pre-scale gradients is not yet supported with"),
+         and resolved(r, "prescale_gradients")
+         and not (_no_norm(r) and (resolved(r, "gradient_clipping") > 0 or resolved(r, OFF) != "none")),
+         "registry", "z2-prescale-with-reduce-scatter"),
     Rule((ST, "zero_optimization.zero_quantized_gradients"),
          lambda r: resolved(r, ST) == 3 and resolved(r, "zero_optimization.zero_quantized_gradients"), "registry",
          "z3-muon-all2all"),
