@@ -52,7 +52,11 @@ def test_each_refusal_case_expects_exactly_one_refusal():
                    "z1-none-fp32-ws2-heads8by3-refused": ["per-head-indivisible"],
                    "z3-none-fp32-ws2-betas-refused": ["z3-muon-group-betas"],
                    "z3-none-fp32-ws2-betas-fall-refused": ["z3-muon-group-betas"],
-                   "z1-none-bf16-ws2-bf16opt-conv-refused": ["bf16opt-muon-not-2d"]}
+                   "z1-none-bf16-ws2-bf16opt-conv-refused": ["bf16opt-muon-not-2d"],
+                   "z1-none-fp32-ws2-clip0.05-nonorm-clip-refused": ["no-norm-with-clipping"],
+                   "z2-cpu-fp32-ws2-nonorm-offload-refused": ["no-norm-with-offload"],
+                   "z1-none-bf16-ws2-bf16opt-nonorm-refused": ["no-norm-on-bf16-optimizer"],
+                   "z2-none-fp32-ws2-prescale-refused": ["z2-prescale-with-reduce-scatter"]}
     others = [c.name for c in gate_cases() if refusals.expected(c) and not c.name.endswith("-refused")]
     assert others == [], f"gate cases DeepSpeed would refuse outside the refusals group: {others}"
 
@@ -80,7 +84,8 @@ def test_another_error_or_frame_is_not_the_refusal():
 
 
 def test_the_refusals_were_read_from_the_installed_source():
-    """Each fragment is DeepSpeed's own message, raised in the function the entry names."""
+    """Each fragment is DeepSpeed's own message, raised in the function the entry names (an
+    AssertionError by an ``assert`` there)."""
     import ast
 
     from harness.selfcheck.source_mutation import workspace
@@ -89,6 +94,7 @@ def test_the_refusals_were_read_from_the_installed_source():
         file, _, func = r.frame.partition(":")
         path = next(Path(workspace.installed_deepspeed()).rglob(file))
         tree = ast.parse(path.read_text())
-        raised = [ast.unparse(n.exc) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == func
-                  for n in ast.walk(f) if isinstance(n, ast.Raise) and n.exc is not None]
+        nodes = [n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == func for n in ast.walk(f)]
+        raised = [ast.unparse(n.exc) for n in nodes if isinstance(n, ast.Raise) and n.exc is not None]
+        raised += [f"AssertionError({ast.unparse(n.msg)})" for n in nodes if isinstance(n, ast.Assert) and n.msg]
         assert any(x.startswith(f"{r.etype}(") and r.fragment in x for x in raised), (r.name, raised)

@@ -208,7 +208,10 @@ def model_dtype(row: dict) -> str:
 class Rule:
     """Rows that cannot run: ``forbids(row)`` (a row holding at least ``keys``) is true for them. ``by``:
     "deepspeed" (``said_by`` is "file:fragment" of its source), "registry" (``said_by`` names the
-    ``harness.registry.refusals`` entry) or "harness" (``said_by`` names the module that cannot run it)."""
+    ``harness.registry.refusals`` entry) or "harness" (``said_by`` names the module that cannot run it).
+    A rule reads as few keys as its reason needs, so pairs it forbids are provably forbidden; where DeepSpeed
+    raises another refusal first (the norm checks before the reduce-scatter's), that row is forbidden by
+    that refusal's rule too. A "registry" rule agrees with its entry over its keys, the rest at defaults."""
 
     keys: tuple[str, ...]
     forbids: object
@@ -228,13 +231,6 @@ def _gad(row: dict) -> str:
 
 
 GAD = "data_types.grad_accum_dtype"
-# what the ZeRO-1/2 constructor's norm checks read (refusals ``no-norm-with-clipping``, ``-offload``)
-_NO_NORM_KEYS = (CGN, "gradient_clipping", ST, *DT, GAD, OFF)
-
-
-def _no_norm(row: dict) -> bool:
-    """``compute_grad_norm: false`` reaching the ZeRO-1/2 optimizer (the registry's ``_no_norm`` off a row)."""
-    return resolved(row, CGN) is False and resolved(row, ST) in (1, 2) and not _bf16_optimizer_route(row)
 
 
 def _bf16_optimizer_route(row: dict) -> bool:
@@ -261,10 +257,12 @@ RULES = (
          "runtime/config.py:bfloat16 and fp16 modes cannot be simultaneously enabled"),
     Rule((CGN, ST), lambda r: not resolved(r, CGN) and resolved(r, ST) not in (1, 2), "deepspeed",
          "runtime/zero/config.py:compute_grad_norm=false is supported only with ZeRO Stage 1 or 2"),
-    Rule(_NO_NORM_KEYS, lambda r: _no_norm(r) and resolved(r, "gradient_clipping") > 0, "registry",
-         "no-norm-with-clipping"),
-    Rule(_NO_NORM_KEYS, lambda r: _no_norm(r) and resolved(r, "gradient_clipping") == 0 and resolved(r, OFF) != "none",
-         "registry", "no-norm-with-offload"),
+    # the registry's no-norm-with-clipping and -offload, read with two keys each: at stage 0 and 3 (the view's
+    # default stage is 0) DeepSpeed's config refuses compute_grad_norm false first (the rule above)
+    Rule((CGN, "gradient_clipping"), lambda r: not resolved(r, CGN) and resolved(r, "gradient_clipping") > 0,
+         "deepspeed", "runtime/zero/stage_1_and_2.py:compute_grad_norm=false requires gradient_clipping=0"),
+    Rule((CGN, OFF), lambda r: not resolved(r, CGN) and resolved(r, OFF) != "none", "deepspeed",
+         "runtime/zero/stage_1_and_2.py:compute_grad_norm=false does not support optimizer offload"),
     Rule((CGN, ST, *DT, GAD, OFF), lambda r: resolved(r, CGN) is False and _bf16_optimizer_route(r), "registry",
          "no-norm-on-bf16-optimizer"),
     Rule((ST, *DT, "data_types.grad_accum_dtype"), lambda r: resolved(r, ST) == 0 and _gad(r) != model_dtype(r),
@@ -275,11 +273,9 @@ RULES = (
     Rule((ST, "zero_optimization.reduce_scatter"),
          lambda r: resolved(r, ST) == 3 and resolved(r, "zero_optimization.reduce_scatter"), "registry",
          "z3-muon-reduce-scatter"),
-    Rule(("zero_optimization.reduce_scatter", "prescale_gradients") + _NO_NORM_KEYS,
+    Rule((ST, "zero_optimization.reduce_scatter", "prescale_gradients"),
          lambda r: resolved(r, ST) == 2 and resolved(r, "zero_optimization.reduce_scatter")
-         and resolved(r, "prescale_gradients")
-         and not (_no_norm(r) and (resolved(r, "gradient_clipping") > 0 or resolved(r, OFF) != "none")),
-         "registry", "z2-prescale-with-reduce-scatter"),
+         and resolved(r, "prescale_gradients"), "registry", "z2-prescale-with-reduce-scatter"),
     Rule((ST, "zero_optimization.zero_quantized_gradients"),
          lambda r: resolved(r, ST) == 3 and resolved(r, "zero_optimization.zero_quantized_gradients"), "registry",
          "z3-muon-all2all"),
