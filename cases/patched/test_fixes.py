@@ -19,7 +19,7 @@ from harness.case.spec import Overflow, ParamShape
 from harness.launch.pool import CaseFailure
 from harness.case.scenarios import TINY_PARAMS, pipeline_case
 from harness.judge.verdict import judge, step_config
-from harness.catalog.matrix import local_overflow_cases
+from harness.catalog.matrix import _gad32, _with_config, local_overflow_cases
 import oracles
 
 pytestmark = pytest.mark.pipeline
@@ -27,30 +27,6 @@ pytestmark = pytest.mark.pipeline
 HEADS_PA = (ParamShape("attn.weight", (6, 5), num_heads=2), ParamShape("proj.weight", (3, 3)),
             ParamShape("attn.bias", (6,)))
 BIG_O = (ParamShape("w.weight", (4096, 1)), ParamShape("b.bias", (4,)))
-
-
-def _gad32(c):
-    cfg = c.config
-    cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    from harness.case.spec import canonical_json
-
-    return c.replace(name=c.name + "-gad32", ds_config=canonical_json(cfg))
-
-
-def _unmanaged(c):
-    cfg = c.config
-    cfg["managed_gradient_accumulation"] = False
-    from harness.case.spec import canonical_json
-
-    return c.replace(ds_config=canonical_json(cfg))
-
-
-def _comm32(c):
-    cfg = c.config
-    cfg["communication_data_type"] = "fp32"
-    from harness.case.spec import canonical_json
-
-    return c.replace(name=c.name + "-comm32", ds_config=canonical_json(cfg))
 
 
 # (bug id, case): the stock case shows the bug, the patched one passes
@@ -66,7 +42,7 @@ CASES = [
         name="z3-none-fp32-ws2-inmem-ckpt1", checkpoint_at=1)),
     ("DSM-008", pipeline_case(1, "none", "fp32", 2, steps=2, params=HEADS_PA,
                               extra_zero={"parameter_alignment": True}).replace(name="z1-none-fp32-ws2-heads-pa")),
-    ("DSM-009", _comm32(pipeline_case(3, "none", "fp16", 2, steps=3))),
+    ("DSM-009", _with_config(pipeline_case(3, "none", "fp16", 2, steps=3), "-comm32", communication_data_type="fp32")),
     ("DSM-010", pipeline_case(3, "nvme", "fp32", 1, steps=3).replace(name="z3-nvme-fp32-ws1-ckpt1", checkpoint_at=1)),
     ("DSM-025", next(c for c in local_overflow_cases() if c.name == "z3-none-bf16-ws2-ga2-ovfloc-adaminf")),
     # fp32 without ZeRO: one rank's gradient inf at step 2, the weights stepped into inf/NaN
@@ -74,7 +50,8 @@ CASES = [
                                                                      overflows=(Overflow(step=2, rank=1),))),
     # the same under unmanaged accumulation, where the capture reads at the optimizer's own step: the fix's skip
     # must leave what is set on the instance in place
-    ("DSM-027", _unmanaged(pipeline_case(0, "none", "fp32", 2, steps=3, grad_accum=2)).replace(
+    ("DSM-027", _with_config(pipeline_case(0, "none", "fp32", 2, steps=3, grad_accum=2), "",
+                              managed_gradient_accumulation=False).replace(
         name="z0-none-fp32-ws2-ga2-unmanaged-inf", overflows=(Overflow(step=2, rank=1),))),
     # ZeRO-2 offload, bf16 + fp32 accumulation: step 2 skipped for an inf in a Muon matrix on rank 1
     ("DSM-029", _gad32(pipeline_case(2, "cpu", "bf16", 2, steps=3)).replace(

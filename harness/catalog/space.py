@@ -230,9 +230,6 @@ def _gad(row: dict) -> str:
     return dsconfig.canonical_dtype(resolved(row, "data_types.grad_accum_dtype")) or model_dtype(row)
 
 
-GAD = "data_types.grad_accum_dtype"
-
-
 def _bf16_optimizer_route(row: dict) -> bool:
     """The view's ``DSConfig.bf16_optimizer_route`` read off a row: bf16 ZeRO-1, fp32 accumulation, no CPU offload."""
     return (resolved(row, ST) == 1 and model_dtype(row) == "bf16" and _gad(row) == "fp32"
@@ -263,8 +260,8 @@ RULES = (
          "deepspeed", "runtime/zero/stage_1_and_2.py:compute_grad_norm=false requires gradient_clipping=0"),
     Rule((CGN, OFF), lambda r: not resolved(r, CGN) and resolved(r, OFF) != "none", "deepspeed",
          "runtime/zero/stage_1_and_2.py:compute_grad_norm=false does not support optimizer offload"),
-    Rule((CGN, ST, *DT, GAD, OFF), lambda r: resolved(r, CGN) is False and _bf16_optimizer_route(r), "registry",
-         "no-norm-on-bf16-optimizer"),
+    Rule((CGN, ST, *DT, "data_types.grad_accum_dtype", OFF),
+         lambda r: resolved(r, CGN) is False and _bf16_optimizer_route(r), "registry", "no-norm-on-bf16-optimizer"),
     Rule((ST, *DT, "data_types.grad_accum_dtype"), lambda r: resolved(r, ST) == 0 and _gad(r) != model_dtype(r),
          "deepspeed", "runtime/engine.py:unsupported mix of"),
     Rule((ST, *DT, "data_types.grad_accum_dtype", OFF, "shapes"),

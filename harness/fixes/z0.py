@@ -49,7 +49,7 @@ world, so model-parallel ranks agree too); if so it marks the optimizer ``overfl
 ``_take_model_step`` run with the inner step made a no-op (a flag its patched ``MuonWithAuxAdam.step`` reads,
 so wrappers set on the instance still run): the gradients are zeroed, ``skipped_steps`` counts
 the step and the lr scheduler does not advance, as on an fp16 overflow. ZeRO-1/2 with ``compute_grad_norm:
-false`` keep stock behaviour (their Muon pass commits momentum before any test could run).
+false`` are ``z12-fp32-skip-nonfinite``'s (``scaler``).
 
 ``z0-per-head`` (DSM-020). Without ZeRO, ``MuonWithAuxAdam.step`` orthogonalises each 2-D weight itself
 and calls ``muon_update`` without ``num_heads``, so a parameter tagged per-head (``muon_num_heads``, the

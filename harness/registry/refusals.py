@@ -54,14 +54,10 @@ def _muon(cfg: dict) -> bool:
     return dsconfig.resolve(cfg).optimizer.kind == "muon"
 
 
-def _view(cfg: dict) -> dsconfig.DSConfig:
-    return dsconfig.resolve(cfg)
-
-
 def _no_norm(cfg: dict) -> bool:
     """``compute_grad_norm: false`` at ZeRO-1/2 on the ZeRO optimizer (the BF16_Optimizer route refuses it
     earlier, in the engine), the constructor's first checks then in their order: clipping, then offload."""
-    ds = _view(cfg)
+    ds = dsconfig.resolve(cfg)
     return ds.zero.compute_grad_norm is False and ds.zero.stage in (1, 2) and not ds.bf16_optimizer_route
 
 
@@ -141,17 +137,18 @@ REFUSALS: tuple[DsRefusal, ...] = (
     # 1.0, not off), then offload; the BF16_Optimizer route refuses it in the engine, before any constructor.
     DsRefusal("no-norm-with-clipping", "ValueError", "compute_grad_norm=false requires gradient_clipping=0",
               "stage_1_and_2.py:__init__", "runtime/zero/stage_1_and_2.py:212-213 (0.19.8)",
-              lambda c, cfg: _muon(cfg) and _no_norm(cfg) and _view(cfg).gradient_clipping > 0,
+              lambda c, cfg: _muon(cfg) and _no_norm(cfg) and dsconfig.resolve(cfg).gradient_clipping > 0,
               'set "gradient_clipping": 0 (DeepSpeed\'s default is 1.0), or drop "compute_grad_norm": false'),
     DsRefusal("no-norm-with-offload", "ValueError", "compute_grad_norm=false does not support optimizer offload",
               "stage_1_and_2.py:__init__", "runtime/zero/stage_1_and_2.py:216-218 (0.19.8)",
-              lambda c, cfg: _muon(cfg) and _no_norm(cfg) and _view(cfg).gradient_clipping == 0
+              lambda c, cfg: _muon(cfg) and _no_norm(cfg) and dsconfig.resolve(cfg).gradient_clipping == 0
               and _zero(cfg).offload_optimizer.device != "none",
               'drop "offload_optimizer", or "compute_grad_norm": false'),
     DsRefusal("no-norm-on-bf16-optimizer", "ValueError",
               "compute_grad_norm=false does not support ZeRO Stage 1 with BF16 parameters and FP32 gradient",
               "engine.py:_do_optimizer_sanity_check", "runtime/engine.py:2306-2309 (0.19.8)",
-              lambda c, cfg: _muon(cfg) and _view(cfg).bf16_optimizer_route and _zero(cfg).compute_grad_norm is False,
+              lambda c, cfg: _muon(cfg) and dsconfig.resolve(cfg).bf16_optimizer_route
+              and _zero(cfg).compute_grad_norm is False,
               'drop "compute_grad_norm": false, or "data_types": {"grad_accum_dtype": "bf16"}'),
     # ZeRO-2 with its reduce-scatter (the default) averages after the reduction and asserts that nothing
     # divided before it; the constructor's norm checks above come first.
@@ -159,8 +156,8 @@ REFUSALS: tuple[DsRefusal, ...] = (
               "pre-scale gradients is not yet supported with", "stage_1_and_2.py:__init__",
               "runtime/zero/stage_1_and_2.py:346-351 (0.19.8)",
               lambda c, cfg: _muon(cfg) and _zero(cfg).stage == 2 and _zero(cfg).reduce_scatter
-              and _view(cfg).prescale_gradients
-              and not (_no_norm(cfg) and (_view(cfg).gradient_clipping > 0
+              and dsconfig.resolve(cfg).prescale_gradients
+              and not (_no_norm(cfg) and (dsconfig.resolve(cfg).gradient_clipping > 0
                                           or _zero(cfg).offload_optimizer.device != "none")),
               'set "prescale_gradients": false (ZeRO-2 divides after its reduce-scatter), or '
               '"zero_optimization": {"reduce_scatter": false}'),
